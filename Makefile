@@ -1,0 +1,32 @@
+# FleetBroker: `make demo` and `make test` are the two commands (README).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test lint bench demo clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml infra/bootstrap.sh
+	bash infra/bootstrap.sh
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[all,test]'
+	touch $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check broker policies providers tests examples
+
+test: setup lint
+	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/bench
+
+bench: setup
+	$(PY) -m tests.bench
+
+demo: setup
+	$(VENV)/bin/fleet demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info

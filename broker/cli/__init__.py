@@ -1,0 +1,11 @@
+"""The ``fleet`` command line (typer + rich). Each subcommand module registers on ``app``."""
+
+from broker.cli.app import app
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+__all__ = ["app", "main"]

@@ -1,0 +1,113 @@
+"""The one interface every capacity backend implements: local, simulated, AWS, GCP, Azure, SkyPilot.
+
+Modelled on SkyPilot's ``sky/clouds``: one class per backend behind one small surface.
+Launches are idempotent by ``LaunchRequest.idempotency_key`` (job id + fence + attempt): a
+second call with the same key returns the node the first one made, never a second node.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.models import Accelerator, Market, Offer
+
+
+class ProviderError(Exception):
+    """Base of the errors a provider maps its backend's failures to."""
+
+
+class CapacityError(ProviderError):
+    """The backend has no capacity for the request now (stock-out, spot unavailable)."""
+
+
+class QuotaError(ProviderError):
+    """The request would exceed an account quota."""
+
+
+class NotConfiguredError(ProviderError):
+    """The backend has no credentials; the message names the cloud and how to configure it."""
+
+
+class NodeState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    PREEMPTING = "preempting"  # a notice was delivered; the node goes away after the grace period
+    TERMINATED = "terminated"
+
+
+class LaunchRequest(BaseModel):
+    """Ask for ``nodes`` x ``gpus_per_node`` accelerators in one region and market for one job."""
+
+    model_config = ConfigDict(frozen=True)
+
+    idempotency_key: str = Field(min_length=1, max_length=128)
+    job_id: str
+    region: str
+    zone: str | None = None
+    accelerator: Accelerator
+    gpus_per_node: int = Field(ge=1)
+    nodes: int = Field(default=1, ge=1)
+    market: Market = Market.ON_DEMAND
+    instance_type: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    command: Sequence[str] = ()
+
+
+class Node(BaseModel):
+    """A node (VM or local process group) the provider owns, as its inventory reports it."""
+
+    node_id: str
+    provider: str
+    region: str
+    zone: str | None = None
+    job_id: str | None = None
+    idempotency_key: str | None = None
+    accelerator: Accelerator
+    gpus: int
+    market: Market
+    state: NodeState
+    launched_at: datetime | None = None
+
+
+class PreemptionNotice(BaseModel):
+    """A backend's warning that a node will be reclaimed at ``deadline``."""
+
+    node_id: str
+    region: str
+    deadline: datetime
+    reason: str = "spot-reclaim"
+
+
+class Provider(abc.ABC):
+    """One capacity backend. Implementations must be safe to call again after any failure."""
+
+    name: str
+
+    @abc.abstractmethod
+    def offers(self) -> list[Offer]:
+        """Purchasable instance types with on-demand and spot prices."""
+
+    @abc.abstractmethod
+    def capacity(self) -> dict[str, int]:
+        """Free accelerators (or quota headroom) per pool id, as far as the backend knows."""
+
+    @abc.abstractmethod
+    def launch(self, request: LaunchRequest) -> list[Node]:
+        """Start the nodes for ``request``; idempotent by ``request.idempotency_key``."""
+
+    @abc.abstractmethod
+    def terminate(self, node_id: str) -> None:
+        """Stop a node; terminating an already gone node is not an error."""
+
+    @abc.abstractmethod
+    def nodes(self) -> list[Node]:
+        """Every node this broker owns in the backend (found by tag or label)."""
+
+    def notices(self) -> list[PreemptionNotice]:
+        """Pending preemption notices; backends without notices return none."""
+        return []
