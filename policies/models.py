@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class Accelerator(StrEnum):
@@ -108,3 +108,120 @@ class Pool(BaseModel):
     @property
     def capacity(self) -> int:
         return self.nodes * self.gpus_per_node
+
+
+class SpotPolicy(StrEnum):
+    NEVER = "never"
+    ALLOWED = "allowed"
+    PREFERRED = "preferred"
+
+
+class BatchMode(StrEnum):
+    FIXED = "fixed"  # global batch constant across resizes (gradient accumulation)
+    ELASTIC = "elastic"  # the allocator picks the global batch inside [min, max]
+
+
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-_.")
+
+
+def check_name(value: str, field: str = "name") -> str:
+    """A job/team name: 1-63 of ``a-z 0-9 - _ .``, starting with a letter or digit."""
+    if not 1 <= len(value) <= 63 or not set(value) <= _NAME_CHARS or not value[0].isalnum():
+        raise ValueError(
+            f"{field} {value!r} is invalid: use 1-63 lowercase letters, digits, '-', '_' or '.', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+class GpuRange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    min: int = Field(default=1, ge=1, le=4096)
+    max: int = Field(default=1, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> GpuRange:
+        if self.min > self.max:
+            raise ValueError(f"gpus.min ({self.min}) must not exceed gpus.max ({self.max})")
+        return self
+
+
+class BatchRange(BaseModel):
+    """Global batch sizes the job accepts; ``per_gpu_max`` is the largest batch one GPU holds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min: int = Field(ge=1, le=1_000_000)
+    max: int = Field(ge=1, le=1_000_000)
+    default: int | None = Field(default=None, ge=1, le=1_000_000)
+    per_gpu_max: int | None = Field(default=None, ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BatchRange:
+        if self.min > self.max:
+            raise ValueError(
+                f"batch_size.min ({self.min}) must not exceed batch_size.max ({self.max})"
+            )
+        if self.default is not None and not self.min <= self.default <= self.max:
+            raise ValueError(
+                f"batch_size.default ({self.default}) must lie in [{self.min}, {self.max}]"
+            )
+        return self
+
+    @property
+    def initial(self) -> int:
+        return self.default if self.default is not None else self.min
+
+
+class Regions(BaseModel):
+    """``cloud:region`` glob patterns (``aws:us-*``, ``gcp:*``, ``local:*``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allow: list[str] = Field(default_factory=lambda: ["*"])
+    deny: list[str] = Field(default_factory=list)
+
+
+class CheckpointSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str | None = None
+    interval: str = Field(default="100s", description="'<n>s' seconds or '<n>steps'")
+
+
+class JobSpec(BaseModel):
+    """What a user submits: the project's own job YAML (SkyPilot task YAML is translated to it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    run: str = Field(min_length=1, max_length=65_536)
+    setup: str | None = None
+    envs: dict[str, str] = Field(default_factory=dict)
+    accelerators: list[Accelerator] = Field(default_factory=lambda: [Accelerator.T4], min_length=1)
+    gpus: GpuRange = Field(default_factory=GpuRange)
+    batch_size: BatchRange
+    batch_mode: BatchMode = BatchMode.ELASTIC
+    work_samples: int = Field(ge=1, le=10**15, description="samples to process until done")
+    spot: SpotPolicy = SpotPolicy.ALLOWED
+    regions: Regions = Field(default_factory=Regions)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    priority: int = Field(default=0, ge=-100, le=100)
+    team: str = "default"
+    deadline_s: float | None = Field(default=None, gt=0, description="seconds after submission")
+    model: str | None = Field(default=None, description="throughput-table model name, if known")
+
+    @field_validator("name", "team")
+    @classmethod
+    def _names(cls, v: str, info: ValidationInfo) -> str:
+        return check_name(v, info.field_name or "name")
+
+    @field_validator("accelerators", mode="before")
+    @classmethod
+    def _accelerators(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = [v]
+        if isinstance(v, list):
+            return [Accelerator.parse(a) if isinstance(a, str) else a for a in v]
+        return v
