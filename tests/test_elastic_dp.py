@@ -120,21 +120,49 @@ def test_deterministic_tie_breaking_prefers_earlier_jobs_and_fewer_gpus() -> Non
 
 
 @pytest.mark.parametrize(
-    ("jobs", "capacity", "message"),
+    ("make", "message"),
     [
-        ([JobChoices("a", [Choice(-1, 8, 1.0)])], 4, "gpus must be >= 1"),
-        ([JobChoices("a", [Choice(1, 8, float("nan"))])], 4, "value must be a finite number"),
-        ([JobChoices("a", []), JobChoices("a", [])], 4, "duplicate job id 'a'"),
-        ([JobChoices("a", [Choice(1, 0, 1.0)])], 4, "batch_size must be >= 1"),
-        ([], -1, "capacity must be >= 0"),
-        ([], 2.5, "capacity must be an integer"),
+        (lambda: Choice(-1, 8, 1.0), "gpus must be >= 1"),
+        (lambda: Choice(1.5, 8, 1.0), "gpus must be an integer"),
+        (lambda: Choice(1, 8, float("nan")), "value must be a finite number"),
+        (lambda: Choice(1, 8, float("inf")), "value must be a finite number"),
+        (lambda: Choice(1, 0, 1.0), "batch_size must be >= 1"),
+        (lambda: JobChoices("a", [(1, 8, 1.0)]), "job 'a': choices must be Choice objects"),
+        (lambda: allocate([JobChoices("a", []), JobChoices("a", [])], 4), "duplicate job id 'a'"),
+        (lambda: allocate([], -1), "capacity must be >= 0"),
+        (lambda: allocate([], 2.5), "capacity must be an integer"),
     ],
 )
-def test_invalid_input_is_rejected_with_a_clear_message(jobs, capacity, message) -> None:
+def test_invalid_input_is_rejected_with_a_clear_message(make, message) -> None:
     with pytest.raises(ValueError, match=message):
-        allocate(jobs, capacity)
+        make()
 
 
 def test_zero_capacity_and_empty_inputs() -> None:
     assert allocate([], 8) == {}
     assert allocate([JobChoices("a", [Choice(1, 8, 1.0)])], 0) == {"a": None}
+
+
+def test_compiled_kernel_and_numpy_path_fill_identical_tables() -> None:
+    import numpy as np
+
+    from policies import elastic_dp
+
+    if elastic_dp._maxplus is None:
+        pytest.skip("the C kernel is not built in this checkout")
+    rng = random.Random(3)
+    for _ in range(50):
+        jobs = random_instance(rng, rng.randint(1, 30), 0)
+        capacity = rng.randint(1, 100)
+        options = [(f, j.required) for j in jobs if (f := elastic_dp._frontier(j, capacity))]
+        if not options:
+            continue
+        rows_c = np.zeros((len(options) + 1, capacity + 1))
+        rows_np = rows_c.copy()
+        flat = [c for choices, _ in options for c in choices]
+        offsets = np.cumsum([0] + [len(c) for c, _ in options]).astype(np.int64)
+        elastic_dp._maxplus.forward(
+            rows_c, capacity + 1, offsets, np.array([c.gpus for c in flat], dtype=np.int64),
+            np.array([c.value for c in flat]), bytes(r for _, r in options))
+        elastic_dp._forward_numpy(options, rows_np)
+        assert np.array_equal(rows_c, rows_np)
