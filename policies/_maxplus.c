@@ -26,8 +26,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         Py_ssize_t reach = 0;
         for (Py_ssize_t r = 1; r <= jobs; r++) {
-            const double *prev = rows + (r - 1) * width;
-            double *cur = rows + r * width;
+            const double *restrict prev = rows + (r - 1) * width;
+            double *restrict cur = rows + r * width;
             int64_t first = offsets[r - 1], last = offsets[r];
             reach += gpus[last - 1];
             if (reach > width - 1) reach = width - 1;
@@ -57,8 +57,60 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Walk the filled table back from `start` GPUs; picks[r] = flat index of job r's choice or -1.
+ * A job is left out where that keeps the value (later jobs yield on ties); else its first
+ * choice (fewest GPUs) whose sum reproduces the table entry bit for bit. */
+static PyObject *backtrack(PyObject *self, PyObject *args) {
+    Py_buffer rows_buf, offsets_buf, gpus_buf, values_buf, required_buf, picks_buf;
+    Py_ssize_t width, start;
+    if (!PyArg_ParseTuple(args, "y*nny*y*y*y*w*", &rows_buf, &width, &start, &offsets_buf,
+                          &gpus_buf, &values_buf, &required_buf, &picks_buf))
+        return NULL;
+    Py_ssize_t jobs = required_buf.len;
+    int ok = width > 0 && start >= 0 && start < width &&
+             rows_buf.len == (Py_ssize_t)sizeof(double) * width * (jobs + 1) &&
+             offsets_buf.len == (Py_ssize_t)sizeof(int64_t) * (jobs + 1) &&
+             picks_buf.len == (Py_ssize_t)sizeof(int64_t) * jobs;
+    int found = 1;
+    if (ok) {
+        const double *rows = rows_buf.buf, *values = values_buf.buf;
+        const int64_t *offsets = offsets_buf.buf, *gpus = gpus_buf.buf;
+        const uint8_t *required = required_buf.buf;
+        int64_t *picks = picks_buf.buf;
+        Py_ssize_t k = start;
+        for (Py_ssize_t r = jobs; r >= 1 && found; r--) {
+            const double *prev = rows + (r - 1) * width;
+            double target = rows[r * width + k];
+            picks[r - 1] = -1;
+            if (!required[r - 1] && prev[k] == target) continue;
+            found = 0;
+            for (int64_t c = offsets[r - 1]; c < offsets[r]; c++) {
+                if (gpus[c] <= k && prev[k - gpus[c]] + values[c] == target) {
+                    picks[r - 1] = c;
+                    k -= gpus[c];
+                    found = 1;
+                    break;
+                }
+            }
+        }
+    }
+    PyBuffer_Release(&rows_buf);
+    PyBuffer_Release(&offsets_buf);
+    PyBuffer_Release(&gpus_buf);
+    PyBuffer_Release(&values_buf);
+    PyBuffer_Release(&required_buf);
+    PyBuffer_Release(&picks_buf);
+    if (!ok || !found) {
+        PyErr_SetString(PyExc_ValueError, ok ? "backtrack: table has no witness"
+                                             : "backtrack: buffer sizes do not match");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"forward", forward, METH_VARARGS, "Fill rows 1..jobs of the max-plus table in place."},
+    {"backtrack", backtrack, METH_VARARGS, "Recover each job's choice from a filled table."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -191,18 +191,25 @@ def _dynamic_programme(
     """Max-plus programme over ``options`` = (choices by increasing GPUs, must be placed)."""
     rows = np.empty((len(options) + 1, capacity + 1))
     rows[0] = 0.0
-    if _maxplus is not None:
-        sizes = [len(choices) for choices, _ in options]
-        offsets = np.zeros(len(options) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        flat = [c for choices, _ in options for c in choices]
-        gpus = np.fromiter((c.gpus for c in flat), dtype=np.int64, count=len(flat))
-        values = np.fromiter((c.value for c in flat), dtype=np.float64, count=len(flat))
-        required = bytes(bool(req) for _, req in options)
-        _maxplus.forward(rows, capacity + 1, offsets, gpus, values, required)
-    else:
+    if _maxplus is None:
         _forward_numpy(options, rows)
-    return _backtrack(options, ids, rows, capacity)
+        return _backtrack(options, ids, rows, _fewest_optimal_gpus(rows))
+    flat = [c for choices, _ in options for c in choices]
+    offsets = np.zeros(len(options) + 1, dtype=np.int64)
+    np.cumsum([len(choices) for choices, _ in options], out=offsets[1:])
+    gpus = np.array([c.gpus for c in flat], dtype=np.int64)
+    values = np.array([c.value for c in flat], dtype=np.float64)
+    required = bytes(bool(req) for _, req in options)
+    picks = np.empty(len(options), dtype=np.int64)
+    _maxplus.forward(rows, capacity + 1, offsets, gpus, values, required)
+    _maxplus.backtrack(rows, capacity + 1, _fewest_optimal_gpus(rows), offsets, gpus, values,
+                       required, picks)
+    return {ids[r]: flat[p] for r, p in enumerate(picks.tolist()) if p >= 0}
+
+
+def _fewest_optimal_gpus(rows: np.ndarray) -> int:
+    final = rows[-1]
+    return int(np.flatnonzero(final == final[-1])[0])
 
 
 def _forward_numpy(options: Sequence[tuple[list[Choice], bool]], rows: np.ndarray) -> None:
@@ -228,17 +235,9 @@ def _forward_numpy(options: Sequence[tuple[list[Choice], bool]], rows: np.ndarra
 
 
 def _backtrack(
-    options: Sequence[tuple[list[Choice], bool]],
-    ids: Sequence[int],
-    rows: np.ndarray,
-    capacity: int,
+    options: Sequence[tuple[list[Choice], bool]], ids: Sequence[int], rows: np.ndarray, k: int
 ) -> dict[int, Choice]:
-    final = rows[-1]
-    best = final[capacity]
-    if best == -np.inf:  # pragma: no cover - required jobs are checked before the programme
-        raise AssertionError("required jobs do not fit")
-    # Fewest GPUs among the optimal totals.
-    k = int(np.flatnonzero(final == best)[0])
+    """The C kernel's backtrack: later jobs yield on ties, then fewest GPUs (same rule)."""
     picks: dict[int, Choice] = {}
     for r in range(len(options), 0, -1):
         choices, required = options[r - 1]
