@@ -1,0 +1,140 @@
+"""The elastic DP allocator: exact against HiGHS, feasible, deterministic, and strict on input."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
+from policies.elastic_milp import allocate_milp
+
+
+def total(alloc: dict[str, Choice | None]) -> float:
+    return sum(c.value for c in alloc.values() if c is not None)
+
+
+def used(alloc: dict[str, Choice | None]) -> int:
+    return sum(c.gpus for c in alloc.values() if c is not None)
+
+
+def random_instance(rng: random.Random, n_jobs: int, capacity: int,
+                    concave: bool = False) -> list[JobChoices]:
+    jobs = []
+    for j in range(n_jobs):
+        if concave:
+            m = rng.randint(1, 8)
+            gains = sorted((rng.uniform(0.01, 1.0) for _ in range(m)), reverse=True)
+            values = [sum(gains[: g + 1]) for g in range(m)]
+            choices = [Choice(g + 1, 32 * (g + 1), v) for g, v in enumerate(values)]
+        else:
+            counts = sorted(rng.sample([1, 2, 3, 4, 6, 8, 12, 16], rng.randint(1, 8)))
+            choices = []
+            for g in counts:
+                for b in (64, 128, 256):  # several batch sizes per GPU count: only the best counts
+                    choices.append(Choice(g, b, rng.uniform(-0.5, g ** rng.uniform(0.3, 1.0))))
+        jobs.append(JobChoices(f"job-{j}", choices, required=rng.random() < 0.1))
+    return jobs
+
+
+def check_against_milp(jobs: list[JobChoices], capacity: int) -> None:
+    try:
+        best, _ = allocate_milp(jobs, capacity)
+    except InfeasibleAllocation:
+        with pytest.raises(InfeasibleAllocation):
+            allocate(jobs, capacity)
+        return
+    alloc = allocate(jobs, capacity)
+    assert used(alloc) <= capacity
+    assert math.isclose(total(alloc), best, rel_tol=1e-9, abs_tol=1e-9)
+    for job in jobs:
+        chosen = alloc[job.job_id]
+        assert chosen is None or chosen in job.choices
+        if job.required:
+            assert chosen is not None
+
+
+def test_exact_on_hundreds_of_random_instances_against_highs() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        n_jobs = rng.randint(1, 25)
+        capacity = rng.randint(0, 64)
+        check_against_milp(random_instance(rng, n_jobs, capacity), capacity)
+
+
+def test_concave_fast_path_is_exact_against_highs() -> None:
+    rng = random.Random(11)
+    for _ in range(100):
+        jobs = [JobChoices(j.job_id, j.choices) for j in
+                random_instance(rng, rng.randint(1, 30), 0, concave=True)]
+        capacity = rng.randint(1, 80)
+        check_against_milp(jobs, capacity)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.tuples(st.integers(1, 12), st.floats(-5, 50, allow_nan=False)),
+                     min_size=0, max_size=6),
+            st.booleans(),
+        ),
+        max_size=12,
+    ),
+    st.integers(0, 40),
+)
+def test_property_feasible_and_optimal(spec: list, capacity: int) -> None:
+    jobs = [JobChoices(f"j{i}", [Choice(g, 16, v) for g, v in cs], required=req and bool(cs))
+            for i, (cs, req) in enumerate(spec)]
+    check_against_milp(jobs, capacity)
+
+
+def test_batch_dimension_folds_to_the_best_batch_per_gpu_count() -> None:
+    job = JobChoices("a", [Choice(2, 64, 1.5), Choice(2, 256, 1.9), Choice(2, 128, 1.7)])
+    assert allocate([job], 2)["a"] == Choice(2, 256, 1.9)
+
+
+def test_required_job_always_placed_even_at_a_loss() -> None:
+    jobs = [JobChoices("big", [Choice(4, 64, 10.0)]),
+            JobChoices("must", [Choice(1, 32, 0.1)], required=True)]
+    alloc = allocate(jobs, 4)
+    assert alloc["must"] == Choice(1, 32, 0.1)
+    assert alloc["big"] is None
+
+
+def test_infeasible_required_jobs_are_named() -> None:
+    jobs = [JobChoices("a", [Choice(3, 8, 1.0)], required=True),
+            JobChoices("b", [Choice(2, 8, 1.0)], required=True)]
+    with pytest.raises(InfeasibleAllocation, match=r"required jobs \[a, b\] need at least 5"):
+        allocate(jobs, 4)
+
+
+def test_deterministic_tie_breaking_prefers_earlier_jobs_and_fewer_gpus() -> None:
+    jobs = [JobChoices(f"j{i}", [Choice(1, 8, 1.0), Choice(2, 8, 1.0)]) for i in range(4)]
+    alloc = allocate(jobs, 2)
+    assert alloc == {"j0": Choice(1, 8, 1.0), "j1": Choice(1, 8, 1.0), "j2": None, "j3": None}
+    assert allocate(list(jobs), 2) == alloc
+
+
+@pytest.mark.parametrize(
+    ("jobs", "capacity", "message"),
+    [
+        ([JobChoices("a", [Choice(-1, 8, 1.0)])], 4, "gpus must be >= 1"),
+        ([JobChoices("a", [Choice(1, 8, float("nan"))])], 4, "value must be a finite number"),
+        ([JobChoices("a", []), JobChoices("a", [])], 4, "duplicate job id 'a'"),
+        ([JobChoices("a", [Choice(1, 0, 1.0)])], 4, "batch_size must be >= 1"),
+        ([], -1, "capacity must be >= 0"),
+        ([], 2.5, "capacity must be an integer"),
+    ],
+)
+def test_invalid_input_is_rejected_with_a_clear_message(jobs, capacity, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        allocate(jobs, capacity)
+
+
+def test_zero_capacity_and_empty_inputs() -> None:
+    assert allocate([], 8) == {}
+    assert allocate([JobChoices("a", [Choice(1, 8, 1.0)])], 0) == {"a": None}
