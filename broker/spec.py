@@ -889,5 +889,4 @@ def apply_overrides(spec: JobSpec, *, gpus: str | None = None,
         policy = _parse_spot(p, "--spot", spot)
         if policy is not None:
             data["spot"] = policy.value
-    p.raise_if_any()
     return _validate(p, data)

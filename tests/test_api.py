@@ -10,15 +10,12 @@ import httpx
 import pytest
 
 from broker.api import build_app
-from broker.auth import ApiConfig, hash_token
 from broker.models import JobState
 from broker.store import Plan, Store
 from policies.models import Accelerator, Market, Pool
-from tests.api_server import ApiServer
+from tests.api_server import TOKENS, ApiServer, api_config, api_stack
 from tests.redis_server import RedisServer
 
-TOKENS = {"admin": "admin-token-0123456789", "ml": "ml-team-token-0123456789",
-          "vision": "vision-token-0123456789", "agent": "agent-token-0123456789"}
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "jobs"
 
 SPEC = """
@@ -36,25 +33,11 @@ POOLS = [
 ]
 
 
-def api_config() -> ApiConfig:
-    return ApiConfig.from_mapping({"tokens": [
-        {"admin": True, "token": TOKENS["admin"]},
-        {"team": "ml", "token": TOKENS["ml"]},
-        {"team": "vision", "token_sha256": hash_token(TOKENS["vision"])},
-        {"agent": True, "token": TOKENS["agent"]},
-    ], "max_body_bytes": 64 * 1024})
-
-
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiServer, Store]]:
     """One redis-server and one API server for the module (each test starts from an empty db)."""
-    redis = RedisServer(tmp_path_factory.mktemp("redis"))
-    redis.start()
-    store = Store.from_url(redis.url)
-    srv = ApiServer(build_app(store, api_config())).start()
-    yield srv, store
-    srv.stop()
-    redis.stop()
+    with api_stack(tmp_path_factory.mktemp("api")) as stack:
+        yield stack
 
 
 @pytest.fixture
