@@ -1,5 +1,6 @@
 """The ``fleet`` command line (typer + rich). Each subcommand module registers on ``app``."""
 
+from broker.cli import jobs as _jobs  # noqa: F401  registers launch/jobs/job/logs/cancel/...
 from broker.cli.app import app
 
 
