@@ -17,6 +17,7 @@ from rich.live import Live
 from rich.table import Table
 
 from broker.models import JobRecord, JobState
+from broker.scheduler import SchedulerConfig
 from broker.server import REPO, BrokerConfig, Stack
 from broker.store import Store
 from policies.models import BatchMode, BatchRange, GpuRange, JobSpec, Market, SpotPolicy
@@ -33,6 +34,8 @@ class DemoConfig:
     live: bool = True
     timeout_s: float = 280.0
     port: int = 0
+    # A job keeps its GPUs at least this long after a (re)start before it may be resized.
+    min_rescale_interval_s: float = 5.0
 
 
 @dataclass
@@ -47,6 +50,7 @@ class DemoSummary:
     on_demand_cost: float
     elapsed_s: float
     phases: list[str] = field(default_factory=list)
+    made_room: list[str] = field(default_factory=list)  # jobs resized/moved for the newcomer
 
     @property
     def savings(self) -> float:
@@ -92,7 +96,8 @@ def render(store: Store, title: str, events: list[str]) -> Group:
     return Group(table, lines)
 
 
-def summarize(store: Store, started: float, phases: list[str]) -> DemoSummary:
+def summarize(store: Store, started: float, phases: list[str],
+              made_room: list[str]) -> DemoSummary:
     jobs = store.list_jobs()
     placements = [p for j in jobs for p in store.placements(j.id)]
     gpu_hours = sum(p.gpu_hours for p in placements)
@@ -103,19 +108,22 @@ def summarize(store: Store, started: float, phases: list[str]) -> DemoSummary:
         rescales=sum(j.rescales for j in jobs), migrations=sum(j.migrations for j in jobs),
         preemptions=sum(j.preemptions for j in jobs), gpu_hours=gpu_hours,
         cost=sum(p.cost for p in placements), on_demand_cost=gpu_hours * od_price,
-        elapsed_s=time.time() - started, phases=phases)
+        elapsed_s=time.time() - started, phases=phases, made_room=made_room)
 
 
-def run_demo(config: DemoConfig, console: Console | None = None) -> DemoSummary:
-    """Run the scripted scenario on a fresh broker stack; returns the summary."""
+def run_demo(config: DemoConfig, console: Console | None = None,
+             on_done: Callable[[Store], None] | None = None) -> DemoSummary:
+    """Run the scripted scenario on a fresh broker stack; returns the summary. ``on_done``
+    sees the store before the stack stops."""
     console = console or Console()
     tmp = None
     state = config.state_dir
     if state is None:
         tmp = tempfile.TemporaryDirectory(prefix="fleet-demo-")
         state = Path(tmp.name)
-    stack = Stack(BrokerConfig(state_dir=state, fleet=config.fleet, tick_s=0.5,
-                               lease_ttl_s=5, heartbeat_interval_s=1.0),
+    sched = SchedulerConfig(min_rescale_interval_s=config.min_rescale_interval_s)
+    stack = Stack(BrokerConfig(state_dir=state, fleet=config.fleet, tick_s=0.5, lease_ttl_s=5,
+                               heartbeat_interval_s=1.0, scheduler=sched),
                   port=config.port).start()
     assert stack.broker is not None
     store = stack.broker.store
@@ -170,12 +178,15 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> DemoSummary:
             budget = config.timeout_s
             wait(lambda: running_with_progress([n for n, _, _ in first]), live, budget / 3)
             before = {j.name: j.gpus for j in jobs_of([n for n, _, _ in first])}
+            mark_id = store.last_event_id()
             store.submit(demo_spec("digits-d", config.steps, 2, BatchMode.ELASTIC), team="demo")
             title = "2. a new job arrives: running jobs shrink to make room"
             note(f"digits-d arrives; GPUs before: {before}")
             wait(lambda: running_with_progress(["digits-d"]), live, budget / 3)
             after = {j.name: j.gpus for j in store.list_jobs() if j.state is JobState.RUNNING}
-            note(f"GPUs after: {after}")
+            made_room = sorted({e.job_id for e in store.events(since=mark_id, limit=10_000)
+                                if e.type in ("resize", "migrate", "suspend") and e.job_id})
+            note(f"GPUs after: {after}; made room: {made_room}")
             title = f"3. spot region {config.reclaim_region} is reclaimed: jobs move"
             victims = [j.name for j in store.list_jobs() if j.state is JobState.RUNNING
                        and j.pool and j.pool.split(":")[1] == config.reclaim_region]
@@ -187,7 +198,9 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> DemoSummary:
             title = "done"
             if live is not None:
                 live.update(render(store, title, events))
-        return summarize(store, started, phases)
+        if on_done is not None:
+            on_done(store)
+        return summarize(store, started, phases, made_room)
     finally:
         stack.stop()
         if tmp is not None:
