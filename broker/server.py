@@ -156,10 +156,10 @@ class Broker:
                 leader = False
                 self._stop.wait(min(1.0, self.config.tick_s))
                 continue
-            pending = leader and bool(self.store.intents())
-            wait = 0.1 if pending else (self.config.tick_s if leader
-                                        else self.config.lease_ttl_s / 3)
-            self.store.wait_wake(wait)
+            if not leader:  # a standby polls the lease; it must not consume the leader's wakes
+                self._stop.wait(self.config.lease_ttl_s / 3)
+                continue
+            self.store.wait_wake(0.1 if self.store.intents() else self.config.tick_s)
 
     def start(self) -> Broker:
         self._thread = threading.Thread(target=self.run_forever, name="broker-loop", daemon=True)
