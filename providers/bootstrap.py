@@ -32,9 +32,10 @@ def token(key: str, length: int = 64) -> str:
 
 
 def label_value(value: str) -> str:
-    """GCP label values: at most 63 of ``a-z 0-9 _ -``; longer or odd values become a hash."""
-    clean = re.sub(r"[^a-z0-9_-]", "-", value.lower())
-    return clean if clean == value and len(clean) <= 63 else f"h-{token(value, 40)}"
+    """A GCP label value (<= 63 of ``a-z 0-9 _ -``): lower-cased; other values become a hash."""
+    lower = value.lower()
+    ok = len(lower) <= 63 and re.fullmatch(r"[a-z0-9_-]*", lower)
+    return lower if ok else f"h-{token(value, 40)}"
 
 
 def tags(request: LaunchRequest, broker_id: str) -> dict[str, str]:
