@@ -258,14 +258,19 @@ def _sum(a: str | None, b: str | None) -> float | None:
     return None if x is None or y is None else x + y
 
 
-def snapshot_gcp() -> list[CatalogOffer]:
-    hosts = list(csv.DictReader((GCP_DIR / "gcp_gpu_host_vm_prices.csv").open()))
-    gpus = list(csv.DictReader((GCP_DIR / "gcp_gpu_accelerator_prices.csv").open()))
+def rows_to_offers(rows: list[dict[str, str]], cloud: str) -> list[CatalogOffer]:
+    """``vms.csv``-shaped dict rows to offers (through the one parser, so the rules are shared)."""
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=list(VMS_COLUMNS), extrasaction="ignore")
     writer.writeheader()
-    writer.writerows(combine_gcp(hosts, gpus))
-    return read_vms_csv(out.getvalue(), "gcp", "gcp host+gpu")
+    writer.writerows(rows)
+    return read_vms_csv(out.getvalue(), cloud, f"{cloud} rows")
+
+
+def snapshot_gcp() -> list[CatalogOffer]:
+    hosts = list(csv.DictReader((GCP_DIR / "gcp_gpu_host_vm_prices.csv").open()))
+    gpus = list(csv.DictReader((GCP_DIR / "gcp_gpu_accelerator_prices.csv").open()))
+    return rows_to_offers(combine_gcp(hosts, gpus), "gcp")
 
 
 _SNAPSHOTS = {"aws": snapshot_aws, "gcp": snapshot_gcp, "azure": snapshot_azure}

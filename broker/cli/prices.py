@@ -7,7 +7,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from broker.cli.app import app, console, fail, print_json
+from broker.cli.app import app, console, err_console, fail, print_json
 from policies.models import Accelerator, Market
 from providers.catalog import CLOUDS, CatalogOffer, cheapest, load_offers
 
@@ -21,11 +21,16 @@ def _accelerator(name: str | None) -> Accelerator | None:
         fail(f"--accelerator: {exc}")
 
 
-def _offers(accelerator: Accelerator | None, cloud: str | None) -> list[CatalogOffer]:
+def _clouds(cloud: str | None) -> list[str]:
     if cloud is not None and cloud not in CLOUDS:
         fail(f"--cloud {cloud!r} is unknown; use one of: {', '.join(CLOUDS)}")
+    return [cloud] if cloud else list(CLOUDS)
+
+
+def _offers(accelerator: Accelerator | None, cloud: str | None) -> list[CatalogOffer]:
+    clouds = _clouds(cloud)
     try:
-        offers = load_offers([cloud] if cloud else CLOUDS)
+        offers = load_offers(clouds)
     except ValueError as exc:  # a broken user catalog file: name it, no traceback
         fail(f"catalog: {exc}")
     return [o for o in offers if accelerator is None or o.accelerator is accelerator]
@@ -72,9 +77,17 @@ def prices(
     accelerator: str | None = typer.Option(None, "--accelerator", "-a", help="e.g. A100, T4, H100"),
     cloud: str | None = typer.Option(None, "--cloud", "-c", help="aws, gcp or azure"),
     spot: bool = typer.Option(False, "--spot", help="only the spot market"),
+    refresh: bool = typer.Option(
+        False, "--refresh", help="first fetch prices from the clouds' APIs into your catalog files"
+    ),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
     """Cheapest on-demand and spot offer per accelerator, across clouds and regions (per GPU-h)."""
+    if refresh:
+        from providers.refresh import refresh_clouds
+
+        for name, outcome in refresh_clouds(_clouds(cloud)).items():
+            err_console.print(f"refresh {name}: {outcome}", highlight=False)
     pairs = cheapest_pairs(_offers(_accelerator(accelerator), cloud))
     if spot:
         pairs = [(a, None, s) for a, _, s in pairs if s is not None]
