@@ -160,16 +160,18 @@ class AwsProvider(Provider):
 
     def _vcpus_in_use(self, region: str) -> dict[tuple[str, Market], int]:
         used: dict[tuple[str, Market], int] = {}
-        for inst in self._instances(
-            region, [{"Name": "instance-state-name", "Values": LIVE_STATES}]
-        ):
+        known = {o.instance_type: o.vcpus or 0 for o in self._offers}
+        live = [{"Name": "instance-state-name", "Values": LIVE_STATES}]
+        for inst in self._instances(region, live):
             family = inst["InstanceType"][0]
             market = Market.SPOT if inst.get("InstanceLifecycle") == "spot" else Market.ON_DEMAND
+            if (family, market) not in QUOTA_CODE:
+                continue
             cpu = inst.get("CpuOptions")
             if cpu:
                 vcpus = cpu["CoreCount"] * cpu.get("ThreadsPerCore", 1)
-            else:  # some APIs (and moto) omit CpuOptions: the catalog knows the type's vCPUs
-                vcpus = int(self._offer_of(inst["InstanceType"]).vcpus or 0)
+            else:  # moto omits CpuOptions: the catalog knows the vCPUs of its types
+                vcpus = int(known.get(inst["InstanceType"], 0))
             used[(family, market)] = used.get((family, market), 0) + vcpus
         return used
 

@@ -139,6 +139,14 @@ def test_interruption_priors_follow_the_advisor_buckets() -> None:
     )
 
 
+def test_interruption_prior_of_an_offer(offers: list[CatalogOffer]) -> None:
+    priors = catalog.interruption_priors()
+    p3 = next(o for o in offers if o.instance_type == "p3.2xlarge" and o.region == "us-east-1")
+    gcp = next(o for o in offers if o.cloud == "gcp")
+    assert catalog.interruption_prior(p3, priors) == priors[("us-east-1", "p3.2xlarge")]
+    assert catalog.interruption_prior(gcp) == catalog.UNKNOWN_RATE
+
+
 prices = st.one_of(st.none(), st.floats(min_value=0, max_value=100, allow_nan=False))
 
 
