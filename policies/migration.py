@@ -9,6 +9,7 @@ The state is a plain pydantic object (JSON round-trip) so the broker can keep it
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
@@ -89,3 +90,39 @@ def location_keys(pool: Pool) -> list[str]:
     """The blocklist keys a pool falls under: its region, and its zone when it has one."""
     region = f"{pool.cloud}:{pool.region}"
     return [region, f"{region}/{pool.zone}"] if pool.zone else [region]
+
+
+class Recovery(StrEnum):
+    REPLACE = "replace-node"  # launch replacements in the same pool; survivors keep running
+    SHRINK = "shrink"  # go on with the survivors (elastic job); the allocator may grow it later
+    MIGRATE = "migrate"  # checkpoint and place the whole job again
+
+
+def recover_lost_nodes(
+    nodes: int,
+    lost: int,
+    *,
+    can_rejoin: bool,
+    elastic: bool,
+    min_nodes: int = 1,
+    replacement_available: bool,
+    location_blocked: bool,
+) -> Recovery:
+    """What to do when ``lost`` of a multi-node job's ``nodes`` are gone.
+
+    Losing one node need not restart the job: when the runtime lets a new node rejoin (torchrun
+    elastic rendezvous), replace it in the same pool; a location just marked preempted is a poor
+    place for replacements, so an elastic job shrinks onto its survivors instead; only when neither
+    works does the whole job move.
+    """
+    if not 0 < lost <= nodes:
+        raise ValueError(f"lost ({lost}) must be between 1 and nodes ({nodes})")
+    survivors = nodes - lost
+    if not can_rejoin or survivors == 0:
+        return Recovery.MIGRATE
+    can_shrink = elastic and survivors >= min_nodes
+    if replacement_available and not location_blocked:
+        return Recovery.REPLACE
+    if can_shrink:
+        return Recovery.SHRINK
+    return Recovery.REPLACE if replacement_available else Recovery.MIGRATE

@@ -7,11 +7,13 @@ from hypothesis import strategies as st
 
 from policies.migration import (
     Blocklist,
+    Recovery,
     choose_location,
     expire,
     location_keys,
     mark_launched,
     mark_preempted,
+    recover_lost_nodes,
     register,
 )
 from policies.models import Accelerator, Market, Pool
@@ -80,3 +82,39 @@ def test_at_least_two_active_after_any_preemptions(ev: list[tuple[str, float]]) 
         assert len(s.active(now)) >= 2
         chosen = choose_location(s, PRICES, now=now)
         assert chosen is not None and not s.is_blocked(chosen, now)
+
+
+def test_lost_node_is_replaced_without_restarting_the_job() -> None:
+    kw = {"can_rejoin": True, "elastic": False, "replacement_available": True}
+    assert recover_lost_nodes(4, 1, location_blocked=False, **kw) is Recovery.REPLACE
+    # The location was just reclaimed: an elastic job carries on with its survivors instead.
+    elastic = {**kw, "elastic": True}
+    assert (
+        recover_lost_nodes(4, 1, location_blocked=True, min_nodes=2, **elastic) is Recovery.SHRINK
+    )
+    assert (
+        recover_lost_nodes(4, 3, location_blocked=True, min_nodes=2, **elastic) is Recovery.REPLACE
+    )
+    no_room = {**kw, "replacement_available": False}
+    assert recover_lost_nodes(4, 1, location_blocked=False, **no_room) is Recovery.MIGRATE
+    rigid = {**kw, "can_rejoin": False}
+    assert recover_lost_nodes(4, 1, location_blocked=False, **rigid) is Recovery.MIGRATE
+    assert recover_lost_nodes(2, 2, location_blocked=False, **kw) is Recovery.MIGRATE
+
+
+@given(
+    st.integers(1, 16), st.integers(1, 16), st.booleans(), st.booleans(), st.booleans(),
+    st.booleans(), st.integers(1, 16),
+)  # fmt: skip
+def test_recovery_never_keeps_a_job_below_its_minimum(
+    nodes: int, lost: int, rejoin: bool, elastic: bool, room: bool, blocked: bool, min_nodes: int
+) -> None:
+    lost = min(lost, nodes)
+    got = recover_lost_nodes(nodes, lost, can_rejoin=rejoin, elastic=elastic, min_nodes=min_nodes,
+                             replacement_available=room, location_blocked=blocked)  # fmt: skip
+    if got is Recovery.SHRINK:
+        assert elastic and nodes - lost >= min_nodes
+    if got is Recovery.REPLACE:
+        assert rejoin and room and nodes > lost
+    if not rejoin:
+        assert got is Recovery.MIGRATE
