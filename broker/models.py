@@ -48,6 +48,7 @@ TERMINAL_STATES = frozenset(
 #   launching  -> suspended   actuator: provider had no capacity / launch failed (retry later)
 #   launching  -> suspending  cancel or preemption before the launch was confirmed
 #   launching  -> failed      launch failed more often than the retry budget
+#   launching  -> cancelled   cancelled before the launch was carried out
 #   running    -> suspending  resize, migrate, suspend, preemption notice or cancel
 #   running    -> completed   the command exited 0
 #   running    -> suspended   the node exited 75 (checkpointed) or was lost; placed again later
@@ -61,7 +62,8 @@ TERMINAL_STATES = frozenset(
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.LAUNCHING, JobState.CANCELLED, JobState.DROPPED}),
     JobState.LAUNCHING: frozenset(
-        {JobState.RUNNING, JobState.SUSPENDED, JobState.SUSPENDING, JobState.FAILED}
+        {JobState.RUNNING, JobState.SUSPENDED, JobState.SUSPENDING, JobState.FAILED,
+         JobState.CANCELLED}
     ),
     JobState.RUNNING: frozenset(
         {JobState.SUSPENDING, JobState.COMPLETED, JobState.SUSPENDED, JobState.FAILED}
@@ -114,6 +116,7 @@ class JobRecord(BaseModel):
     exit_code: int | None = None
     submitted_at: float = Field(default_factory=time.time)
     started_at: float | None = None  # first time it ran
+    launched_at: float | None = None  # when the current attempt started running
     updated_at: float = Field(default_factory=time.time)
     finished_at: float | None = None
 

@@ -1,0 +1,207 @@
+"""The broker process: an embedded ``redis-server`` (unless a URL is given), the leader loop
+(lease, operator commands, reconcile, schedule, actuate) and the HTTP API in one process.
+
+``build_broker(config)`` gives a ``Broker`` to embed (tests, ``fleet demo``); ``run_server``
+is ``fleet up``. Several broker processes may share one Redis: one holds the lease and acts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from pydantic import BaseModel, Field
+
+from broker.actuator import Actuator, ActuatorConfig
+from broker.reconciler import Reconciler
+from broker.scheduler import Scheduler, SchedulerConfig
+from broker.store import Plan, StaleFence, Store
+from providers.local import LocalFleet, LocalProvider
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_FLEET = REPO / "examples" / "fleets" / "local.yaml"
+REDIS_HINT = ("redis-server not found on PATH: install it (Debian/Ubuntu: apt-get install "
+              "redis-server; macOS: brew install redis) or pass --redis-url redis://HOST:PORT")
+
+
+class BrokerConfig(BaseModel):
+    state_dir: Path = Path(".state")
+    redis_url: str | None = None  # None: start an embedded redis-server under state_dir
+    fleet: Path = DEFAULT_FLEET
+    owner: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    tick_s: float = Field(default=1.0, gt=0)
+    lease_ttl_s: float = Field(default=5.0, gt=0)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    use_agent: bool = True
+    broker_url: str | None = None
+    agent_token: str | None = None
+
+
+class EmbeddedRedis:
+    """A redis-server child with AOF (everysec) and its data under ``data_dir``."""
+
+    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise RuntimeError(REDIS_HINT)
+        self.dir = data_dir
+        self.port = port or _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> EmbeddedRedis:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [str(self.binary), "--port", str(self.port), "--bind", "127.0.0.1",
+             "--dir", str(self.dir.resolve()), "--appendonly", "yes",
+             "--appendfsync", "everysec", "--save", "", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                if client.ping() and client.info("persistence").get("loading", 0) == 0:
+                    client.close()
+                    return self
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port} (data {self.dir})")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Broker:
+    """The leader loop over a store and a provider."""
+
+    def __init__(self, config: BrokerConfig, store: Store, provider: LocalProvider) -> None:
+        self.config = config
+        self.store = store
+        self.provider = provider
+        self.scheduler = Scheduler(store, config.scheduler)
+        self.actuator = Actuator(store, provider, ActuatorConfig(
+            checkpoint_root=config.state_dir / "checkpoints", broker_url=config.broker_url,
+            agent_token=config.agent_token, use_agent=config.use_agent,
+            max_failures=config.scheduler.max_failures))
+        self.reconciler = Reconciler(store, provider,
+                                     max_failures=config.scheduler.max_failures)
+        self.fence = 0
+        self.rounds = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def step(self) -> bool:
+        """One pass of the loop; returns whether this process is the leader."""
+        self.fence = self.store.acquire_lease(self.config.owner, self.config.lease_ttl_s)
+        if not self.fence:
+            return False
+        try:
+            for cmd in self.store.pop_commands():
+                self._command(cmd)
+            self.store.set_pools(self.provider.pools())
+            self.reconciler.run(self.fence)
+            self.scheduler.run_round(self.fence)
+            self.actuator.run(self.fence)
+            self.rounds += 1
+        except StaleFence:
+            log.warning("lost the leader lease (fence %s); standing by", self.fence)
+            self.fence = 0
+        return bool(self.fence)
+
+    def _command(self, cmd: dict[str, Any]) -> None:
+        if cmd.get("kind") == "preempt":
+            try:
+                n = self.provider.reclaim(str(cmd["region"]), float(cmd.get("duration_s", 60)))
+            except ValueError as exc:
+                log.warning("chaos preempt refused: %s", exc)
+                return
+            plan = Plan()
+            plan.event("region-reclaimed", None, {"region": cmd["region"], "nodes": n})
+            self.store.apply(plan, fence=self.fence)
+
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            try:
+                leader = self.step()
+            except redis.ConnectionError as exc:
+                log.warning("redis unavailable (%s); retrying", exc)
+                leader = False
+                self._stop.wait(min(1.0, self.config.tick_s))
+                continue
+            pending = leader and bool(self.store.intents())
+            wait = 0.1 if pending else (self.config.tick_s if leader
+                                        else self.config.lease_ttl_s / 3)
+            self.store.wait_wake(wait)
+
+    def start(self) -> Broker:
+        self._thread = threading.Thread(target=self.run_forever, name="broker-loop", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, *, release: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if release and self.fence:
+            self.store.release_lease(self.fence)
+
+
+def build_broker(config: BrokerConfig, *, redis_url: str | None = None) -> Broker:
+    """A broker over ``redis_url`` (or ``config.redis_url``) with the local fleet provider."""
+    url = redis_url or config.redis_url
+    if url is None:
+        raise ValueError("build_broker needs a redis URL; run_server starts an embedded one")
+    fleet = LocalFleet.load(config.fleet)
+    provider = LocalProvider(fleet, config.state_dir / "provider", workdir=REPO)
+    return Broker(config, Store.from_url(url), provider)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m broker.server --redis-url URL --state-dir DIR [--fleet F] [--no-agent]``:
+    the leader loop alone (tests kill and restart it)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m broker.server")
+    ap.add_argument("--redis-url", required=True)
+    ap.add_argument("--state-dir", type=Path, required=True)
+    ap.add_argument("--fleet", type=Path, default=DEFAULT_FLEET)
+    ap.add_argument("--tick", type=float, default=0.5)
+    ap.add_argument("--lease-ttl", type=float, default=3.0)
+    ap.add_argument("--owner", default=None)
+    ap.add_argument("--no-agent", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    config = BrokerConfig(state_dir=args.state_dir, redis_url=args.redis_url, fleet=args.fleet,
+                          tick_s=args.tick, lease_ttl_s=args.lease_ttl,
+                          use_agent=not args.no_agent,
+                          **({"owner": args.owner} if args.owner else {}))
+    build_broker(config).run_forever()
+
+
+if __name__ == "__main__":
+    main()
