@@ -237,8 +237,11 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
               summary="An agent's progress report; the reply tells it to go on or stop")
     def heartbeat(beat: Heartbeat,
                   who: Annotated[Principal, Depends(agent)]) -> HeartbeatReply:
+        report = beat.model_dump()
+        if not report["samples_per_sec"]:
+            report["samples_per_sec"] = None  # 0 = not measured yet, not a real throughput
         try:
-            action = store.record_heartbeat(**beat.model_dump())
+            action = store.record_heartbeat(**report)
         except JobNotFound:
             raise ApiError(404, f"no job {beat.job_id!r}") from None
         return HeartbeatReply(action=CHECKPOINT_EXIT if action == CHECKPOINT_EXIT else None)

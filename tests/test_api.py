@@ -247,6 +247,11 @@ def test_agent_heartbeat(server: ApiServer, store: Store) -> None:
         assert r.status_code == 200 and r.json() == {"action": None}
         got = store.get_job(job_id)
         assert got is not None and got.samples_done == 320 and got.checkpoint_step == 4
+        warmup = c.post("/v1/agent/heartbeat", json={**beat, "samples_per_sec": 0.0,
+                                                     "global_batch_size": None})
+        assert warmup.json() == {"action": None}
+        got = store.get_job(job_id)
+        assert got is not None and got.samples_per_sec == 250.5  # 0 is not a measurement
         assert c.post("/v1/agent/heartbeat", json={**beat, "attempt": 0}).json() == {
             "action": "checkpoint-exit"}  # a stale attempt must stop
         bad = c.post("/v1/agent/heartbeat", json={**beat, "samples_per_sec": -1,
