@@ -133,7 +133,7 @@ def test_capacity_and_chaos(store: Store, env: dict[str, str]) -> None:
     code, out, _ = fleet(env, "capacity", "--json")
     assert code == 0 and json.loads(out)["pools"][0]["capacity"] == 4
     code, out, _ = fleet(env, "capacity")
-    assert "local:east:spot:T4" in out and "0/4 GPUs in use" in out
+    assert "east" in out and "spot" in out and "0/4 GPUs in use" in out
     admin = {**env, "FLEET_TOKEN": TOKENS["admin"]}
     code, out, _ = fleet(admin, "chaos", "preempt", "east", "--duration", "5")
     assert code == 0 and "preempting east" in out

@@ -107,6 +107,8 @@ def list_jobs(
         return
     table = Table("ID", "TEAM", "STATE", "GPUS", "BATCH", "POOL", "PROGRESS", "RESCALES",
                   "MOVES", box=None, header_style="bold")
+    for column in (table.columns[0], table.columns[5]):
+        column.overflow = "fold"  # ids and pools are what users copy: never cut them
     for j in out["jobs"]:
         table.add_row(j["id"], j["team"], j["state"], str(j["gpus"] or "-"),
                       str(j["batch_size"] or "-"), _where(j), _progress(j), str(j["rescales"]),
@@ -196,10 +198,10 @@ def capacity(as_json: bool = JsonOpt, url: str | None = UrlOpt,
     if as_json:
         print_json(out)
         return
-    table = Table("POOL", "CLOUD", "REGION", "MARKET", "ACCEL", "GPUS", "USED", "FREE",
-                  "$/GPU-H", box=None, header_style="bold")
+    table = Table("CLOUD", "REGION", "MARKET", "ACCEL", "GPUS", "USED", "FREE", "$/GPU-H",
+                  box=None, header_style="bold")
     for p in out["pools"]:
-        table.add_row(p["id"], p["cloud"], p["region"], p["market"], p["accelerator"],
+        table.add_row(p["cloud"], p["region"], p["market"], p["accelerator"],
                       str(p["capacity"]), str(p["used"]), str(p["free"]),
                       f"{p['price_per_gpu_hour']:.3f}")
     console.print(table if out["pools"] else "no pools (is the broker's fleet configured?)")
