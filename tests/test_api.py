@@ -176,6 +176,9 @@ def test_request_limits_and_bad_parameters(server: ApiServer, store: Store) -> N
         chunked = c.post("/v1/jobs", content=iter([big.encode()]),
                          headers={"Content-Type": "application/yaml"})
         assert chunked.status_code == 413
+        for path in ("/v1/agent/heartbeat", "/v1/chaos/preempt"):  # checked before auth
+            huge = httpx.post(server.url + path, content=iter([b"{" + b" " * 70_000]))
+            assert huge.status_code == 413 and "limit" in huge.json()["error"]["message"]
         r = c.post("/v1/jobs", content=SPEC, headers={"Content-Type": "image/png"})
         assert r.status_code == 415
         r = c.post("/v1/jobs", content=SPEC, params={"gpus": "lots"},
