@@ -126,6 +126,16 @@ def test_logs_and_follow(store: Store, env: dict[str, str]) -> None:
     assert code == 0 and out.splitlines() == ["line 0", "line 1", "line 2"]
 
 
+def test_events(store: Store, env: dict[str, str]) -> None:
+    job_id = json.loads(fleet(env, "launch", str(EXAMPLE), "--json")[1])["id"]
+    fleet(env, "cancel", job_id)
+    code, out, _ = fleet(env, "events", "--job", job_id)
+    assert code == 0 and [line.split()[1] for line in out.splitlines()] == [
+        "submitted", "cancelled"]
+    code, out, _ = fleet(env, "events", "--json", "--limit", "1")  # pages through all
+    assert [json.loads(line)["type"] for line in out.splitlines()] == ["submitted", "cancelled"]
+
+
 def test_capacity_and_chaos(store: Store, env: dict[str, str]) -> None:
     store.set_pools([Pool(cloud="local", region="east", accelerator=Accelerator.T4,
                           market=Market.SPOT, nodes=2, gpus_per_node=2,

@@ -5,6 +5,7 @@ Exit codes: 0 ok, 2 bad input, 3 not found, 4 auth, 5 broker unreachable.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -207,6 +208,34 @@ def capacity(as_json: bool = JsonOpt, url: str | None = UrlOpt,
     console.print(table if out["pools"] else "no pools (is the broker's fleet configured?)")
     console.print(f"total {out['total']['used']}/{out['total']['capacity']} GPUs in use",
                   highlight=False)
+
+
+@app.command()
+def events(job_id: str | None = typer.Option(None, "--job", help="Only this job's events"),
+           follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new ones"),
+           limit: int = typer.Option(100, "--limit", min=1, max=10_000,
+                                     help="Most events per request"),
+           interval: float = typer.Option(1.0, "--interval", min=0.05, hidden=True),
+           as_json: bool = typer.Option(False, "--json", help="One JSON object per line"),
+           url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
+    """Print the event stream (submissions, launches, rescales, migrations, preemptions)."""
+    since = "0"
+    with _client(url, token) as client:
+        while True:
+            out = _call(client, "events", since=since, job_id=job_id, limit=limit)
+            for e in out["events"]:
+                if as_json:
+                    typer.echo(json.dumps(e))
+                    continue
+                stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
+                data = " ".join(f"{k}={v}" for k, v in e["data"].items())
+                typer.echo(f"{stamp} {e['type']:<18} {e['job_id'] or '-'} {data}".rstrip())
+            since = out["next"]
+            if len(out["events"]) == limit:
+                continue  # more are waiting
+            if not follow:
+                return
+            time.sleep(interval)
 
 
 @chaos_app.command("preempt")
