@@ -26,6 +26,7 @@ class ActuatorConfig(BaseModel):
     broker_url: str | None = None  # where agents post heartbeats
     agent_token: str | None = None
     use_agent: bool = True  # run the command under ``broker.runtime.agent``
+    heartbeat_interval_s: float = 5.0
     max_failures: int = 3
 
 
@@ -48,6 +49,7 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool,
         "FLEET_BATCH_MODE": spec.batch_mode.value,
         "FLEET_CHECKPOINT_URI": checkpoint,
         "FLEET_RUN": spec.run,
+        "FLEET_HEARTBEAT_INTERVAL": str(config.heartbeat_interval_s),
     }
     if config.broker_url:
         env["FLEET_BROKER_URL"] = config.broker_url

@@ -85,12 +85,13 @@ class Reconciler:
                     default=time.time())
         plan = Plan()
         fields: dict[str, object] = {"exit_code": codes[0] if codes else None, "fence": fence}
+        event = None
         if codes and all(c == EXIT_DONE for c in codes):
             state, reason = JobState.COMPLETED, "finished"
         elif job.cancel_requested:
             state, reason = JobState.CANCELLED, "cancelled by user"
         elif preempted and job.state is JobState.RUNNING:  # ended before we saw the notice
-            state, reason = JobState.SUSPENDED, "spot capacity reclaimed"
+            state, reason, event = JobState.SUSPENDED, "spot capacity reclaimed", "preempted"
             fields["preemptions"] = job.preemptions + 1
         elif (codes and all(c == EXIT_CHECKPOINTED for c in codes)) or \
                 job.state is JobState.SUSPENDING:
@@ -103,7 +104,7 @@ class Reconciler:
             fields["failures"] = failures
             state = JobState.FAILED if failures > self.max_failures else JobState.SUSPENDED
             reason = f"command exited {codes[0]} (failure {failures})"
-        plan.change(job, state, reason=reason, **fields)
+        plan.change(job, state, event=event, reason=reason, **fields)
         open_ = [p for p in self.store.placements(job.id) if p.end is None]
         if open_:
             plan.close_placement(open_[-1].model_copy(update={"end": ended}))

@@ -7,6 +7,7 @@ is ``fleet up``. Several broker processes may share one Redis: one holds the lea
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -45,6 +46,7 @@ class BrokerConfig(BaseModel):
     use_agent: bool = True
     broker_url: str | None = None
     agent_token: str | None = None
+    heartbeat_interval_s: float = Field(default=5.0, gt=0)
 
 
 class EmbeddedRedis:
@@ -107,6 +109,7 @@ class Broker:
         self.actuator = Actuator(store, provider, ActuatorConfig(
             checkpoint_root=config.state_dir / "checkpoints", broker_url=config.broker_url,
             agent_token=config.agent_token, use_agent=config.use_agent,
+            heartbeat_interval_s=config.heartbeat_interval_s,
             max_failures=config.scheduler.max_failures))
         self.reconciler = Reconciler(store, provider,
                                      max_failures=config.scheduler.max_failures)
@@ -179,6 +182,100 @@ def build_broker(config: BrokerConfig, *, redis_url: str | None = None) -> Broke
     fleet = LocalFleet.load(config.fleet)
     provider = LocalProvider(fleet, config.state_dir / "provider", workdir=REPO)
     return Broker(config, Store.from_url(url), provider)
+
+
+def drain(provider: LocalProvider) -> None:
+    """Ask every node to checkpoint and exit, and wait (killing after the grace period): a
+    later broker resumes those jobs from their checkpoints."""
+    from providers.base import NodeState
+
+    for node in provider.nodes():
+        provider.terminate(node.node_id)
+    deadline = time.monotonic() + provider.fleet.grace_period_s + 5
+    while time.monotonic() < deadline and any(
+            n.state is not NodeState.TERMINATED for n in provider.nodes()):
+        time.sleep(0.2)
+
+
+def _tokens(state_dir: Path) -> dict[str, str]:
+    """The admin and agent tokens: from FLEET_ADMIN_TOKEN / FLEET_AGENT_TOKEN, else made once
+    and kept (mode 0600) in the state dir so clients keep working across restarts."""
+    from broker.auth import new_token
+
+    path = state_dir / "tokens.json"
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    tokens = {"admin": os.environ.get("FLEET_ADMIN_TOKEN") or saved.get("admin") or new_token(),
+              "agent": os.environ.get("FLEET_AGENT_TOKEN") or saved.get("agent") or new_token()}
+    if tokens != saved:
+        path.touch(mode=0o600)
+        path.write_text(json.dumps(tokens))
+    return tokens
+
+
+class Stack:
+    """Everything ``fleet up`` runs: embedded redis-server (unless ``config.redis_url``), the
+    HTTP API (agents' heartbeats included) on ``host:port`` and the broker loop."""
+
+    def __init__(self, config: BrokerConfig, *, host: str = "127.0.0.1", port: int = 8470,
+                 api_config_path: Path | None = None) -> None:
+        self.config = config
+        self.host, self.port = host, port or _free_port()
+        self.api_config_path = api_config_path
+        self.redis: EmbeddedRedis | None = None
+        self.broker: Broker | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.tokens: dict[str, str] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> Stack:
+        import uvicorn
+
+        from broker.api import build_app
+        from broker.auth import ApiConfig, Role
+
+        state = self.config.state_dir
+        state.mkdir(parents=True, exist_ok=True)
+        url = self.config.redis_url
+        if url is None:
+            self.redis = EmbeddedRedis(state / "redis").start()
+            url = self.redis.url
+        self.tokens = _tokens(state)
+        api_config = (ApiConfig.load(self.api_config_path)
+                      .with_token(self.tokens["admin"], Role.ADMIN)
+                      .with_token(self.tokens["agent"], Role.AGENT))
+        config = self.config.model_copy(update={
+            "redis_url": url, "broker_url": self.url, "agent_token": self.tokens["agent"]})
+        self.broker = build_broker(config)
+        app = build_app(self.broker.store, api_config)
+        self._server = uvicorn.Server(uvicorn.Config(
+            app, host=self.host, port=self.port, log_level="warning", access_log=False,
+            lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, name="api", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 15
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                self.stop()
+                raise RuntimeError(f"the API could not listen on {self.url} (port in use? "
+                                   "pass --port)")
+            time.sleep(0.05)
+        self.broker.start()
+        return self
+
+    def stop(self) -> None:
+        if self.broker is not None:
+            self.broker.stop()
+            drain(self.broker.provider)
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+        if self.redis is not None:
+            self.redis.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -258,6 +258,11 @@ class Store:
         return [Event(id=eid, ts=float(f["ts"]), type=f["type"], job_id=f.get("job") or None,
                       data=json.loads(f.get("data") or "{}")) for eid, f in rows]
 
+    def last_event_id(self) -> str:
+        """The newest event's id ("0" when none): pass it as ``since`` to follow new events."""
+        rows = self.r.xrevrange(f"{self.p}events", count=1)
+        return rows[0][0] if rows else "0"
+
     def append_log(self, job_id: str, lines: Sequence[str]) -> None:
         if lines:
             self._append_log(args=[self.p, job_id, self.LOG_CAP, *lines])

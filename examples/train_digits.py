@@ -7,12 +7,14 @@ agent (``python -m broker.runtime.agent -- python examples/train_digits.py ...``
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
@@ -22,9 +24,12 @@ import broker.runtime as fleet
 
 def digits(split: str) -> TensorDataset:
     """A fixed 80/20 train/test split of the 1,797 8x8 digit images, scaled to [0, 1]."""
-    x, y = load_digits(return_X_y=True)
-    images = torch.tensor(x / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
-    labels = torch.tensor(y, dtype=torch.long)
+    # scikit-learn's bundled copy, read directly: importing sklearn.datasets costs every worker
+    # seconds of start-up (load_digits reads this same file).
+    sklearn_dir = Path(importlib.util.find_spec("sklearn").origin).parent  # type: ignore[union-attr, arg-type]
+    data = np.loadtxt(sklearn_dir / "datasets" / "data" / "digits.csv.gz", delimiter=",")
+    images = torch.tensor(data[:, :-1] / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
+    labels = torch.tensor(data[:, -1], dtype=torch.long)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
     cut = int(0.8 * len(labels))
     idx = order[:cut] if split == "train" else order[cut:]

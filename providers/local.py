@@ -227,6 +227,11 @@ class LocalProvider(Provider):
                 "launched_at": time.time()}
         (node_dir / "meta.json").write_text(json.dumps(meta))
         env = {**os.environ, **request.env, "FLEET_WORKDIR": str(self.workdir)}
+        # Jobs run from the work dir with this interpreter's tools first on PATH, so `python
+        # examples/x.py` finds the same packages as the broker.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join(
+            x for x in (str(self.workdir), env.get("PYTHONPATH")) if x)
         env.setdefault("FLEET_MASTER_PORT", str(_free_port()))
         env.setdefault("FLEET_GRACE_PERIOD", str(self.fleet.grace_period_s))
         proc = subprocess.Popen(

@@ -155,6 +155,7 @@ def test_events_since_and_limit(store: Store) -> None:
     assert [e.job_id for e in first] == ids[:2]
     rest = store.events(since=first[-1].id)
     assert [e.job_id for e in rest] == ids[2:]
+    assert store.last_event_id() == rest[-1].id
 
 
 def test_logs_append_read_and_trim(store: Store) -> None:

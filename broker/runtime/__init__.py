@@ -49,7 +49,8 @@ FLEET_CHECKPOINT_CACHE (local staging folder for remote stores).
 
 Each worker gets torchrun's variables (RANK = NODE_RANK * NPROC + LOCAL_RANK, WORLD_SIZE = NNODES *
 NPROC, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the FLEET_* variables, and
-FLEET_PROGRESS_FILE. Rank 0 writes there, as JSON, ``{step, samples_done, samples_per_sec,
+FLEET_PROGRESS_FILE (a file in the agent's temp folder unless the agent's env already names one).
+Rank 0 writes there, as JSON, ``{step, samples_done, samples_per_sec,
 global_batch_size, world_size, checkpoint_step}``. Every FLEET_HEARTBEAT_INTERVAL the agent sends
 ``{job_id, attempt, node_rank, state, step, samples_done, samples_per_sec, world_size,
 global_batch_size, checkpoint_step}`` where state is ``running`` or ``stopping`` (a last heartbeat

@@ -133,7 +133,8 @@ class Agent:
         self.command = command
         self.env = env
         self.workdir = Path(tempfile.mkdtemp(prefix="fleet-agent-"))
-        self.progress_file = self.workdir / "progress.json"
+        # The broker may choose where progress goes; by default it stays in the agent's folder.
+        self.progress_file = Path(env.get("FLEET_PROGRESS_FILE") or self.workdir / "progress.json")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stop_reason: str | None = None
         self._stop = threading.Event()

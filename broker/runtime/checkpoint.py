@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from broker.runtime.store import MANIFEST, CheckpointStore
 
-log = logging.getLogger("fleet.checkpoint")
+log = logging.getLogger("fleet.checkpoint")  # a child of the "fleet" logger the trainer sets up
 TRAINER_FILE = "trainer.pt"
 
 
@@ -162,8 +162,8 @@ class Checkpointer:
                     step, {**manifest, "step": step, "written_s": time.perf_counter() - t0}
                 )
                 self.store.prune(self.keep)
+                log.info("checkpoint of step %d committed to %s", step, self.store.uri)
             self.last_committed = step
-            log.info("checkpoint step %d committed to %s", step, self.store.uri)
         except BaseException as exc:  # surfaced to the training thread by wait()
             self._error = exc
 

@@ -40,7 +40,13 @@ from broker.runtime.data import MicroBatch, step_plan
 from broker.runtime.scaling import lr_factor
 from broker.runtime.store import open_store
 
-log = logging.getLogger("fleet.trainer")
+log = logging.getLogger("fleet")
+if not log.handlers:  # resumes, stops and checkpoints are worth seeing in every job's log
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("fleet: %(message)s"))
+    log.addHandler(_handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 class Trainer:
@@ -158,18 +164,19 @@ class Trainer:
         self._progress_at = (time.monotonic(), self.samples_done)
         self._progress_written = 0.0
         self._rate = 0.0
-        log.info(
-            "rank %d/%d: %s batch %d (base %d, lr x%.3g), step %d, samples %d of %d",
-            self.rank,
-            self.world_size,
-            self.batch_mode,
-            self.global_batch_size,
-            self.base_batch_size,
-            self._factor,
-            self.step,
-            self.samples_done,
-            self.total_samples,
-        )
+        if self.rank == 0:
+            log.info(
+                "rank %d/%d: %s batch %d (base %d, lr x%.3g), step %d, samples %d of %d",
+                self.rank,
+                self.world_size,
+                self.batch_mode,
+                self.global_batch_size,
+                self.base_batch_size,
+                self._factor,
+                self.step,
+                self.samples_done,
+                self.total_samples,
+            )
 
     # ---- set-up -----------------------------------------------------------------------------
     @staticmethod
@@ -208,12 +215,13 @@ class Trainer:
                 self.global_batch_size,
             )
             self.global_batch_size = saved_batch
-        log.info(
-            "resumed from step %d (written by %d ranks) in %s",
-            step,
-            manifest.get("world_size", 1),
-            self.checkpointer.store.uri,
-        )
+        if self.rank == 0:
+            log.info(
+                "resumed from step %d (written by %d ranks) in %s",
+                step,
+                manifest.get("world_size", 1),
+                self.checkpointer.store.uri,
+            )
 
     def _wrap(self) -> None:
         """Route the script's optimizer/scheduler calls through the accumulation logic."""
@@ -478,8 +486,20 @@ def from_args(args: Any) -> dict[str, Any]:
     ``--steps``, ``--seed``, ``--batch-mode``, ``--checkpoint-dir`` and the like through; flags
     left unset fall back to the broker's environment.
     """
-    names = ("batch_size", "steps", "epochs", "seed", "global_batch_size", "batch_mode",
-             "lr_scaling", "max_micro_batch", "checkpoint_dir", "checkpoint_every_steps",
-             "checkpoint_every_seconds", "keep_checkpoints", "num_workers")
+    names = (
+        "batch_size",
+        "steps",
+        "epochs",
+        "seed",
+        "global_batch_size",
+        "batch_mode",
+        "lr_scaling",
+        "max_micro_batch",
+        "checkpoint_dir",
+        "checkpoint_every_steps",
+        "checkpoint_every_seconds",
+        "keep_checkpoints",
+        "num_workers",
+    )
     given = vars(args)
     return {name: given[name] for name in names if given.get(name) is not None}
