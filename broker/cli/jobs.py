@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from broker.cli.app import app, console, err_console, fail, print_json
@@ -58,6 +59,14 @@ def _call(client: BrokerClient, fn: str, *args: Any, **kw: Any) -> dict[str, Any
         _fail_problems(str(exc), exc.problems, exc.exit_code)
 
 
+def _print_table(renderable: Any) -> None:
+    """Tables at the terminal's width; into a pipe or file, wide enough never to fold."""
+    (console if console.is_terminal else Console(width=_PIPE_WIDTH)).print(renderable)
+
+
+_PIPE_WIDTH = 200
+
+
 def _progress(job: dict[str, Any]) -> str:
     if job["spec"]["work_samples"] >= UNBOUNDED_WORK:
         return f"{job['samples_done']:,} samples"
@@ -82,7 +91,7 @@ def launch(
     except SpecError as exc:
         _fail_problems(f"{spec}: invalid job spec", exc.problems, EXIT_BAD_INPUT)
     for note in parsed.warnings:
-        err_console.print(f"[yellow]note:[/] {note}", highlight=False)
+        err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     with _client(url, token) as client:
         out = _call(client, "submit", job_spec.model_dump_json())
     job = out["job"]
@@ -114,7 +123,7 @@ def list_jobs(
         table.add_row(j["id"], j["team"], j["state"], str(j["gpus"] or "-"),
                       str(j["batch_size"] or "-"), _where(j), _progress(j), str(j["rescales"]),
                       str(j["migrations"]))
-    console.print(table if out["jobs"] else "no jobs")
+    _print_table(table if out["jobs"] else "no jobs")
 
 
 @app.command("job")
@@ -153,7 +162,7 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
             table.add_row(str(p["attempt"]), p["pool"], p["market"], str(p["gpus"]),
                           str(p["batch_size"] or "-"), f"{hours:.4f}",
                           f"{p['price_per_gpu_hour']:.3f}", f"{p['cost']:.4f}")
-        console.print(table)
+        _print_table(table)
 
 
 @app.command()
@@ -205,7 +214,7 @@ def capacity(as_json: bool = JsonOpt, url: str | None = UrlOpt,
         table.add_row(p["cloud"], p["region"], p["market"], p["accelerator"],
                       str(p["capacity"]), str(p["used"]), str(p["free"]),
                       f"{p['price_per_gpu_hour']:.3f}")
-    console.print(table if out["pools"] else "no pools (is the broker's fleet configured?)")
+    _print_table(table if out["pools"] else "no pools (is the broker's fleet configured?)")
     console.print(f"total {out['total']['used']}/{out['total']['capacity']} GPUs in use",
                   highlight=False)
 
