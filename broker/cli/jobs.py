@@ -1,4 +1,4 @@
-"""``fleet launch/jobs/job/logs/cancel/capacity/chaos/login/token``: the client side of the API.
+"""``fleet launch/jobs/job/logs/cancel/capacity/events/chaos/login/token``: the API's client side.
 
 Exit codes: 0 ok, 2 bad input, 3 not found, 4 auth, 5 broker unreachable.
 """
