@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
 from typer.testing import CliRunner
 
 from broker.cli import app
@@ -103,6 +105,17 @@ def test_exit_codes_not_found_auth_unreachable(store: Store, env: dict[str, str]
     assert fleet(env, "chaos", "preempt", "east")[0] == 4  # a team token is not admin
     code, _, err = fleet({**env, "FLEET_URL": "http://127.0.0.1:9"}, "jobs")
     assert code == 5 and "fleet up" in err
+
+
+def test_a_server_that_is_not_the_broker(env: dict[str, str]) -> None:
+    other_app = FastAPI()
+    other_app.get("/v1/jobs", response_class=PlainTextResponse)(lambda: "hello")
+    other = ApiServer(other_app).start()
+    try:
+        code, _, err = fleet({**env, "FLEET_URL": other.url}, "jobs")
+    finally:
+        other.stop()
+    assert code == 5 and "not as a FleetBroker API" in err
 
 
 def test_logs_and_follow(store: Store, env: dict[str, str]) -> None:
