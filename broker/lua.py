@@ -2,8 +2,8 @@
 
 Keys are built from a prefix passed as ``ARGV[1]``; FleetBroker targets one Redis primary (with
 Sentinel or a managed failover), not Redis Cluster, so scripts may touch keys they compute.
-Job hashes keep ``id``, ``team``, ``state`` and ``version`` as plain strings and every other
-field as JSON text, so scripts can compare states without decoding JSON.
+A job hash holds ``doc`` (the record as JSON) and plain copies of what scripts compare:
+``state``, ``version``, ``attempt``, ``cancel_requested`` (plus ``id`` and ``team``).
 """
 
 # Fencing: a write that carries a fence is refused unless the leader lease still holds that
@@ -31,10 +31,10 @@ local function wake(p)
 end
 """
 
-# ARGV: prefix, team, name, now, request_key ('' = none), n_fields, field, value, ...
+# ARGV: prefix, team, name, now, request_key ('' = none), doc (JSON object without "id").
 # Returns the job id (the existing one when request_key was seen before).
 SUBMIT = _FENCE_CHECK + """
-local p, team, name, now, rkey = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local p, team, name, now, rkey, doc = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local dedupe = p .. 'request:' .. team .. ':' .. rkey
 if rkey ~= '' then
   local seen = redis.call('GET', dedupe)
@@ -43,11 +43,9 @@ end
 local n = redis.call('INCR', p .. 'seq:job')
 local id = name .. '-' .. n
 local key = p .. 'job:' .. id
-local nf = tonumber(ARGV[6])
-for i = 0, nf - 1 do
-  redis.call('HSET', key, ARGV[7 + 2 * i], ARGV[8 + 2 * i])
-end
-redis.call('HSET', key, 'id', id, 'team', team, 'state', 'queued', 'version', 1)
+redis.call('HSET', key, 'id', id, 'team', team, 'state', 'queued', 'version', 1,
+           'attempt', 0, 'cancel_requested', 'false',
+           'doc', '{"id":"' .. id .. '",' .. string.sub(doc, 2))
 redis.call('ZADD', p .. 'jobs', n, id)
 redis.call('ZADD', p .. 'team:' .. team, n, id)
 redis.call('SADD', p .. 'state:queued', id)
@@ -60,7 +58,7 @@ return id
 # ARGV: prefix, fence ('' = none), now, ops (JSON). All checks run before any write, so a plan
 # applies entirely or not at all. ops = {
 #   checks: [{job, states?: [..], version?: n, attempt?: n}],
-#   sets: [{job, state?: s, fields?: {name: json_text}}],   -- bumps version by one
+#   sets: [{job, state?: s, fields?: {name: text}}],   -- bumps version by one
 #   intents_add: [{id, json}], intents_del: [id],
 #   placement_open: [{job, json}], placement_close: [{job, json}],
 #   events: [{type, job?, data?}], wake?: true }
@@ -142,14 +140,14 @@ end
 return 0
 """
 
-# ARGV: prefix, states... Returns {{job hash flat}, ...}, {progress flat per job}, pools flat,
-# outbox flat: one consistent view for a scheduling round.
+# ARGV: prefix, states... Returns {{doc, state, version}, ...}, {progress flat per job},
+# pools flat, outbox flat: one consistent view for a scheduling round.
 SNAPSHOT = """
 local p = ARGV[1]
 local jobs, progress = {}, {}
 for i = 2, #ARGV do
   for _, id in ipairs(redis.call('SMEMBERS', p .. 'state:' .. ARGV[i])) do
-    table.insert(jobs, redis.call('HGETALL', p .. 'job:' .. id))
+    table.insert(jobs, redis.call('HMGET', p .. 'job:' .. id, 'doc', 'state', 'version'))
     table.insert(progress, redis.call('HGETALL', p .. 'progress:' .. id))
   end
 end

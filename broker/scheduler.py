@@ -5,6 +5,7 @@ intents written atomically with the leader's fencing token.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -67,24 +68,30 @@ def job_choices(job: JobRecord, policy: Policy, max_gpus: int,
     lo, hi = spec.gpus.min, min(spec.gpus.max, max_gpus)
     if policy is Policy.STATIC:
         hi = min(hi, lo)
+    b = spec.batch_size
+    return list(_choice_table(lo, hi, b.min, b.max, b.initial, pgm, fixed, spec.priority, model))
 
+
+@functools.lru_cache(maxsize=65_536)
+def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, pgm: int | None,
+                  fixed: bool, priority: int, model: ThroughputModel) -> tuple[Choice, ...]:
+    """Choices depend only on these numbers; jobs of the same shape share one table."""
     def batches(g: int) -> list[int]:
         if fixed:
-            b = spec.batch_size.initial
-            return [b] if b >= g else []
-        return batch_candidates(spec.batch_size.min, spec.batch_size.max, g)
+            return [binit] if binit >= g else []
+        return batch_candidates(bmin, bmax, g)
 
-    base = max((model.throughput(1, b, pgm) for b in batches(1)), default=0.0) or \
-        model.throughput(1, spec.batch_size.initial, pgm)
-    weight = 2.0 ** (spec.priority / 25.0)
+    base = max((model.throughput(1, x, pgm) for x in batches(1)), default=0.0) or \
+        model.throughput(1, binit, pgm)
+    weight = 2.0 ** (priority / 25.0)
     out = []
     for g in range(lo, hi + 1):
         options = batches(g)
         if not options:
             continue
-        b = max(options, key=lambda x: model.throughput(g, x, pgm))
-        out.append(Choice(g, b, weight * model.throughput(g, b, pgm) / base))
-    return out
+        best = max(options, key=lambda x, g=g: model.throughput(g, x, pgm))
+        out.append(Choice(g, best, weight * model.throughput(g, best, pgm) / base))
+    return tuple(out)
 
 
 def _accelerator(job: JobRecord, pools_by_id: dict[str, Pool],

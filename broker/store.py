@@ -25,8 +25,6 @@ from broker.models import (
 )
 from policies.models import JobSpec, Pool
 
-# Plain-string fields of a job hash (everything else is JSON text).
-_PLAIN = {"id", "team", "state", "version"}
 _PROGRESS_FIELDS = (
     "samples_done", "samples_per_sec", "measured_gpus", "measured_batch_size", "checkpoint_step",
 )
@@ -51,18 +49,33 @@ class StaleFence(StoreError):
     """The caller's fencing token no longer holds the leader lease; it must stop acting."""
 
 
-def _encode_fields(values: dict[str, Any]) -> dict[str, str]:
-    return {k: (str(v) if k in _PLAIN else json.dumps(v)) for k, v in values.items()}
+# Kept outside ``doc``: the hash's plain fields and the agent-reported progress.
+_NOT_IN_DOC = {"state", "version", *_PROGRESS_FIELDS}
 
 
-def _decode_job(flat: Sequence[str], progress: Sequence[str] = ()) -> JobRecord:
-    raw = dict(zip(flat[::2], flat[1::2], strict=True))
-    data: dict[str, Any] = {k: (v if k in _PLAIN else json.loads(v)) for k, v in raw.items()}
+def _doc(job: JobRecord) -> str:
+    return job.model_dump_json(exclude=_NOT_IN_DOC)
+
+
+def _decode_job(doc: str, state: str, version: str | int, progress: Sequence[str] = (),
+                cache: dict[tuple[str, ...], JobRecord] | None = None) -> JobRecord:
+    """A record from its hash. ``cache`` maps what was read to the parsed record, so a
+    scheduling round re-parses only the jobs that changed since the last one."""
+    key = (doc, state, str(version), *progress)
+    if cache is not None and (hit := cache.get(key)) is not None:
+        return hit
+    data: dict[str, Any] = json.loads(doc)
+    data["state"], data["version"] = state, int(version)
     prog = dict(zip(progress[::2], progress[1::2], strict=True))
     for k in _PROGRESS_FIELDS:
         if k in prog:
             data[k] = json.loads(prog[k])
-    return JobRecord.model_validate(data)
+    job = JobRecord.model_validate(data)
+    if cache is not None:
+        if len(cache) > 200_000:
+            cache.clear()
+        cache[key] = job
+    return job
 
 
 def _translate(exc: redis.ResponseError) -> StoreError:
@@ -100,8 +113,11 @@ class Plan:
         values = {**fields, "updated_at": now}
         if state is not None and state.terminal:
             values.setdefault("finished_at", now)
+        new = job.model_copy(update=values)
         self.checks.append({"job": job.id, "version": job.version})
-        entry: dict[str, Any] = {"job": job.id, "fields": _encode_fields(values)}
+        entry: dict[str, Any] = {"job": job.id, "fields": {
+            "doc": _doc(new), "attempt": str(new.attempt),
+            "cancel_requested": json.dumps(new.cancel_requested)}}
         if state is not None:
             entry["state"] = state.value
         self.sets.append(entry)
@@ -154,6 +170,7 @@ class Store:
             raise ValueError("Store needs a redis client made with decode_responses=True")
         self.r = client
         self.p = prefix
+        self._parsed: dict[tuple[str, ...], JobRecord] = {}
         self._submit = client.register_script(lua.SUBMIT)
         self._apply = client.register_script(lua.APPLY)
         self._acquire = client.register_script(lua.ACQUIRE)
@@ -173,23 +190,17 @@ class Store:
         job instead of making a second one. Durable once it returns (AOF; see README.d)."""
         now = time.time()
         rec = JobRecord(id="pending", spec=spec, team=team, submitted_at=now, updated_at=now)
-        fields = _encode_fields(rec.model_dump(mode="json", exclude={"id", "team", "state",
-                                                                     "version"}))
-        flat = [x for kv in fields.items() for x in kv]
-        job_id = self._submit(args=[self.p, team, spec.name, now, request_key or "",
-                                    len(fields), *flat])
-        got = self.get_job(job_id)
-        assert got is not None  # written by the script above
-        return got
+        doc = rec.model_dump_json(exclude={"id", *_NOT_IN_DOC})
+        job_id = self._submit(args=[self.p, team, spec.name, now, request_key or "", doc])
+        if request_key:  # may be an earlier job: read what was stored
+            got = self.get_job(job_id)
+            assert got is not None  # written by the script above or before
+            return got
+        return rec.model_copy(update={"id": job_id, "version": 1})
 
     def get_job(self, job_id: str) -> JobRecord | None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hgetall(self._job_key(job_id))
-        pipe.hgetall(f"{self.p}progress:{job_id}")
-        raw, prog = pipe.execute()
-        if not raw:
-            return None
-        return _decode_job(_flatten(raw), _flatten(prog))
+        got = self._get_many([job_id])
+        return got[0] if got else None
 
     def list_jobs(self, *, team: str | None = None,
                   states: Iterable[JobState | str] | None = None) -> list[JobRecord]:
@@ -336,7 +347,8 @@ class Store:
     def snapshot(self) -> Snapshot:
         jobs, progress, pools, outbox = self._snapshot(args=[self.p, *ACTIVE_STATES])
         return Snapshot(
-            jobs=[_decode_job(j, pr) for j, pr in zip(jobs, progress, strict=True)],
+            jobs=[_decode_job(*j, pr, cache=self._parsed)
+                  for j, pr in zip(jobs, progress, strict=True)],
             pools=[Pool.model_validate_json(v) for v in pools[1::2]],
             intents=sorted((Intent.model_validate_json(v) for v in outbox[1::2]),
                            key=lambda i: i.created_at),
@@ -371,13 +383,13 @@ class Store:
         return job
 
     def _get_many(self, ids: Sequence[str]) -> list[JobRecord]:
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.r.pipeline(transaction=True)  # MULTI: each record read with its progress
         for i in ids:
-            pipe.hgetall(self._job_key(i))
+            pipe.hmget(self._job_key(i), "doc", "state", "version")
             pipe.hgetall(f"{self.p}progress:{i}")
         raw = pipe.execute()
-        return [_decode_job(_flatten(j), _flatten(pr))
-                for j, pr in zip(raw[::2], raw[1::2], strict=True) if j]
+        return [_decode_job(*j, _flatten(pr), cache=self._parsed)
+                for j, pr in zip(raw[::2], raw[1::2], strict=True) if j[0] is not None]
 
 
 def _flatten(d: dict[str, str]) -> list[str]:
