@@ -96,7 +96,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
 
-    def principal(authorization: Annotated[str | None, Header()] = None) -> Principal:
+    # The auth dependencies are async: pure CPU, so no worker-thread hop per request.
+    async def principal(authorization: Annotated[str | None, Header()] = None) -> Principal:
         scheme, _, token = (authorization or "").partition(" ")
         who = config.authenticate(token.strip()) if scheme.lower() == "bearer" else None
         if who is None:
@@ -106,17 +107,17 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                            headers={"WWW-Authenticate": "Bearer"})
         return who
 
-    def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role is Role.AGENT:
             raise ApiError(403, "an agent token may only post heartbeats")
         return who
 
-    def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role is not Role.ADMIN:
             raise ApiError(403, "this needs an admin token")
         return who
 
-    def agent(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def agent(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role not in (Role.AGENT, Role.ADMIN):
             raise ApiError(403, "heartbeats need the broker's agent token")
         return who
