@@ -16,7 +16,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker import __version__
 from broker.auth import ApiConfig, Principal, Role
@@ -92,8 +94,10 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     app = FastAPI(title="FleetBroker", version=__version__,
                   description="Submit and follow elastic training jobs across clouds.")
     _install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
 
-    def principal(authorization: Annotated[str | None, Header()] = None) -> Principal:
+    # The auth dependencies are async: pure CPU, so no worker-thread hop per request.
+    async def principal(authorization: Annotated[str | None, Header()] = None) -> Principal:
         scheme, _, token = (authorization or "").partition(" ")
         who = config.authenticate(token.strip()) if scheme.lower() == "bearer" else None
         if who is None:
@@ -103,17 +107,17 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                            headers={"WWW-Authenticate": "Bearer"})
         return who
 
-    def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role is Role.AGENT:
             raise ApiError(403, "an agent token may only post heartbeats")
         return who
 
-    def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role is not Role.ADMIN:
             raise ApiError(403, "this needs an admin token")
         return who
 
-    def agent(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def agent(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role not in (Role.AGENT, Role.ADMIN):
             raise ApiError(403, "heartbeats need the broker's agent token")
         return who
@@ -145,7 +149,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     ) -> dict[str, Any]:
         """Body: the job spec as YAML (own format or SkyPilot task) or JSON. A retry with the
         same ``Idempotency-Key`` returns the first job instead of a second one."""
-        body = await _read_limited(request, config.max_body_bytes)
+        body = await _read_spec_body(request)
         try:
             parsed = parse_spec_text(body)
             spec = parsed.spec
@@ -237,8 +241,11 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
               summary="An agent's progress report; the reply tells it to go on or stop")
     def heartbeat(beat: Heartbeat,
                   who: Annotated[Principal, Depends(agent)]) -> HeartbeatReply:
+        report = beat.model_dump()
+        if not report["samples_per_sec"]:
+            report["samples_per_sec"] = None  # 0 = not measured yet, not a real throughput
         try:
-            action = store.record_heartbeat(**beat.model_dump())
+            action = store.record_heartbeat(**report)
         except JobNotFound:
             raise ApiError(404, f"no job {beat.job_id!r}") from None
         return HeartbeatReply(action=CHECKPOINT_EXIT if action == CHECKPOINT_EXIT else None)
@@ -295,21 +302,46 @@ def _team_events(store: Store, who: Principal, since: str,
     return out, cursor
 
 
-async def _read_limited(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body of {declared} bytes is over the {limit}-byte limit")
+async def _read_spec_body(request: Request) -> bytes:
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media and media not in SPEC_MEDIA:
         raise ApiError(415, f"content type {media!r} is not a job spec; send "
                        + ", ".join(SPEC_MEDIA))
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body is over the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return await request.body()
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``limit`` bytes (declared or streamed) with
+    413 on every route, before anything parses them (auth runs after FastAPI reads a body)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            response = JSONResponse(self._error(), status_code=413)
+            await response(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # a chunked upload: stop reading at the limit
+                    raise ApiError(413, self._error()["error"]["message"])
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _error(self) -> dict[str, Any]:
+        return _error_body(413, f"request body is over the {self.limit}-byte limit", [])
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -148,7 +148,11 @@ class BrokerClient:
                 "`fleet up`, or point FLEET_URL / --url at a running one", EXIT_UNREACHABLE,
             ) from None
         if r.status_code < 400:
-            return r.json()
+            try:
+                return r.json()
+            except ValueError:
+                raise ClientError(f"{self.url} answered, but not as a FleetBroker API; check "
+                                  "FLEET_URL / --url", EXIT_UNREACHABLE) from None
         try:
             err = r.json()["error"]
             message = err["message"]

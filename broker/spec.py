@@ -668,11 +668,14 @@ def _parse_skypilot(doc: Mapping[str, Any], *, default_name: str | None) -> Pars
     counts: list[int] = []
     allow: list[str] = []
     spot_flags: list[bool] = []
+    per_alt: set[frozenset[Accelerator]] = set()
     for i, alt in enumerate(alternatives):
         where = "resources" if len(alternatives) == 1 and not (
             "any_of" in resources or "ordered" in resources) else (
             f"resources.{'ordered' if 'ordered' in resources else 'any_of'}[{i}]")
-        for acc, count in _sky_accelerators(p, f"{where}.accelerators", alt.get("accelerators")):
+        found = _sky_accelerators(p, f"{where}.accelerators", alt.get("accelerators"))
+        per_alt.add(frozenset(acc for acc, _ in found))
+        for acc, count in found:
             if acc not in accelerators:
                 accelerators.append(acc)
             counts.append(count)
@@ -702,7 +705,7 @@ def _parse_skypilot(doc: Mapping[str, Any], *, default_name: str | None) -> Pars
             # SkyPilot knows no batch sizes: a fixed-size job, one unit of batch per GPU.
             out["batch_size"] = {"min": lo, "max": hi, "default": lo}
             out["batch_mode"] = "fixed"
-    if len(accelerators) > 1 and len(allow) > 1:
+    if len(per_alt) > 1 and len(allow) > 1:
         warnings.append("resources: alternatives are combined (any listed accelerator in any "
                         "listed region); their pairings are not kept")
     if allow:

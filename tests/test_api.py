@@ -8,6 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from broker.api import build_app
 from broker.models import JobState
@@ -153,6 +155,9 @@ BAD_SPECS = [
     (json.dumps({"name": "bad\u0007name", "run": "x", "batch_size": 2,
                  "work": {"samples": 1}}), "name"),
     ("", "(file)"),
+    ('{"name": "x", "run": "y", "batch_size": 2, "work": {"samples": 1}, "deadline": Infinity}',
+     "deadline"),
+    ('{"name": "x", "run": "y", "batch_size": NaN, "work": {"samples": 1}}', "batch_size"),
     ("run: x\nworkdir: .", "workdir"),
     (SPEC + "gpu: 2", "gpu"),
 ]
@@ -176,6 +181,9 @@ def test_request_limits_and_bad_parameters(server: ApiServer, store: Store) -> N
         chunked = c.post("/v1/jobs", content=iter([big.encode()]),
                          headers={"Content-Type": "application/yaml"})
         assert chunked.status_code == 413
+        for path in ("/v1/agent/heartbeat", "/v1/chaos/preempt"):  # checked before auth
+            huge = httpx.post(server.url + path, content=iter([b"{" + b" " * 70_000]))
+            assert huge.status_code == 413 and "limit" in huge.json()["error"]["message"]
         r = c.post("/v1/jobs", content=SPEC, headers={"Content-Type": "image/png"})
         assert r.status_code == 415
         r = c.post("/v1/jobs", content=SPEC, params={"gpus": "lots"},
@@ -247,6 +255,11 @@ def test_agent_heartbeat(server: ApiServer, store: Store) -> None:
         assert r.status_code == 200 and r.json() == {"action": None}
         got = store.get_job(job_id)
         assert got is not None and got.samples_done == 320 and got.checkpoint_step == 4
+        warmup = c.post("/v1/agent/heartbeat", json={**beat, "samples_per_sec": 0.0,
+                                                     "global_batch_size": None})
+        assert warmup.json() == {"action": None}
+        got = store.get_job(job_id)
+        assert got is not None and got.samples_per_sec == 250.5  # 0 is not a measurement
         assert c.post("/v1/agent/heartbeat", json={**beat, "attempt": 0}).json() == {
             "action": "checkpoint-exit"}  # a stale attempt must stop
         bad = c.post("/v1/agent/heartbeat", json={**beat, "samples_per_sec": -1,
@@ -287,3 +300,31 @@ def test_store_down_is_503(tmp_path: Path) -> None:
         assert r.status_code == 503 and "redis" in r.json()["error"]["message"]
     finally:
         srv.stop()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20)
+    | st.floats(allow_nan=False, allow_infinity=False),  # JSON has no NaN or Infinity
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner,
+                                                                max_size=3),
+    max_leaves=12,
+)
+spec_keys = st.sampled_from(["name", "run", "gpus", "batch_size", "work", "spot", "regions",
+                             "accelerators", "team", "deadline", "resources", "num_nodes"])
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.dictionaries(spec_keys, json_values, max_size=7))
+def test_any_json_body_is_201_or_a_clear_4xx(server: ApiServer, store: Store,
+                                              body: dict) -> None:
+    before = len(store.list_jobs())
+    with client(server, "ml") as c:
+        r = c.post("/v1/jobs", json=body)
+    assert r.status_code in (201, 403, 422), r.text
+    if r.status_code == 201:
+        assert len(store.list_jobs()) == before + 1
+    else:
+        err = r.json()["error"]
+        assert err["problems"] and all(p["field"] and p["message"] for p in err["problems"])
+        assert len(store.list_jobs()) == before

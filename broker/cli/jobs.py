@@ -1,15 +1,17 @@
-"""``fleet launch/jobs/job/logs/cancel/capacity/chaos/login/token``: the client side of the API.
+"""``fleet launch/jobs/job/logs/cancel/capacity/events/chaos/login/token``: the API's client side.
 
 Exit codes: 0 ok, 2 bad input, 3 not found, 4 auth, 5 broker unreachable.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from broker.cli.app import app, console, err_console, fail, print_json
@@ -57,6 +59,14 @@ def _call(client: BrokerClient, fn: str, *args: Any, **kw: Any) -> dict[str, Any
         _fail_problems(str(exc), exc.problems, exc.exit_code)
 
 
+def _print_table(renderable: Any) -> None:
+    """Tables at the terminal's width; into a pipe or file, wide enough never to fold."""
+    (console if console.is_terminal else Console(width=_PIPE_WIDTH)).print(renderable)
+
+
+_PIPE_WIDTH = 200
+
+
 def _progress(job: dict[str, Any]) -> str:
     if job["spec"]["work_samples"] >= UNBOUNDED_WORK:
         return f"{job['samples_done']:,} samples"
@@ -81,7 +91,7 @@ def launch(
     except SpecError as exc:
         _fail_problems(f"{spec}: invalid job spec", exc.problems, EXIT_BAD_INPUT)
     for note in parsed.warnings:
-        err_console.print(f"[yellow]note:[/] {note}", highlight=False)
+        err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     with _client(url, token) as client:
         out = _call(client, "submit", job_spec.model_dump_json())
     job = out["job"]
@@ -107,11 +117,13 @@ def list_jobs(
         return
     table = Table("ID", "TEAM", "STATE", "GPUS", "BATCH", "POOL", "PROGRESS", "RESCALES",
                   "MOVES", box=None, header_style="bold")
+    for column in (table.columns[0], table.columns[5]):
+        column.overflow = "fold"  # ids and pools are what users copy: never cut them
     for j in out["jobs"]:
         table.add_row(j["id"], j["team"], j["state"], str(j["gpus"] or "-"),
                       str(j["batch_size"] or "-"), _where(j), _progress(j), str(j["rescales"]),
                       str(j["migrations"]))
-    console.print(table if out["jobs"] else "no jobs")
+    _print_table(table if out["jobs"] else "no jobs")
 
 
 @app.command("job")
@@ -150,7 +162,7 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
             table.add_row(str(p["attempt"]), p["pool"], p["market"], str(p["gpus"]),
                           str(p["batch_size"] or "-"), f"{hours:.4f}",
                           f"{p['price_per_gpu_hour']:.3f}", f"{p['cost']:.4f}")
-        console.print(table)
+        _print_table(table)
 
 
 @app.command()
@@ -196,15 +208,43 @@ def capacity(as_json: bool = JsonOpt, url: str | None = UrlOpt,
     if as_json:
         print_json(out)
         return
-    table = Table("POOL", "CLOUD", "REGION", "MARKET", "ACCEL", "GPUS", "USED", "FREE",
-                  "$/GPU-H", box=None, header_style="bold")
+    table = Table("CLOUD", "REGION", "MARKET", "ACCEL", "GPUS", "USED", "FREE", "$/GPU-H",
+                  box=None, header_style="bold")
     for p in out["pools"]:
-        table.add_row(p["id"], p["cloud"], p["region"], p["market"], p["accelerator"],
+        table.add_row(p["cloud"], p["region"], p["market"], p["accelerator"],
                       str(p["capacity"]), str(p["used"]), str(p["free"]),
                       f"{p['price_per_gpu_hour']:.3f}")
-    console.print(table if out["pools"] else "no pools (is the broker's fleet configured?)")
+    _print_table(table if out["pools"] else "no pools (is the broker's fleet configured?)")
     console.print(f"total {out['total']['used']}/{out['total']['capacity']} GPUs in use",
                   highlight=False)
+
+
+@app.command()
+def events(job_id: str | None = typer.Option(None, "--job", help="Only this job's events"),
+           follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new ones"),
+           limit: int = typer.Option(100, "--limit", min=1, max=10_000,
+                                     help="Most events per request"),
+           interval: float = typer.Option(1.0, "--interval", min=0.05, hidden=True),
+           as_json: bool = typer.Option(False, "--json", help="One JSON object per line"),
+           url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
+    """Print the event stream (submissions, launches, rescales, migrations, preemptions)."""
+    since = "0"
+    with _client(url, token) as client:
+        while True:
+            out = _call(client, "events", since=since, job_id=job_id, limit=limit)
+            for e in out["events"]:
+                if as_json:
+                    typer.echo(json.dumps(e))
+                    continue
+                stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
+                data = " ".join(f"{k}={v}" for k, v in e["data"].items())
+                typer.echo(f"{stamp} {e['type']:<18} {e['job_id'] or '-'} {data}".rstrip())
+            since = out["next"]
+            if len(out["events"]) == limit:
+                continue  # more are waiting
+            if not follow:
+                return
+            time.sleep(interval)
 
 
 @chaos_app.command("preempt")
