@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m tests.bench`` (``make bench``) runs every ``bench_*.py`` main()."""
