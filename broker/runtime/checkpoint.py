@@ -15,6 +15,7 @@ import logging
 import random
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ import torch.distributed.checkpoint as dcp
 
 from broker.runtime.store import MANIFEST, CheckpointStore
 
+# DCP warns on every single-process save/load; a one-process job is a normal case here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 log = logging.getLogger("fleet.checkpoint")  # a child of the "fleet" logger the trainer sets up
 TRAINER_FILE = "trainer.pt"
 
@@ -74,6 +77,11 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.last_committed: int | None = None
         self.last_pause_s = 0.0  # how long the last save held up the caller
+
+    @property
+    def _local(self) -> bool:
+        """One process and no process group: DCP must not look for one."""
+        return self.group is None and not dist.is_initialized()
 
     # ---- save -------------------------------------------------------------------------------
     def save(
@@ -150,7 +158,7 @@ class Checkpointer:
             t0 = time.perf_counter()
             folder = self.store.write_dir(step)
             writer = dcp.FileSystemWriter(folder, thread_count=self.write_threads)
-            dcp.save(state, storage_writer=writer, process_group=self.group)
+            dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=self._local)
             torch.save(rng, folder / f"rng-{self.rank}.pt")
             if self.rank == 0:
                 torch.save(shared, folder / TRAINER_FILE)
@@ -187,7 +195,8 @@ class Checkpointer:
             dist.barrier(group=self.group)
         folder = Path(self.store.local_dir(step))
         manifest = json.loads((folder / MANIFEST).read_text())
-        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), process_group=self.group)
+        reader = dcp.FileSystemReader(folder)
+        dcp.load(state, storage_reader=reader, process_group=self.group, no_dist=self._local)
         shared = torch.load(folder / TRAINER_FILE, weights_only=False)
         source = self.rank % int(manifest.get("world_size", 1))
         set_rng_state(torch.load(folder / f"rng-{source}.pt", weights_only=False))

@@ -123,7 +123,7 @@ class Trainer:
         # Own gloo groups: control flags never wait behind NCCL kernels, and the background
         # checkpoint thread's collectives never interleave with the training thread's.
         self._control = dist.new_group(backend="gloo") if multi else None
-        ckpt_group = dist.new_group(backend="gloo") if multi else None
+        ckpt_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
         uri = checkpoint_dir or a.checkpoint_uri
         self.checkpointer = (
@@ -156,9 +156,12 @@ class Trainer:
 
         self._stop = threading.Event()
         self._ckpt_request = threading.Event()
+        self._handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
-            signal.signal(signal.SIGUSR1, lambda *_: self._ckpt_request.set())
+            self._handlers = {
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: self._stop.set()),
+                signal.SIGUSR1: signal.signal(signal.SIGUSR1, lambda *_: self._ckpt_request.set()),
+            }
         self._saved_step = self.step
         self._last_ckpt_time = time.monotonic()
         self._progress_at = (time.monotonic(), self.samples_done)
@@ -351,13 +354,15 @@ class Trainer:
                 self.samples_done += self.global_batch_size
                 self.step += 1
                 self._write_progress()
+            self._micro = None
+            self.finished = True
+            self._checkpoint(sync=True)
+            self._write_progress(force=True)
         finally:
             self._micro = None
             if self._ddp is not None:
                 self._ddp.require_backward_grad_sync = True
-        self.finished = True
-        self._checkpoint(sync=True)
-        self._write_progress(force=True)
+            self._restore_signals()
 
     def _boundary(self) -> None:
         """Between steps: agree with every rank on checkpoint/stop, then act on it."""
@@ -456,8 +461,14 @@ class Trainer:
         """Checkpoint at the next step boundary (what SIGUSR1 does)."""
         self._ckpt_request.set()
 
+    def _restore_signals(self) -> None:
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._handlers = {}
+
     def close(self) -> None:
-        """Wait for a checkpoint still being written."""
+        """Wait for a checkpoint still being written; give SIGTERM/SIGUSR1 back to the script."""
+        self._restore_signals()
         if self.checkpointer is not None:
             self.checkpointer.wait()
 
