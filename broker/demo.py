@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -69,8 +70,8 @@ def demo_spec(name: str, steps: int, gmax: int, mode: BatchMode) -> JobSpec:
 def _where(job: JobRecord) -> str:
     if not job.pool:
         return "-"
-    cloud, region, market, _ = job.pool.split(":")
-    return f"{cloud}:{region} ({market})"
+    _, region, market, _ = job.pool.split(":")
+    return f"{region} {'spot' if market == 'spot' else 'od'}"
 
 
 def _cost(store: Store, job_id: str) -> float:
@@ -78,17 +79,18 @@ def _cost(store: Store, job_id: str) -> float:
 
 
 def render(store: Store, title: str, events: list[str]) -> Group:
-    table = Table(title=title, title_justify="left", expand=False)
-    for col in ("job", "state", "region", "GPUs", "batch", "progress", "moves", "cost $"):
-        table.add_column(col, justify="right" if col in ("GPUs", "batch", "cost $") else "left")
+    table = Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True, caption_justify="left",
+                  caption="r/m/p: rescales / migrations / preemptions")
+    for col in ("job", "state", "region", "GPUs", "batch", "done", "r/m/p", "cost $"):
+        table.add_column(col, no_wrap=True,
+                         justify="left" if col in ("job", "state", "region") else "right")
     for job in store.list_jobs():
         holds = job.state.holds_gpus
-        bar = int(job.progress * 20)
         table.add_row(
             job.id, job.state.value, _where(job) if holds else "-",
             str(job.gpus) if holds else "-", str(job.batch_size or "-") if holds else "-",
-            f"{'#' * bar}{'.' * (20 - bar)} {job.progress:4.0%}",
-            f"{job.rescales}r {job.migrations}m {job.preemptions}p",
+            f"{job.progress:.0%}", f"{job.rescales}/{job.migrations}/{job.preemptions}",
             f"{_cost(store, job.id):.4f}")
     lines = Table.grid()
     for e in events[-6:]:
@@ -198,6 +200,7 @@ def run_demo(config: DemoConfig, console: Console | None = None,
             title = "done"
             if live is not None:
                 live.update(render(store, title, events))
+                console.print()
         if on_done is not None:
             on_done(store)
         return summarize(store, started, phases, made_room)

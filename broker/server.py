@@ -50,14 +50,17 @@ class BrokerConfig(BaseModel):
 
 
 class EmbeddedRedis:
-    """A redis-server child with AOF (everysec) and its data under ``data_dir``."""
+    """A redis-server child on loopback with AOF (everysec), no RDB snapshots and its data
+    under ``data_dir``; it can be stopped (gracefully or ``kill -9``) and restarted on the same
+    port and data, reloading the AOF."""
 
     def __init__(self, data_dir: Path, port: int | None = None) -> None:
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
+        binary = shutil.which("redis-server")
+        if binary is None:
             raise RuntimeError(REDIS_HINT)
+        self.binary = binary
         self.dir = data_dir
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -67,32 +70,40 @@ class EmbeddedRedis:
     def start(self) -> EmbeddedRedis:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
-            [str(self.binary), "--port", str(self.port), "--bind", "127.0.0.1",
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
              "--dir", str(self.dir.resolve()), "--appendonly", "yes",
              "--appendfsync", "everysec", "--save", "", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            try:
-                if client.ping() and client.info("persistence").get("loading", 0) == 0:
-                    client.close()
-                    return self
-            except (redis.ConnectionError, redis.BusyLoadingError):
-                pass
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
+        try:
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    # PING answers while the AOF still loads; wait until data is served.
+                    if client.ping() and client.info("persistence").get("loading", 0) == 0:
+                        return self
+                except (redis.ConnectionError, redis.BusyLoadingError):
+                    pass
+                time.sleep(0.02)
+        finally:
+            client.close()
         raise RuntimeError(f"redis-server did not start on port {self.port} (data {self.dir})")
 
-    def stop(self) -> None:
+    def stop(self, *, kill: bool = False) -> None:
         if self.proc is not None:
-            self.proc.terminate()
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
             self.proc.wait(timeout=10)
             self.proc = None
 
+    def restart(self, *, kill: bool = True) -> None:
+        self.stop(kill=kill)
+        self.start()
 
-def _free_port() -> int:
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -219,7 +230,7 @@ class Stack:
     def __init__(self, config: BrokerConfig, *, host: str = "127.0.0.1", port: int = 8470,
                  api_config_path: Path | None = None) -> None:
         self.config = config
-        self.host, self.port = host, port or _free_port()
+        self.host, self.port = host, port or free_port()
         self.api_config_path = api_config_path
         self.redis: EmbeddedRedis | None = None
         self.broker: Broker | None = None
