@@ -106,6 +106,8 @@ class JobRecord(BaseModel):
     samples_per_sec: float | None = None  # last measured throughput (agent heartbeats)
     measured_gpus: int | None = None  # configuration the measurement was taken at
     measured_batch_size: int | None = None
+    # Samples/s measured at each configuration the job ran in, keyed "<gpus>x<global batch>".
+    measured: dict[str, float] = Field(default_factory=dict)
     checkpoint_step: int | None = None
     failures: int = 0
     rescales: int = 0

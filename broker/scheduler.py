@@ -69,28 +69,36 @@ def job_choices(job: JobRecord, policy: Policy, max_gpus: int,
     if policy is Policy.STATIC:
         hi = min(hi, lo)
     b = spec.batch_size
-    return list(_choice_table(lo, hi, b.min, b.max, b.initial, pgm, fixed, spec.priority, model))
+    measured = tuple(sorted(job.measured.items()))
+    return list(_choice_table(lo, hi, b.min, b.max, b.initial, pgm, fixed, spec.priority, model,
+                              measured))
 
 
 @functools.lru_cache(maxsize=65_536)
 def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, pgm: int | None,
-                  fixed: bool, priority: int, model: ThroughputModel) -> tuple[Choice, ...]:
-    """Choices depend only on these numbers; jobs of the same shape share one table."""
+                  fixed: bool, priority: int, model: ThroughputModel,
+                  measured: tuple[tuple[str, float], ...] = ()) -> tuple[Choice, ...]:
+    """Choices depend only on these numbers; jobs of the same shape share one table. Where the
+    job's agent measured a configuration, the measurement replaces the model's estimate."""
+    seen = dict(measured)
+
+    def tput(g: int, x: int) -> float:
+        return seen.get(f"{g}x{x}") or model.throughput(g, x, pgm)
+
     def batches(g: int) -> list[int]:
         if fixed:
             return [binit] if binit >= g else []
         return batch_candidates(bmin, bmax, g)
 
-    base = max((model.throughput(1, x, pgm) for x in batches(1)), default=0.0) or \
-        model.throughput(1, binit, pgm)
+    base = max((tput(1, x) for x in batches(1)), default=0.0) or tput(1, binit)
     weight = 2.0 ** (priority / 25.0)
     out = []
     for g in range(lo, hi + 1):
         options = batches(g)
         if not options:
             continue
-        best = max(options, key=lambda x, g=g: model.throughput(g, x, pgm))
-        out.append(Choice(g, best, weight * model.throughput(g, best, pgm) / base))
+        best = max(options, key=lambda x, g=g: tput(g, x))
+        out.append(Choice(g, best, weight * tput(g, best) / base))
     return tuple(out)
 
 

@@ -50,7 +50,7 @@ class StaleFence(StoreError):
 
 
 # Kept outside ``doc``: the hash's plain fields and the agent-reported progress.
-_NOT_IN_DOC = {"state", "version", *_PROGRESS_FIELDS}
+_NOT_IN_DOC = {"state", "version", "measured", *_PROGRESS_FIELDS}
 
 
 def _doc(job: JobRecord) -> str:
@@ -70,6 +70,7 @@ def _decode_job(doc: str, state: str, version: str | int, progress: Sequence[str
     for k in _PROGRESS_FIELDS:
         if k in prog:
             data[k] = json.loads(prog[k])
+    data["measured"] = {k[2:]: float(v) for k, v in prog.items() if k.startswith("m:")}
     job = JobRecord.model_validate(data)
     if cache is not None:
         if len(cache) > 200_000:
@@ -250,8 +251,12 @@ class Store:
         if checkpoint_step is not None:
             values["checkpoint_step"] = int(checkpoint_step)
         flat = [x for k, v in values.items() for x in (k, json.dumps(v))]
+        if samples_per_sec and world_size and global_batch_size:
+            # per-configuration history: the scheduler's throughput curve uses it
+            flat += [f"m:{int(world_size)}x{int(global_batch_size)}", json.dumps(
+                float(samples_per_sec))]
         state, cancel = self._heartbeat(args=[self.p, job_id, json.dumps(int(attempt)),
-                                              time.time(), len(values), *flat])
+                                              time.time(), len(flat) // 2, *flat])
         if state == "missing":
             raise JobNotFound(job_id)
         if state == "stale" or cancel == "true" or state not in ("running", "launching"):

@@ -103,3 +103,20 @@ def test_choices_elastic_vs_fixed_batch() -> None:
     assert {c.batch_size for c in fixed} == {32}
     assert elastic[0].value == pytest.approx(1.0)
     assert all(e.value >= f.value for e, f in zip(elastic, fixed, strict=True))
+
+
+def test_measured_throughput_replaces_the_model(store: Store) -> None:
+    """A job whose agent measured no gain from a second GPU is valued that way."""
+    job = store.submit(spec("slow", gmax=2, batch_mode="fixed"), team="t")
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, attempt=1)
+    store.apply(plan)
+    for gpus, sps in ((1, 100.0), (2, 101.0)):
+        store.record_heartbeat(job.id, 1, samples_done=10, samples_per_sec=sps,
+                               world_size=gpus, global_batch_size=32)
+    got = store.get_job(job.id)
+    assert got is not None and got.measured == {"1x32": 100.0, "2x32": 101.0}
+    one, two = job_choices(got, Policy.ELASTIC, 4)
+    assert one.value == pytest.approx(1.0) and two.value == pytest.approx(1.01)
+    modelled = job_choices(job, Policy.ELASTIC, 4)[1].value
+    assert modelled > 1.2  # the model alone expected a real speed-up
