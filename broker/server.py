@@ -161,16 +161,16 @@ class Broker:
     def run_forever(self) -> None:
         while not self._stop.is_set():
             try:
-                leader = self.step()
-            except redis.ConnectionError as exc:
+                if not self.step():  # a standby polls the lease; it leaves the wakes alone
+                    self._stop.wait(self.config.lease_ttl_s / 3)
+                    continue
+                self.store.wait_wake(0.1 if self.store.intents() else self.config.tick_s)
+            except redis.ConnectionError as exc:  # Redis restarting or failing over
                 log.warning("redis unavailable (%s); retrying", exc)
-                leader = False
                 self._stop.wait(min(1.0, self.config.tick_s))
-                continue
-            if not leader:  # a standby polls the lease; it must not consume the leader's wakes
-                self._stop.wait(self.config.lease_ttl_s / 3)
-                continue
-            self.store.wait_wake(0.1 if self.store.intents() else self.config.tick_s)
+            except Exception:  # one bad pass must not stop the control plane; state is in Redis
+                log.exception("broker loop pass failed; retrying")
+                self._stop.wait(self.config.tick_s)
 
     def start(self) -> Broker:
         self._thread = threading.Thread(target=self.run_forever, name="broker-loop", daemon=True)
