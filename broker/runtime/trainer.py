@@ -142,6 +142,8 @@ class Trainer:
         self.samples_done = 0
         self.finished = False
         self._restore()
+        # Refuse an impossible split now, with the fix in the message, not at the first step.
+        step_plan(self.seed, self.n, 0, self.global_batch_size, self.world_size, self.rank, None)
 
         self._micro: MicroBatch | None = None
         self._next_weight: float | None = None
