@@ -50,7 +50,17 @@ if not log.handlers:  # resumes, stops and checkpoints are worth seeing in every
 
 
 class Trainer:
-    """Iterate it instead of a DataLoader; see the module docstring and :func:`elastic`."""
+    """Iterate it instead of a DataLoader; see the module docstring and :func:`elastic`.
+
+    ``batch_size`` is the global batch the learning rate was tuned for and ``steps`` the job's
+    length in optimizer steps at that batch (or ``epochs``). ``batch_mode`` ``fixed`` keeps
+    ``batch_size`` across resizes; ``elastic`` runs at ``global_batch_size`` (default:
+    FLEET_GLOBAL_BATCH_SIZE) with the LR scaled by ``lr_scaling`` (linear, sqrt, none).
+    ``max_micro_batch`` caps the samples per forward pass (gradient accumulation beyond it).
+    Checkpoints go to ``checkpoint_dir`` (default FLEET_CHECKPOINT_URI; none = no checkpoints)
+    every ``checkpoint_every_steps`` / ``checkpoint_every_seconds``, keeping ``keep_checkpoints``.
+    ``seed`` fixes the data order. ``assignment`` replaces the environment (tests, notebooks).
+    """
 
     def __init__(
         self,
@@ -108,15 +118,15 @@ class Trainer:
         if steps is None and epochs is None:
             raise ValueError("give steps= (optimizer steps at batch_size) or epochs=")
         self.total_samples = int(
-            steps * self.base_batch_size if steps is not None else epochs * self.n
-        )  # type: ignore[operator]
+            steps * self.base_batch_size if steps is not None else epochs * self.n  # type: ignore[operator]
+        )
         self.lr_scaling = lr_scaling
         lr_factor(lr_scaling, 1, 1)  # reject an unknown rule now, not at the first step
         self.max_micro_batch = max_micro_batch
         self.every_steps = checkpoint_every_steps or a.checkpoint_every_steps
         self.every_seconds = checkpoint_every_seconds or a.checkpoint_every_seconds
 
-        self._owns_group = self._init_distributed(a)
+        self._init_distributed(a)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         multi = self.world_size > 1
@@ -142,6 +152,8 @@ class Trainer:
         self.samples_done = 0
         self.finished = False
         self._restore()
+        # Refuse an impossible split now, with the fix in the message, not at the first step.
+        step_plan(self.seed, self.n, 0, self.global_batch_size, self.world_size, self.rank, None)
 
         self._micro: MicroBatch | None = None
         self._next_weight: float | None = None
@@ -183,13 +195,13 @@ class Trainer:
 
     # ---- set-up -----------------------------------------------------------------------------
     @staticmethod
-    def _init_distributed(a: Assignment) -> bool:
+    def _init_distributed(a: Assignment) -> None:
+        """Start the process group unless the script already did (gloo on CPU, NCCL on GPU)."""
         if not a.distributed or dist.is_initialized():
-            return False
+            return
         if torch.cuda.is_available():
             torch.cuda.set_device(a.local_rank)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        return True
 
     def _restore(self) -> None:
         if self.checkpointer is None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
-from tests.runtime.conftest import agent_command, job_env, progress, run_job
+from tests.runtime.jobs import agent_command, job_env, progress, run_job
 
 GRACE = 20.0
 LONG = ["--steps", "5000", "--batch-size", "32"]  # minutes of work: only a stop ends it

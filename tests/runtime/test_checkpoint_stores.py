@@ -16,7 +16,7 @@ from moto.server import ThreadedMotoServer
 
 from broker.runtime.checkpoint import Checkpointer
 from broker.runtime.store import FsspecStore, LocalStore, S3Store, open_store, step_dir_name
-from tests.runtime.conftest import ROOT
+from tests.runtime.jobs import ROOT
 
 
 def state(value: float, n: int = 16) -> dict:

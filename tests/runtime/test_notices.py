@@ -11,7 +11,7 @@ from pytest_httpserver import HTTPServer
 from broker.runtime.agent import parse
 from broker.runtime.assignment import AssignmentError
 from broker.runtime.notices import AwsNotice, AzureNotice, GcpNotice
-from tests.runtime.conftest import ROOT
+from tests.runtime.jobs import ROOT
 
 AWS = "/latest/meta-data/spot/instance-action"
 GCP = "/computeMetadata/v1/instance/preempted"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.conftest import DIGITS, agent_command, job_env, run_job
+from tests.runtime.jobs import DIGITS, agent_command, job_env, run_job
 
 STEPS = 60
 FLAGS = ["--steps", str(STEPS), "--batch-size", "24", "--max-micro-batch", "8", "--lr", "0.05"]

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "train_digits.py"
 
@@ -76,8 +74,3 @@ def run_job(
 
 def agent_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "broker.runtime.agent", "--", sys.executable, str(DIGITS), *args]
-
-
-@pytest.fixture
-def digits_env(tmp_path: Path) -> Callable[..., dict[str, str]]:
-    return lambda **fleet: job_env(tmp_path, **fleet)
