@@ -35,17 +35,14 @@ class Reconciler:
         self.provider = provider
         self.max_failures = max_failures
 
-    def run(self, fence: int, jobs: list[JobRecord] | None = None) -> ReconcileResult:
+    def run(self, fence: int) -> ReconcileResult:
         res = ReconcileResult()
         nodes = {n.node_id: n for n in self.provider.nodes()}
-        if jobs is None:
-            jobs = self.store.list_jobs(states=[JobState.LAUNCHING, JobState.RUNNING,
-                                                JobState.SUSPENDING])
+        jobs = self.store.list_jobs(states=[JobState.LAUNCHING, JobState.RUNNING,
+                                            JobState.SUSPENDING])
         noticed = {n.node_id for n in self.provider.notices()}
         claimed: set[str] = set()
         for job in jobs:
-            if job.state not in (JobState.LAUNCHING, JobState.RUNNING, JobState.SUSPENDING):
-                continue
             mine = [n for n in nodes.values() if n.idempotency_key == job.launch_key]
             claimed |= {n.node_id for n in mine}
             if job.state is JobState.LAUNCHING:

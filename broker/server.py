@@ -1,8 +1,9 @@
 """The broker process: an embedded ``redis-server`` (unless a URL is given), the leader loop
 (lease, operator commands, reconcile, schedule, actuate) and the HTTP API in one process.
 
-``build_broker(config)`` gives a ``Broker`` to embed (tests, ``fleet demo``); ``run_server``
-is ``fleet up``. Several broker processes may share one Redis: one holds the lease and acts.
+``build_broker(config)`` gives the leader loop alone (``python -m broker.server`` runs it; tests
+kill it); ``Stack`` adds the embedded Redis and the API: it is what ``fleet up`` and ``fleet demo``
+run. Several broker processes may share one Redis: one holds the lease and acts.
 """
 
 from __future__ import annotations

@@ -49,8 +49,10 @@ def test_fleet_up_serves_runs_and_stops(tmp_path: Path) -> None:
     try:
         deadline = time.monotonic() + 30
         while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+            try:  # up once the API answers and the client config is written
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200 \
+                        and (tmp_path / "client.yaml").exists() \
+                        and yaml.safe_load((tmp_path / "client.yaml").read_text()):
                     break
             except httpx.HTTPError:
                 pass
