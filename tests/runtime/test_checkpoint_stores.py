@@ -81,7 +81,8 @@ def test_open_store_picks_s3_and_honours_the_endpoint(monkeypatch: pytest.Monkey
     assert store.client.meta.endpoint_url == "http://127.0.0.1:9"
 
 
-def test_fsspec_store_roundtrip(tmp_path: Path) -> None:
+def test_fsspec_store_roundtrip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEET_CHECKPOINT_CACHE", str(tmp_path))
     store = open_store("memory://fleet-test/job")
     assert isinstance(store, FsspecStore)
     roundtrip(Checkpointer(store, keep=3))
