@@ -63,6 +63,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-mode", choices=["fixed", "elastic"], default=None)
+    p.add_argument("--lr-scaling", choices=["linear", "sqrt", "none"], default=None,
+                   help="elastic mode: how the LR follows the global batch (default linear)")
     p.add_argument("--checkpoint-dir", default=None, help="default: FLEET_CHECKPOINT_URI")
     p.add_argument("--checkpoint-every-steps", type=int, default=None)
     p.add_argument("--max-micro-batch", type=int, default=None, help="per-worker memory limit")

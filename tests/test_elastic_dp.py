@@ -49,7 +49,8 @@ def check_against_milp(jobs: list[JobChoices], capacity: int) -> None:
         return
     alloc = allocate(jobs, capacity)
     assert used(alloc) <= capacity
-    assert math.isclose(total(alloc), best, rel_tol=1e-9, abs_tol=1e-9)
+    # HiGHS works to a tolerance of about 1e-6: it may skip a job worth less than that.
+    assert math.isclose(total(alloc), best, rel_tol=1e-9, abs_tol=1e-6)
     for job in jobs:
         chosen = alloc[job.job_id]
         assert chosen is None or chosen in job.choices
