@@ -166,3 +166,35 @@ def test_cli_malformed_workload_exits_2(tmp_path: Path) -> None:
     p = _cli(str(w))
     assert p.returncode == 2
     assert "line 2, column 'num_replicas'" in p.stderr
+
+
+def _state(name: str, app: str, gpus: int, batch: int, t: float = 0.0):
+    from policies.schedulers import JobState
+
+    return JobState(name, load_application(app), t, gpus, batch)
+
+
+def test_tiresias_demotes_after_its_threshold_and_lets_the_next_job_run() -> None:
+    from policies.schedulers import TiresiasPolicy
+
+    pol = TiresiasPolicy(_t4(1), threshold_gpu_s=4 * 120)
+    a, b = _state("a", "cifar10", 4, 512, 0), _state("b", "cifar10", 4, 512, 1)
+    plan = pol.schedule([a, b], now=60)
+    assert plan["a"] is not None and plan["b"] is None  # first come, first served in Q0
+    a.current = plan["a"]
+    for now in (120, 180):
+        plan = pol.schedule([a, b], now=now)
+    assert plan["a"] is None and plan["b"] is not None  # a used 4 GPUs x 120 s: demoted
+
+
+def test_static_is_strict_fcfs_and_tiresias_skips_ahead() -> None:
+    from policies.schedulers import StaticPolicy, TiresiasPolicy
+
+    big, small = _state("big", "cifar10", 8, 2048, 0), _state("small", "ncf", 1, 256, 1)
+    running = _state("run", "ncf", 1, 256, -1)
+    for pol, want in ((StaticPolicy(_t4(2)), None), (TiresiasPolicy(_t4(2)), "small")):
+        plan = pol.schedule([running], now=0)
+        running.current = plan["run"]
+        plan = pol.schedule([running, big, small], now=60)
+        assert plan["big"] is None
+        assert (plan["small"] is not None) == (want == "small")

@@ -26,14 +26,6 @@ def _expand(paths: list[Path]) -> list[Path]:
     return out
 
 
-def _run_one(args: tuple[Path, Any, Any]) -> Any:
-    from broker.sim.engine import simulate as run
-    from broker.sim.workload import read_workload
-
-    path, fleet, cfg = args
-    return run(read_workload(path), fleet, cfg)
-
-
 @app.command()
 def simulate(
     workloads: list[Path] = typer.Argument(..., help="workload CSV files or folders of them"),
@@ -117,24 +109,21 @@ def _simulate_all(paths: list[Path], fleet: Any, cfg: Any, workers: int,
 
     from broker.cli.app import err_console
 
-    names = [str(p) for p in paths]
-    if workers > 1 and len(paths) > 1:
-        from concurrent.futures import ProcessPoolExecutor
+    if workers > 1 or not show:
+        from broker.sim.batch import run_files
 
-        with ProcessPoolExecutor(min(workers, len(paths))) as pool:
-            return list(zip(names, pool.map(_run_one, [(p, fleet, cfg) for p in paths]),
-                            strict=True))
+        return run_files(paths, fleet, cfg, workers)
     from broker.sim.engine import simulate as run
     from broker.sim.workload import read_workload
 
     results = []
-    with Progress(console=err_console, disable=not show, transient=True) as progress:
-        for path, name in zip(paths, names, strict=True):
+    with Progress(console=err_console, transient=True) as progress:
+        for path in paths:
             jobs = read_workload(path)
             task = progress.add_task(f"{path.name}", total=len(jobs))
             res = run(jobs, fleet, cfg,
                       on_round=lambda _t, done, task=task: progress.update(task, completed=done))
-            results.append((name, res))
+            results.append((str(path), res))
     return results
 
 
