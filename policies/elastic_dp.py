@@ -7,11 +7,11 @@ batch size can be in an optimum, and a configuration that needs more GPUs for no
 smaller one is dominated and dropped.
 
 The programme keeps ``best[k]`` = the largest value of the jobs seen so far using at most ``k``
-GPUs, and adds one job as a max-plus convolution of ``best`` with the job's few choices (numpy
-over the whole GPU axis, one vector operation per choice). Only the rows of ``best`` are kept;
-the winning choice of each job is recovered afterwards by re-evaluating the same floating-point
-sums, so the backward pass costs O(jobs x choices). Time O(jobs x choices x capacity), memory
-O(jobs x capacity) float64.
+GPUs, and adds one job as a max-plus convolution of ``best`` with the job's few choices: a small
+C loop (``policies/_maxplus.c``), or numpy over the whole GPU axis where it is not compiled.
+Only the rows of ``best`` are kept; the winning choice of each job is recovered afterwards by
+re-evaluating the same floating-point sums, so the backward pass costs O(jobs x choices).
+Time O(jobs x choices x capacity), memory O(jobs x capacity) float64.
 
 Where every job's choices are all GPU counts 1..m with non-increasing marginal value (concave
 speed-up curves), the greedy rule "hand out GPUs in order of marginal value" is optimal;
@@ -27,6 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+try:  # the compiled inner loop (policies/_maxplus.c); a source checkout falls back to numpy
+    from policies import _maxplus
+except ImportError:  # pragma: no cover - depends on the build
+    _maxplus = None
+
 __all__ = ["Choice", "InfeasibleAllocation", "JobChoices", "allocate"]
 
 
@@ -38,6 +43,18 @@ class Choice:
     batch_size: int
     value: float
 
+    def __post_init__(self) -> None:
+        if self.gpus.__class__ is not int and not isinstance(self.gpus, int | np.integer):
+            raise ValueError(f"gpus must be an integer, got {self.gpus!r}")
+        if self.gpus < 1:
+            raise ValueError(f"gpus must be >= 1, got {self.gpus}; "
+                             "leave a configuration out instead of offering 0 GPUs")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.value - self.value != 0:  # NaN or infinite
+            raise ValueError(f"value must be a finite number, got {self.value!r} "
+                             f"for {self.gpus} GPUs")
+
 
 @dataclass(frozen=True, slots=True)
 class JobChoices:
@@ -46,6 +63,12 @@ class JobChoices:
     job_id: str
     choices: Sequence[Choice]
     required: bool = False
+
+    def __post_init__(self) -> None:
+        for c in self.choices:
+            if not isinstance(c, Choice):
+                raise ValueError(f"job {self.job_id!r}: choices must be Choice objects, "
+                                 f"got {c!r}")
 
 
 class InfeasibleAllocation(ValueError):
@@ -95,28 +118,17 @@ def allocate(jobs: Sequence[JobChoices], capacity: int) -> dict[str, Choice | No
 
 
 def _validate(jobs: Sequence[JobChoices], capacity: int) -> None:
+    """Choices validate themselves on construction; what is left is the whole-problem input."""
     if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer):
         raise ValueError(f"capacity must be an integer number of GPUs, got {capacity!r}")
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0 GPUs, got {capacity}")
-    seen: set[str] = set()
-    for job in jobs:
-        if job.job_id in seen:
-            raise ValueError(f"duplicate job id {job.job_id!r}: every job must appear once")
-        seen.add(job.job_id)
-        for choice in job.choices:
-            if isinstance(choice.gpus, bool) or not isinstance(choice.gpus, int | np.integer):
-                raise ValueError(f"job {job.job_id!r}: gpus must be an integer, "
-                                 f"got {choice.gpus!r}")
-            if choice.gpus < 1:
-                raise ValueError(f"job {job.job_id!r}: gpus must be >= 1, got {choice.gpus}; "
-                                 "leave a configuration out instead of offering 0 GPUs")
-            if choice.batch_size < 1:
-                raise ValueError(f"job {job.job_id!r}: batch_size must be >= 1, "
-                                 f"got {choice.batch_size}")
-            if not math.isfinite(choice.value):
-                raise ValueError(f"job {job.job_id!r}: value must be a finite number, "
-                                 f"got {choice.value!r} for {choice.gpus} GPUs")
+    if len({job.job_id for job in jobs}) != len(jobs):
+        seen: set[str] = set()
+        for job in jobs:
+            if job.job_id in seen:
+                raise ValueError(f"duplicate job id {job.job_id!r}: every job must appear once")
+            seen.add(job.job_id)
 
 
 def _frontier(job: JobChoices, capacity: int) -> list[Choice]:
@@ -177,10 +189,33 @@ def _dynamic_programme(
     options: Sequence[tuple[list[Choice], bool]], capacity: int, ids: Sequence[int]
 ) -> dict[int, Choice]:
     """Max-plus programme over ``options`` = (choices by increasing GPUs, must be placed)."""
-    width = capacity + 1
-    rows = np.empty((len(options) + 1, width))
+    rows = np.empty((len(options) + 1, capacity + 1))
     rows[0] = 0.0
-    scratch = np.empty(width)
+    if _maxplus is None:
+        _forward_numpy(options, rows)
+        return _backtrack(options, ids, rows, _fewest_optimal_gpus(rows))
+    flat = [c for choices, _ in options for c in choices]
+    offsets = np.zeros(len(options) + 1, dtype=np.int64)
+    np.cumsum([len(choices) for choices, _ in options], out=offsets[1:])
+    gpus = np.array([c.gpus for c in flat], dtype=np.int64)
+    values = np.array([c.value for c in flat], dtype=np.float64)
+    required = bytes(bool(req) for _, req in options)
+    picks = np.empty(len(options), dtype=np.int64)
+    _maxplus.forward(rows, capacity + 1, offsets, gpus, values, required)
+    _maxplus.backtrack(rows, capacity + 1, _fewest_optimal_gpus(rows), offsets, gpus, values,
+                       required, picks)
+    return {ids[r]: flat[p] for r, p in enumerate(picks.tolist()) if p >= 0}
+
+
+def _fewest_optimal_gpus(rows: np.ndarray) -> int:
+    final = rows[-1]
+    return int(np.flatnonzero(final == final[-1])[0])
+
+
+def _forward_numpy(options: Sequence[tuple[list[Choice], bool]], rows: np.ndarray) -> None:
+    """The C kernel's forward pass with one numpy operation per choice (same arithmetic)."""
+    capacity = rows.shape[1] - 1
+    scratch = np.empty(capacity + 1)
     reach = 0  # beyond the GPUs all jobs so far could use, best[] is flat: skip that tail
     for r, (choices, required) in enumerate(options, start=1):
         prev, cur = rows[r - 1], rows[r]
@@ -197,21 +232,12 @@ def _dynamic_programme(
             np.add(prev[:n], c.value, out=scratch[:n])
             np.maximum(cur[c.gpus:span], scratch[:n], out=cur[c.gpus:span])
         cur[span:] = cur[reach]
-    return _backtrack(options, ids, rows, capacity)
 
 
 def _backtrack(
-    options: Sequence[tuple[list[Choice], bool]],
-    ids: Sequence[int],
-    rows: np.ndarray,
-    capacity: int,
+    options: Sequence[tuple[list[Choice], bool]], ids: Sequence[int], rows: np.ndarray, k: int
 ) -> dict[int, Choice]:
-    final = rows[-1]
-    best = final[capacity]
-    if best == -np.inf:  # pragma: no cover - required jobs are checked before the programme
-        raise AssertionError("required jobs do not fit")
-    # Fewest GPUs among the optimal totals.
-    k = int(np.flatnonzero(final == best)[0])
+    """The C kernel's backtrack: later jobs yield on ties, then fewest GPUs (same rule)."""
     picks: dict[int, Choice] = {}
     for r in range(len(options), 0, -1):
         choices, required = options[r - 1]

@@ -120,21 +120,47 @@ def test_deterministic_tie_breaking_prefers_earlier_jobs_and_fewer_gpus() -> Non
 
 
 @pytest.mark.parametrize(
-    ("jobs", "capacity", "message"),
+    ("make", "message"),
     [
-        ([JobChoices("a", [Choice(-1, 8, 1.0)])], 4, "gpus must be >= 1"),
-        ([JobChoices("a", [Choice(1, 8, float("nan"))])], 4, "value must be a finite number"),
-        ([JobChoices("a", []), JobChoices("a", [])], 4, "duplicate job id 'a'"),
-        ([JobChoices("a", [Choice(1, 0, 1.0)])], 4, "batch_size must be >= 1"),
-        ([], -1, "capacity must be >= 0"),
-        ([], 2.5, "capacity must be an integer"),
+        (lambda: Choice(-1, 8, 1.0), "gpus must be >= 1"),
+        (lambda: Choice(1.5, 8, 1.0), "gpus must be an integer"),
+        (lambda: Choice(1, 8, float("nan")), "value must be a finite number"),
+        (lambda: Choice(1, 8, float("inf")), "value must be a finite number"),
+        (lambda: Choice(1, 0, 1.0), "batch_size must be >= 1"),
+        (lambda: JobChoices("a", [(1, 8, 1.0)]), "job 'a': choices must be Choice objects"),
+        (lambda: allocate([JobChoices("a", []), JobChoices("a", [])], 4), "duplicate job id 'a'"),
+        (lambda: allocate([], -1), "capacity must be >= 0"),
+        (lambda: allocate([], 2.5), "capacity must be an integer"),
     ],
 )
-def test_invalid_input_is_rejected_with_a_clear_message(jobs, capacity, message) -> None:
+def test_invalid_input_is_rejected_with_a_clear_message(make, message) -> None:
     with pytest.raises(ValueError, match=message):
-        allocate(jobs, capacity)
+        make()
 
 
 def test_zero_capacity_and_empty_inputs() -> None:
     assert allocate([], 8) == {}
     assert allocate([JobChoices("a", [Choice(1, 8, 1.0)])], 0) == {"a": None}
+
+
+def test_compiled_kernel_and_numpy_path_choose_identically(monkeypatch) -> None:
+    from policies import elastic_dp
+
+    if elastic_dp._maxplus is None:
+        pytest.skip("the C kernel is not built in this checkout")
+    rng = random.Random(3)
+    instances = [(random_instance(rng, rng.randint(1, 30), 0), rng.randint(1, 100))
+                 for _ in range(60)]
+    compiled = []
+    for jobs, capacity in instances:
+        try:
+            compiled.append(allocate(jobs, capacity))
+        except InfeasibleAllocation:
+            compiled.append(None)
+    monkeypatch.setattr(elastic_dp, "_maxplus", None)
+    for (jobs, capacity), want in zip(instances, compiled, strict=True):
+        if want is None:
+            with pytest.raises(InfeasibleAllocation):
+                allocate(jobs, capacity)
+        else:
+            assert allocate(jobs, capacity) == want

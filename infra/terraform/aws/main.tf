@@ -1,0 +1,43 @@
+# FleetBroker control plane on AWS: one broker host (scheduler, actuator, API) and its Redis.
+locals {
+  tags = {
+    "fleetbroker:deployment" = var.name
+  }
+  redis_url = var.managed_redis ? "rediss://${aws_elasticache_replication_group.state[0].primary_endpoint_address}:6379/0" : ""
+}
+
+provider "aws" {
+  region = var.region
+}
+
+# The admin token lives in SSM (encrypted); the host reads it at boot, it never enters user data.
+resource "aws_ssm_parameter" "api_token" {
+  name        = "/${var.name}/api-token"
+  description = "FleetBroker admin API token"
+  type        = "SecureString"
+  value       = var.api_token
+  tags        = local.tags
+}
+
+resource "aws_instance" "broker" {
+  ami                    = var.ami_id
+  instance_type          = var.instance_type
+  subnet_id              = aws_subnet.public[0].id
+  vpc_security_group_ids = [aws_security_group.broker.id]
+  iam_instance_profile   = aws_iam_instance_profile.broker.name
+  user_data = templatefile("${path.module}/user_data.sh.tftpl", {
+    name        = var.name
+    region      = var.region
+    requirement = var.fleetbroker_version
+    redis_url   = local.redis_url
+    token_param = aws_ssm_parameter.api_token.name
+  })
+  metadata_options {
+    http_tokens = "required" # IMDSv2 only
+  }
+  root_block_device {
+    encrypted   = true
+    volume_size = 30
+  }
+  tags = merge(local.tags, { Name = "${var.name}-broker" })
+}

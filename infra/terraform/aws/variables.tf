@@ -1,0 +1,64 @@
+variable "name" {
+  description = "Prefix for every resource; also the value of the fleetbroker:deployment tag."
+  type        = string
+  default     = "fleetbroker"
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9-]{1,30}$", var.name))
+    error_message = "name must be 2-31 lowercase letters, digits or '-', starting with a letter."
+  }
+}
+
+variable "region" {
+  description = "AWS region of the control plane (the broker launches jobs in any region)."
+  type        = string
+  default     = "us-east-1"
+}
+
+variable "ami_id" {
+  description = "AMI for the broker host (Debian 12 or Ubuntu 22.04+ with python3.11)."
+  type        = string
+}
+
+variable "instance_type" {
+  description = "Broker host size; the control plane needs no GPU."
+  type        = string
+  default     = "t3.medium"
+}
+
+variable "vpc_cidr" {
+  type    = string
+  default = "10.42.0.0/16"
+}
+
+variable "api_allowed_cidrs" {
+  description = "Who may reach the broker API (port 8080). Keep it narrow."
+  type        = list(string)
+  default     = []
+}
+
+variable "managed_redis" {
+  description = "Use ElastiCache (Multi-AZ, encrypted, min-replicas-to-write) instead of the embedded redis-server with AOF."
+  type        = bool
+  default     = false
+}
+
+variable "redis_node_type" {
+  type    = string
+  default = "cache.t4g.small"
+}
+
+variable "fleetbroker_version" {
+  description = "pip requirement installed on the broker host."
+  type        = string
+  default     = "fleetbroker[aws]"
+}
+
+variable "api_token" {
+  description = "Admin bearer token for the broker API, e.g. TF_VAR_api_token=$(openssl rand -hex 32)."
+  type        = string
+  sensitive   = true
+  validation {
+    condition     = length(var.api_token) >= 32
+    error_message = "api_token must be at least 32 characters; generate one with: openssl rand -hex 32."
+  }
+}
