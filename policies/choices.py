@@ -115,12 +115,14 @@ class ChoiceTables:
         self._tables: dict[tuple, ConfigTable] = {}
 
     def table(self, app: Application, cap: TypeCapacity, epoch: int,
-              fixed_batch: int | None = None) -> ConfigTable:
-        key = (app.name, app.efficiency.model, cap, fixed_batch, epoch)
+              fixed_batch: int | None = None, accumulation: bool = True) -> ConfigTable:
+        """Best batch and goodput per allowed GPU count; ``accumulation=False`` keeps only
+        configurations whose per-GPU batch fits in memory (no gradient accumulation)."""
+        key = (app.name, app.efficiency.model, cap, fixed_batch, accumulation, epoch)
         hit = self._tables.get(key)
         if hit is not None:
             return hit
-        counts, seconds, effective = self._step_times(app, cap, fixed_batch)
+        counts, seconds, effective = self._step_times(app, cap, fixed_batch, accumulation)
         with np.errstate(invalid="ignore", divide="ignore"):
             gain = app.efficiency.gain(np.where(effective > 0, effective, 1), epoch)
             rate = np.where(np.isfinite(seconds) & (seconds > 0), gain / seconds, np.nan)
@@ -132,9 +134,9 @@ class ChoiceTables:
         self._tables[key] = out
         return out
 
-    def _step_times(self, app: Application, cap: TypeCapacity,
-                    fixed_batch: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        key = (app.name, cap, fixed_batch)
+    def _step_times(self, app: Application, cap: TypeCapacity, fixed_batch: int | None,
+                    accumulation: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        key = (app.name, cap, fixed_batch, accumulation)
         hit = self._times.get(key)
         if hit is not None:
             return hit
@@ -149,6 +151,8 @@ class ChoiceTables:
                 if b < n * model.min_local_bsz:
                     continue
                 t, atomic, accum = model.iteration(placement, int(b), app.spec.max_batch_size)
+                if accum and not accumulation:
+                    continue
                 seconds[i, j] = t
                 effective[i, j] = n * atomic * (accum + 1)
         out = (counts, seconds, effective)

@@ -92,14 +92,16 @@ class ElasticPolicy(Policy):
     fixed_batch = False
 
     def __init__(self, fleet: Sequence[TypeCapacity], admission: Admission = Admission.QUEUE,
-                 value: ValueConfig = ValueConfig(), tables: ChoiceTables | None = None):
+                 value: ValueConfig = ValueConfig(), tables: ChoiceTables | None = None,
+                 accumulation: bool = True):
         super().__init__(fleet, admission)
         self.value = value
+        self.accumulation = accumulation
         self.tables = tables or ChoiceTables()
 
     def _table(self, job: JobState, acc: Accelerator) -> ConfigTable:
         fixed = job.workload_batch if self.fixed_batch else None
-        return self.tables.table(job.app, self.fleet[acc], job.epoch, fixed)
+        return self.tables.table(job.app, self.fleet[acc], job.epoch, fixed, self.accumulation)
 
     def schedule(self, jobs: Sequence[JobState], now: float) -> dict[str, Assignment | None]:
         order = sorted(jobs, key=lambda j: (j.submitted, j.id))
@@ -317,12 +319,14 @@ class PolicyName(StrEnum):
 
 def make_policy(name: PolicyName | str, fleet: Sequence[TypeCapacity],
                 admission: Admission = Admission.QUEUE, value: ValueConfig = ValueConfig(),
-                tables: ChoiceTables | None = None) -> Policy:
+                tables: ChoiceTables | None = None, accumulation: bool = True) -> Policy:
+    """``accumulation=False``: the elastic policies only use batches that fit in GPU memory
+    (the seed paper's baseline then needs ``batch / per-GPU limit`` GPUs at least)."""
     name = PolicyName(name)
     if name is PolicyName.ELASTIC:
-        return ElasticPolicy(fleet, admission, value, tables)
+        return ElasticPolicy(fleet, admission, value, tables, accumulation)
     if name is PolicyName.FIXED_BATCH:
-        return FixedBatchPolicy(fleet, admission, value, tables)
+        return FixedBatchPolicy(fleet, admission, value, tables, accumulation)
     if name is PolicyName.STATIC:
         return StaticPolicy(fleet, admission)
     return TiresiasPolicy(fleet, admission)

@@ -130,3 +130,13 @@ def test_per_type_dp_is_close_to_the_joint_milp_on_small_fleets() -> None:
         ratios.append(got / best)
     print(f"per-type DP / joint MILP: mean {np.mean(ratios):.3f}, min {min(ratios):.3f}")
     assert np.mean(ratios) >= 0.9
+
+
+def test_without_accumulation_a_fixed_batch_needs_enough_gpus_to_hold_it() -> None:
+    app = load_application("cifar10")
+    limit = app.on(Accelerator.T4).max_local_bsz
+    with_acc = ChoiceTables().table(app, T4, epoch=0, fixed_batch=4096)
+    without = ChoiceTables().table(app, T4, epoch=0, fixed_batch=4096, accumulation=False)
+    assert with_acc.rate[0] > 0  # one GPU accumulates 4 micro-batches
+    runnable = without.gpus[without.rate > 0]
+    assert runnable.min() == 4096 // limit

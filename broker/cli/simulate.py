@@ -40,6 +40,8 @@ def simulate(
     fairness: float = typer.Option(0.5, help="exponent p of the 'fair' value, in (0, 1]"),
     restart_horizon: float = typer.Option(
         1800.0, help="seconds a rescale must repay its restart in (discounts changes)"),
+    accumulation: bool = typer.Option(
+        True, help="let elastic/fixed-batch jobs accumulate gradients past the per-GPU limit"),
     seed: int = typer.Option(0, help="recorded; the simulator itself draws no random numbers"),
     workers: int = typer.Option(1, help="processes simulating workloads in parallel"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object, no progress"),
@@ -78,7 +80,7 @@ def simulate(
         fail(f"--workers must be at least 1, got {workers}")
     try:
         cfg = SimConfig(pol, adm, interval, penalty, eff, slowdown == "sia",
-                        ValueConfig(val, fairness, restart_horizon))
+                        ValueConfig(val, fairness, restart_horizon), accumulation=accumulation)
         fleet = fleet_capacity(parse_cluster(cluster))
     except (ValueError, ClusterError) as e:
         fail(str(e))
@@ -93,7 +95,8 @@ def simulate(
     settings = {"policy": pol.value, "cluster": cluster, "admission": adm.value,
                 "interval": interval, "restart_penalty": restart_penalty,
                 "efficiency": eff.value, "slowdown": slowdown, "value": val.value,
-                "fairness": fairness, "restart_horizon": restart_horizon, "seed": seed}
+                "fairness": fairness, "restart_horizon": restart_horizon,
+                "accumulation": accumulation, "seed": seed}
     out = summary(results, settings)
     if jobs_out:
         write_jobs(jobs_out, results)

@@ -35,6 +35,7 @@ class SimConfig:
     efficiency: EfficiencyModel = EfficiencyModel.GNS
     sia_slowdown: bool = False
     value: ValueConfig = field(default_factory=ValueConfig)
+    accumulation: bool = True  # elastic policies may use gradient accumulation
     max_hours: float = 24 * 60  # safety stop for workloads that never drain
 
     def __post_init__(self) -> None:
@@ -82,7 +83,7 @@ def simulate(workload: Sequence[WorkloadJob], fleet: Sequence[TypeCapacity],
     """Run one workload to completion (or ``cfg.max_hours``) and return per-job records."""
     import time
 
-    policy = make_policy(cfg.policy, fleet, cfg.admission, cfg.value, tables)
+    policy = make_policy(cfg.policy, fleet, cfg.admission, cfg.value, tables, cfg.accumulation)
     jobs = [_make_job(w, cfg) for w in sorted(workload, key=lambda w: (w.time, w.name))]
     _check_runnable(jobs, fleet, cfg.policy)
     rate_cache: dict[tuple, float] = {}

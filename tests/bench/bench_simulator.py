@@ -1,5 +1,5 @@
-"""Simulator tables: every policy across loads (with the JCT-vs-load plot), the seed paper's
-drop-admission claim, and the heterogeneous Sia comparison. Writes ``examples/results/``.
+"""Simulator tables: every policy across loads (with the JCT-vs-load plot) and the heterogeneous
+Sia comparison. Writes ``examples/results/``; the seed paper's claim is ``bench_seed_claim``.
 
 Run: ``python -m tests.bench simulator`` (``BENCH_WORKERS`` processes, default 2).
 """
@@ -16,7 +16,7 @@ from broker.sim.cluster import fleet_capacity, parse_cluster
 from broker.sim.engine import SimConfig
 from broker.sim.report import summary
 from policies.choices import ValueConfig, ValueFunction
-from policies.schedulers import Admission, PolicyName
+from policies.schedulers import PolicyName
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = ROOT / "examples" / "workloads"
@@ -88,7 +88,7 @@ def _plot(results: dict, path: Path) -> None:
 
 def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out: dict = {"loads": {}, "drop": {}, "hetero": {}}
+    out: dict = {"loads": {}, "hetero": {}}
     for label, pol, value in VARIANTS:
         out["loads"][label] = {
             str(x): _run(WORKLOADS / "pollux-osdi21" / d, "t4:16x4",
@@ -97,19 +97,6 @@ def main() -> None:
         }
     _loads(out["loads"])
     _plot(out["loads"], RESULTS / "jct_vs_load.png")
-
-    print("\n| load | elastic completed | fixed-batch completed | ratio | elastic JCT | "
-          "fixed-batch JCT | JCT ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for x, d in LOADS.items():
-        row = {pol.value: _run(WORKLOADS / "pollux-osdi21" / d, "t4:16x4",
-                               SimConfig(policy=pol, admission=Admission.DROP, value=FAIR))
-               for pol in (PolicyName.ELASTIC, PolicyName.FIXED_BATCH)}
-        out["drop"][str(x)] = row
-        e, f = row["elastic"], row["fixed-batch"]
-        print(f"| {x}x | {e['completed']} | {f['completed']} | "
-              f"{e['completed'] / f['completed']:.2f} | {e['avg_jct_h']:.3f} h | "
-              f"{f['avg_jct_h']:.3f} h | {f['avg_jct_h'] / e['avg_jct_h']:.2f} |")
 
     print(f"\n| policy on {HETERO}, philly, Sia conventions | avg JCT | p99 | makespan |")
     print("|---|---|---|---|")
