@@ -207,29 +207,39 @@ def assign_types(cands: Mapping[str, Mapping[Accelerator, JobChoices]],
     if len(types) == 1:
         return {j: types[0] for j in jobs}
     candidates = [_greedy_types(cands, capacity, jobs)]
-    per_gpu = [c.value / c.gpus for j in jobs for jc in cands[j].values() for c in jc.choices]
-    step0 = float(np.median(per_gpu)) if per_gpu else 1.0
-    price = dict.fromkeys(types, 0.0)
+    # every (job, type, count) choice as flat arrays, in job order then type order then count
+    job_ix, type_ix, gpus, vals = [], [], [], []
+    for j_i, j in enumerate(jobs):
+        for acc, jc in cands[j].items():
+            for c in jc.choices:
+                job_ix.append(j_i)
+                type_ix.append(types.index(acc))
+                gpus.append(c.gpus)
+                vals.append(c.value)
+    if not vals:
+        return candidates[0]
+    jx, tx = np.array(job_ix), np.array(type_ix)
+    g, v = np.array(gpus, float), np.array(vals)
+    caps = np.array([capacity[t] for t in types], float)
+    starts = np.flatnonzero(np.r_[True, jx[1:] != jx[:-1]])
+    owners = jx[starts]
+    step0 = float(np.median(v / g))
+    price = np.zeros(len(types))
     for it in range(iterations):
-        pick: dict[str, Accelerator] = {}
-        demand = dict.fromkeys(types, 0)
-        for j in jobs:
-            best = None
-            for acc, jc in cands[j].items():
-                for c in jc.choices:
-                    score = c.value - price[acc] * c.gpus
-                    if best is None or score > best[0]:
-                        best = (score, acc, c.gpus)
-            if best is not None:
-                pick[j] = best[1]
-                if best[0] > 0:
-                    demand[best[1]] += best[2]
+        score = v - price[tx] * g
+        best = np.maximum.reduceat(score, starts)
+        # first choice reaching its job's best score (deterministic ties, as the order above)
+        hit = np.flatnonzero(score == best[np.searchsorted(starts, np.arange(len(v)),
+                                                           side="right") - 1])
+        first = hit[np.r_[True, jx[hit][1:] != jx[hit][:-1]]]
+        pick = {jobs[o]: types[t] for o, t in zip(owners.tolist(), tx[first].tolist(),
+                                                   strict=True)}
         if pick not in candidates:
             candidates.append(pick)
-        rate = step0 / (1 + it / 4)
-        for acc in types:
-            price[acc] = max(0.0, price[acc] + rate * (demand[acc] - capacity[acc])
-                             / max(capacity[acc], 1))
+        wants = first[score[first] > 0]
+        demand = np.bincount(tx[wants], weights=g[wants], minlength=len(types))
+        price = np.maximum(0.0, price + step0 / (1 + it / 4) * (demand - caps)
+                           / np.maximum(caps, 1))
     pool = [candidates[0], *candidates[1:][-(evaluate - 1):]]
     scores = [_dp_value(cands, capacity, c) for c in pool]
     return pool[int(np.argmax(scores))]
