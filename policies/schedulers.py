@@ -93,10 +93,11 @@ class ElasticPolicy(Policy):
 
     def __init__(self, fleet: Sequence[TypeCapacity], admission: Admission = Admission.QUEUE,
                  value: ValueConfig = ValueConfig(), tables: ChoiceTables | None = None,
-                 accumulation: bool = True):
+                 accumulation: bool = True, migrate: bool = False):
         super().__init__(fleet, admission)
         self.value = value
         self.accumulation = accumulation
+        self.migrate = migrate  # may a running job move to another accelerator type?
         self.tables = tables or ChoiceTables()
 
     def _table(self, job: JobState, acc: Accelerator) -> ConfigTable:
@@ -113,6 +114,8 @@ class ElasticPolicy(Policy):
                 continue
             ref = min(refs)  # one scale for every type: speed-up over one GPU of the slowest
             cands[j.id] = {}
+            if j.current is not None and not self.migrate:
+                tables = {j.current.accelerator: tables[j.current.accelerator]}
             for acc, table in tables.items():
                 current = None
                 if j.current is not None:
@@ -319,14 +322,16 @@ class PolicyName(StrEnum):
 
 def make_policy(name: PolicyName | str, fleet: Sequence[TypeCapacity],
                 admission: Admission = Admission.QUEUE, value: ValueConfig = ValueConfig(),
-                tables: ChoiceTables | None = None, accumulation: bool = True) -> Policy:
+                tables: ChoiceTables | None = None, accumulation: bool = True,
+                migrate: bool = False) -> Policy:
     """``accumulation=False``: the elastic policies only use batches that fit in GPU memory
-    (the seed paper's baseline then needs ``batch / per-GPU limit`` GPUs at least)."""
+    (the seed paper's baseline then needs ``batch / per-GPU limit`` GPUs at least).
+    ``migrate=True`` lets running jobs change accelerator type (off: measured to churn)."""
     name = PolicyName(name)
     if name is PolicyName.ELASTIC:
-        return ElasticPolicy(fleet, admission, value, tables, accumulation)
+        return ElasticPolicy(fleet, admission, value, tables, accumulation, migrate)
     if name is PolicyName.FIXED_BATCH:
-        return FixedBatchPolicy(fleet, admission, value, tables, accumulation)
+        return FixedBatchPolicy(fleet, admission, value, tables, accumulation, migrate)
     if name is PolicyName.STATIC:
         return StaticPolicy(fleet, admission)
     return TiresiasPolicy(fleet, admission)

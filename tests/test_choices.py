@@ -140,3 +140,15 @@ def test_without_accumulation_a_fixed_batch_needs_enough_gpus_to_hold_it() -> No
     assert with_acc.rate[0] > 0  # one GPU accumulates 4 micro-batches
     runnable = without.gpus[without.rate > 0]
     assert runnable.min() == 4096 // limit
+
+
+def test_running_jobs_keep_their_type_unless_migration_is_allowed() -> None:
+    from policies.schedulers import Assignment
+
+    fleet = [TypeCapacity(Accelerator.T4, 1, 4), TypeCapacity(Accelerator.A100, 1, 8)]
+    app = load_application("cifar10")
+    job = JobState("c", app, 0.0, 1, 128, progress=1000.0,
+                   current=Assignment(Accelerator.T4, 1, 128, (1,)))
+    assert ElasticPolicy(fleet).schedule([job], 60.0)["c"].accelerator is Accelerator.T4
+    moved = ElasticPolicy(fleet, migrate=True).schedule([job], 60.0)["c"]
+    assert moved.accelerator is Accelerator.A100  # alone, the A100s are worth the restart

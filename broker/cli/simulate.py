@@ -42,6 +42,8 @@ def simulate(
         1800.0, help="seconds a rescale must repay its restart in (discounts changes)"),
     accumulation: bool = typer.Option(
         True, help="let elastic/fixed-batch jobs accumulate gradients past the per-GPU limit"),
+    migrate: bool = typer.Option(
+        False, help="let running jobs move to another accelerator type (a restart each)"),
     seed: int = typer.Option(0, help="recorded; the simulator itself draws no random numbers"),
     workers: int = typer.Option(1, help="processes simulating workloads in parallel"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object, no progress"),
@@ -80,7 +82,8 @@ def simulate(
         fail(f"--workers must be at least 1, got {workers}")
     try:
         cfg = SimConfig(pol, adm, interval, penalty, eff, slowdown == "sia",
-                        ValueConfig(val, fairness, restart_horizon), accumulation=accumulation)
+                        ValueConfig(val, fairness, restart_horizon), accumulation=accumulation,
+                        migrate=migrate)
         fleet = fleet_capacity(parse_cluster(cluster))
     except (ValueError, ClusterError) as e:
         fail(str(e))
@@ -96,7 +99,7 @@ def simulate(
                 "interval": interval, "restart_penalty": restart_penalty,
                 "efficiency": eff.value, "slowdown": slowdown, "value": val.value,
                 "fairness": fairness, "restart_horizon": restart_horizon,
-                "accumulation": accumulation, "seed": seed}
+                "accumulation": accumulation, "migrate": migrate, "seed": seed}
     out = summary(results, settings)
     if jobs_out:
         write_jobs(jobs_out, results)

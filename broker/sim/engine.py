@@ -36,6 +36,7 @@ class SimConfig:
     sia_slowdown: bool = False
     value: ValueConfig = field(default_factory=ValueConfig)
     accumulation: bool = True  # elastic policies may use gradient accumulation
+    migrate: bool = False  # running jobs may move to another accelerator type
     max_hours: float = 24 * 60  # safety stop for workloads that never drain
 
     def __post_init__(self) -> None:
@@ -83,7 +84,8 @@ def simulate(workload: Sequence[WorkloadJob], fleet: Sequence[TypeCapacity],
     """Run one workload to completion (or ``cfg.max_hours``) and return per-job records."""
     import time
 
-    policy = make_policy(cfg.policy, fleet, cfg.admission, cfg.value, tables, cfg.accumulation)
+    policy = make_policy(cfg.policy, fleet, cfg.admission, cfg.value, tables, cfg.accumulation,
+                         cfg.migrate)
     jobs = [_make_job(w, cfg) for w in sorted(workload, key=lambda w: (w.time, w.name))]
     _check_runnable(jobs, fleet, cfg.policy)
     rate_cache: dict[tuple, float] = {}

@@ -1,5 +1,7 @@
-"""Simulator tables: every policy across loads (with the JCT-vs-load plot) and the heterogeneous
-Sia comparison. Writes ``examples/results/``; the seed paper's claim is ``bench_seed_claim``.
+"""Simulator tables: every policy across loads on 64 T4, with the JCT-vs-load plot.
+
+Writes ``examples/results/``; the seed paper's claim is ``bench_seed_claim``, the heterogeneous
+comparison ``bench_hetero``.
 
 Run: ``python -m tests.bench simulator`` (``BENCH_WORKERS`` processes, default 2).
 """
@@ -37,7 +39,6 @@ PUBLISHED = {  # FACTS.md section 2: Pollux simulator, 64 T4
     "Pollux (published)": {0.5: 0.43, 1.0: 0.764, 1.5: 1.02, 2.0: 1.47},
     "Tiresias (published)": {0.5: 0.58, 1.0: 1.122, 1.5: 1.72, 2.0: 2.79},
 }
-HETERO = "t4:6x4,2080ti:3x8,a100:2x8"
 WORKERS = int(os.environ.get("BENCH_WORKERS", "2"))
 
 
@@ -88,7 +89,7 @@ def _plot(results: dict, path: Path) -> None:
 
 def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out: dict = {"loads": {}, "hetero": {}}
+    out: dict = {"loads": {}}
     for label, pol, value in VARIANTS:
         out["loads"][label] = {
             str(x): _run(WORKLOADS / "pollux-osdi21" / d, "t4:16x4",
@@ -98,14 +99,5 @@ def main() -> None:
     _loads(out["loads"])
     _plot(out["loads"], RESULTS / "jct_vs_load.png")
 
-    print(f"\n| policy on {HETERO}, philly, Sia conventions | avg JCT | p99 | makespan |")
-    print("|---|---|---|---|")
-    for label, pol, value in (VARIANTS[0], VARIANTS[1], VARIANTS[3], VARIANTS[4]):
-        r = _run(WORKLOADS / "sia-sosp23" / "philly", HETERO,
-                 SimConfig(policy=pol, restart_penalty=None, sia_slowdown=True, value=value))
-        out["hetero"][label] = r
-        print(f"| {label} | {r['avg_jct_h']:.3f} h | {r['p99_jct_h']:.2f} h | "
-              f"{r['makespan_h']:.2f} h |")
-    print("| Sia / Pollux / Gavel (published) | 0.6 / 1.0 / 1.9 h | | |")
     (RESULTS / "simulator.json").write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nwrote {RESULTS / 'simulator.json'} and {RESULTS / 'jct_vs_load.png'}")
