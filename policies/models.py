@@ -21,6 +21,16 @@ class Accelerator(StrEnum):
     L4 = "L4"
     A10G = "A10G"
     H100 = "H100"
+    # Added for the clouds' catalogs (AWS, GCP, Azure GPU types beyond the measured ones).
+    A10 = "A10"
+    K80 = "K80"
+    P4 = "P4"
+    P100 = "P100"
+    H200 = "H200"
+    B200 = "B200"
+    M60 = "M60"
+    MI25 = "MI25"
+    MI300X = "MI300X"
 
     @classmethod
     def parse(cls, name: str) -> Accelerator:
@@ -51,6 +61,7 @@ _ALIASES: dict[str, Accelerator] = {
     "quadrortx6000": Accelerator.RTX6000,
     "teslat4": Accelerator.T4,
     "h10080gb": Accelerator.H100,
+    "h100mega": Accelerator.H100,
 }
 
 

@@ -1,6 +1,7 @@
 """The ``fleet`` command line (typer + rich). Each subcommand module registers on ``app``."""
 
-from broker.cli import simulate as _simulate  # noqa: F401  registers `fleet simulate`
+import broker.cli.prices  # (fleet gpus, fleet prices)
+import broker.cli.simulate  # noqa: F401  (fleet simulate)
 from broker.cli.app import app
 
 

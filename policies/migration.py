@@ -1,0 +1,128 @@
+"""Preemption-aware location choice after SpotHedge (EuroSys'25), with a decaying blocklist.
+
+A location (``cloud:region`` or ``cloud:region/zone``) that loses a node is marked preempted; a
+launch goes to the cheapest active location not in use; when fewer than two remain active, all are
+reset to active. Marks also decay after ``decay_s`` so a reclaimed location comes back on its own.
+The state is a plain pydantic object (JSON round-trip) so the broker can keep it in Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+from policies.models import Pool
+
+DEFAULT_DECAY_S = 3600.0  # SpotHedge resets on its own rule; the decay bounds how long a mark lasts
+
+
+class Blocklist(BaseModel):
+    """Preempted locations with the time (seconds, any epoch) they were last marked."""
+
+    locations: list[str] = Field(default_factory=list, description="every location known")
+    preempted: dict[str, float] = Field(default_factory=dict)
+    decay_s: float = Field(default=DEFAULT_DECAY_S, gt=0)
+
+    def active(self, now: float) -> list[str]:
+        return [loc for loc in self.locations if not self.is_blocked(loc, now)]
+
+    def is_blocked(self, location: str, now: float) -> bool:
+        marked = self.preempted.get(location)
+        return marked is not None and now - marked < self.decay_s
+
+
+def register(state: Blocklist, locations: Iterable[str]) -> Blocklist:
+    """Add locations (keeps order, no duplicates)."""
+    known = list(state.locations)
+    known += [loc for loc in dict.fromkeys(locations) if loc not in known]
+    return state.model_copy(update={"locations": known})
+
+
+def mark_preempted(state: Blocklist, location: str, now: float) -> Blocklist:
+    """A node was lost in ``location``: block it, and reset all if fewer than two stay active."""
+    state = register(state, [location])
+    state = state.model_copy(update={"preempted": {**state.preempted, location: now}})
+    return _reset_if_starved(state, now)
+
+
+def mark_launched(state: Blocklist, location: str) -> Blocklist:
+    """A launch succeeded in ``location``: capacity is back there, so it is active again."""
+    return state.model_copy(
+        update={"preempted": {k: v for k, v in state.preempted.items() if k != location}}
+    )
+
+
+def expire(state: Blocklist, now: float) -> Blocklist:
+    """Drop marks older than ``decay_s`` (keeps the stored object small)."""
+    kept = {k: t for k, t in state.preempted.items() if now - t < state.decay_s}
+    return state.model_copy(update={"preempted": kept})
+
+
+def _reset_if_starved(state: Blocklist, now: float) -> Blocklist:
+    if len(state.locations) >= 2 and len(state.active(now)) < 2:
+        return state.model_copy(update={"preempted": {}})
+    return state
+
+
+def choose_location(
+    state: Blocklist,
+    prices: Mapping[str, float],
+    in_use: Iterable[str] = (),
+    now: float = 0.0,
+) -> str | None:
+    """The cheapest active location not in use (SpotHedge's rule), among those with a price.
+
+    Falls back to the cheapest active location in use, then to the cheapest of all, so a launch
+    always has somewhere to go when any location has a price.
+    """
+    busy = set(in_use)
+    priced = list(prices)
+    active = [loc for loc in priced if not state.is_blocked(loc, now)]
+    for pool in ([loc for loc in active if loc not in busy], active, priced):
+        if pool:
+            return min(pool, key=lambda loc: (prices[loc], loc))
+    return None
+
+
+def location_keys(pool: Pool) -> list[str]:
+    """The blocklist keys a pool falls under: its region, and its zone when it has one."""
+    region = f"{pool.cloud}:{pool.region}"
+    return [region, f"{region}/{pool.zone}"] if pool.zone else [region]
+
+
+class Recovery(StrEnum):
+    REPLACE = "replace-node"  # launch replacements in the same pool; survivors keep running
+    SHRINK = "shrink"  # go on with the survivors (elastic job); the allocator may grow it later
+    MIGRATE = "migrate"  # checkpoint and place the whole job again
+
+
+def recover_lost_nodes(
+    nodes: int,
+    lost: int,
+    *,
+    can_rejoin: bool,
+    elastic: bool,
+    min_nodes: int = 1,
+    replacement_available: bool,
+    location_blocked: bool,
+) -> Recovery:
+    """What to do when ``lost`` of a multi-node job's ``nodes`` are gone.
+
+    Losing one node need not restart the job: when the runtime lets a new node rejoin (torchrun
+    elastic rendezvous), replace it in the same pool; a location just marked preempted is a poor
+    place for replacements, so an elastic job shrinks onto its survivors instead; only when neither
+    works does the whole job move.
+    """
+    if not 0 < lost <= nodes:
+        raise ValueError(f"lost ({lost}) must be between 1 and nodes ({nodes})")
+    survivors = nodes - lost
+    if not can_rejoin or survivors == 0:
+        return Recovery.MIGRATE
+    can_shrink = elastic and survivors >= min_nodes
+    if replacement_available and not location_blocked:
+        return Recovery.REPLACE
+    if can_shrink:
+        return Recovery.SHRINK
+    return Recovery.REPLACE if replacement_available else Recovery.MIGRATE

@@ -1,0 +1,167 @@
+"""Region-aware placement scoring: the expected dollars to finish a job's remaining work in a pool.
+
+Cost = price x GPUs x hours, the hours stretched by expected rework from preemptions (prior from
+the Spot Advisor blended with what the broker observed), plus the one-off cost of moving: a restart
+and the checkpoint's egress when it lives in another region or cloud. A running job moves only when
+the saving beats a stickiness margin, so jobs are not moved for pennies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from fnmatch import fnmatchcase
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.migration import Blocklist, location_keys
+from policies.models import Market, Pool
+
+HOURS_PER_MONTH = 730.0
+PRIOR_WEIGHT_H = 24.0  # the prior counts as this many node-hours of the broker's own observation
+
+
+class Egress(BaseModel):
+    """Checkpoint transfer prices in USD per GB (list prices of the big three, rounded)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    same_region: float = Field(default=0.0, ge=0)
+    same_cloud: float = Field(default=0.02, ge=0, description="inter-region inside one cloud")
+    cross_cloud: float = Field(default=0.09, ge=0, description="internet egress")
+
+    def per_gb(self, src_cloud: str | None, src_region: str | None, dst: Pool) -> float:
+        if src_cloud is None:
+            return 0.0
+        if src_cloud != dst.cloud:
+            return self.cross_cloud
+        return self.same_region if src_region == dst.region else self.same_cloud
+
+
+class Candidate(BaseModel):
+    """A pool with what is known about its risk and headroom."""
+
+    model_config = ConfigDict(frozen=True)
+
+    pool: Pool
+    prior_monthly_rate: float = Field(default=0.0, ge=0, le=1, description="Spot Advisor bucket")
+    preemptions_seen: int = Field(default=0, ge=0)
+    node_hours_seen: float = Field(default=0.0, ge=0)
+    free_gpus: int | None = Field(default=None, ge=0, description="quota/capacity headroom")
+
+
+class JobNeeds(BaseModel):
+    """What placement must know about one job (its whole gang goes to one pool, one region)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    gpus: int = Field(ge=1)
+    remaining_h: float = Field(ge=0)
+    restart_h: float = Field(default=60 / 3600, ge=0)
+    checkpoint_interval_h: float = Field(default=100 / 3600, ge=0)
+    checkpoint_gb: float = Field(default=0.0, ge=0)
+    checkpoint_cloud: str | None = None
+    checkpoint_region: str | None = None
+    current_pool: str | None = None
+    allow: list[str] = Field(default_factory=lambda: ["*"])
+    deny: list[str] = Field(default_factory=list)
+    markets: frozenset[Market] = frozenset({Market.SPOT, Market.ON_DEMAND})
+
+
+class Stickiness(BaseModel):
+    """Move a running job only if it saves more than both margins over its remaining work."""
+
+    model_config = ConfigDict(frozen=True)
+
+    min_saving_usd: float = Field(default=1.0, ge=0)
+    min_saving_fraction: float = Field(default=0.1, ge=0, le=1)
+
+    def threshold(self, current_cost: float) -> float:
+        return max(self.min_saving_usd, self.min_saving_fraction * current_cost)
+
+
+class Scored(BaseModel):
+    candidate: Candidate
+    cost_usd: float
+    hazard_per_h: float
+
+    @property
+    def pool_id(self) -> str:
+        return self.candidate.pool.id
+
+
+def hazard_per_hour(c: Candidate) -> float:
+    """Preemptions per node-hour: a Gamma-Poisson blend of the prior and the observed rate."""
+    if c.pool.market is Market.ON_DEMAND:
+        return 0.0
+    prior = -math.log1p(-min(c.prior_monthly_rate, 0.999)) / HOURS_PER_MONTH
+    return (prior * PRIOR_WEIGHT_H + c.preemptions_seen) / (PRIOR_WEIGHT_H + c.node_hours_seen)
+
+
+def eligible(needs: JobNeeds, c: Candidate, blocklist: Blocklist | None, now: float) -> bool:
+    pool = c.pool
+    name = f"{pool.cloud}:{pool.region}"
+    if not any(fnmatchcase(name, p) for p in needs.allow) or any(
+        fnmatchcase(name, p) for p in needs.deny
+    ):
+        return False
+    if pool.market not in needs.markets:
+        return False
+    room = pool.capacity if c.free_gpus is None else min(c.free_gpus, pool.capacity)
+    if pool.id == needs.current_pool:
+        room += needs.gpus  # the job's own GPUs are not "used" against itself
+    if room < needs.gpus:
+        return False
+    return blocklist is None or not any(blocklist.is_blocked(k, now) for k in location_keys(pool))
+
+
+def expected_cost(needs: JobNeeds, c: Candidate, egress: Egress | None = None) -> float:
+    """Expected USD to finish the remaining work in ``c``, including the move there."""
+    egress = egress or Egress()
+    rate = c.pool.price_per_gpu_hour * needs.gpus
+    lost_per_preemption = needs.checkpoint_interval_h / 2 + needs.restart_h
+    hours = needs.remaining_h * (1 + hazard_per_hour(c) * lost_per_preemption)
+    move = 0.0
+    if c.pool.id != needs.current_pool:
+        transfer = egress.per_gb(needs.checkpoint_cloud, needs.checkpoint_region, c.pool)
+        move = needs.restart_h * rate + transfer * needs.checkpoint_gb
+    return rate * hours + move
+
+
+def rank(
+    needs: JobNeeds,
+    candidates: Iterable[Candidate],
+    blocklist: Blocklist | None = None,
+    now: float = 0.0,
+    egress: Egress | None = None,
+) -> list[Scored]:
+    """Eligible candidates, cheapest expected cost first (ties: lower risk, then pool id)."""
+    scored = [
+        Scored(
+            candidate=c, cost_usd=expected_cost(needs, c, egress), hazard_per_h=hazard_per_hour(c)
+        )
+        for c in candidates
+        if eligible(needs, c, blocklist, now)
+    ]
+    return sorted(scored, key=lambda s: (s.cost_usd, s.hazard_per_h, s.pool_id))
+
+
+def choose(
+    needs: JobNeeds,
+    candidates: Iterable[Candidate],
+    blocklist: Blocklist | None = None,
+    now: float = 0.0,
+    egress: Egress | None = None,
+    stickiness: Stickiness | None = None,
+) -> Scored | None:
+    """The pool for the job: the cheapest, unless staying where it runs is within the margin."""
+    ranked = rank(needs, candidates, blocklist, now, egress)
+    if not ranked:
+        return None
+    best = ranked[0]
+    current = next((s for s in ranked if s.pool_id == needs.current_pool), None)
+    if current is not None and current is not best:
+        margin = (stickiness or Stickiness()).threshold(current.cost_usd)
+        if current.cost_usd - best.cost_usd < margin:
+            return current
+    return best

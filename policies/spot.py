@@ -1,0 +1,65 @@
+"""Spot or on-demand per job, deadline-aware as in "Can't Be Late" (NSDI'24): keep on pace.
+
+Spot while it is there; when it is not, fall back to on-demand only if the job is behind a uniform
+pace to its deadline (else wait for spot); switch to on-demand for good once the slack left is no
+more than the restarts it could still cost. A job that must not be preempted stays on on-demand.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.models import Market
+
+# Slack kept, in restarts: one to switch to on-demand, one for the preemption that forces it.
+SAFETY_RESTARTS = 2.0
+# Leaving on-demand for spot costs a restart: only with clearly more slack than the safety net.
+RETURN_TO_SPOT_RESTARTS = 3.0
+
+
+class DeadlineJob(BaseModel):
+    """Where a job stands against its deadline; times in hours since submission."""
+
+    model_config = ConfigDict(frozen=True)
+
+    total_h: float = Field(gt=0, description="compute hours the job needs in all")
+    progress_h: float = Field(ge=0, description="compute hours already done (checkpointed)")
+    elapsed_h: float = Field(ge=0, description="hours since submission")
+    deadline_h: float | None = Field(default=None, gt=0, description="None: no deadline")
+    restart_h: float = Field(default=0.0, ge=0, description="overhead of one (re)start")
+    must_not_preempt: bool = False
+    current: Market | None = Field(default=None, description="market the job runs on now")
+
+    @property
+    def remaining_h(self) -> float:
+        return max(self.total_h - self.progress_h, 0.0)
+
+    @property
+    def slack_h(self) -> float:
+        """Hours the job can still lose and finish on time; negative: the deadline is lost."""
+        if self.deadline_h is None:
+            return float("inf")
+        return self.deadline_h - self.elapsed_h - self.remaining_h
+
+    @property
+    def behind_pace(self) -> bool:
+        """Progress below the uniform pace ``total * elapsed / deadline``."""
+        if self.deadline_h is None:
+            return False
+        return self.progress_h < self.total_h * min(self.elapsed_h / self.deadline_h, 1.0)
+
+
+def choose_market(job: DeadlineJob, spot_available: bool) -> Market | None:
+    """The market to run on now, or ``None`` to wait (hold no capacity) for spot to come back."""
+    if job.must_not_preempt:
+        return Market.ON_DEMAND
+    if job.slack_h <= SAFETY_RESTARTS * job.restart_h:
+        return Market.ON_DEMAND  # past the point of no return: finish on on-demand
+    if spot_available:
+        if (
+            job.current is Market.ON_DEMAND
+            and job.slack_h <= RETURN_TO_SPOT_RESTARTS * job.restart_h
+        ):
+            return Market.ON_DEMAND
+        return Market.SPOT
+    return Market.ON_DEMAND if job.behind_pace else None

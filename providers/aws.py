@@ -1,0 +1,343 @@
+"""AWS EC2 provider (boto3): catalog offers, vCPU quotas, idempotent spot/on-demand launches.
+
+Idempotency is twofold: EC2's ``ClientToken`` (derived from the idempotency key) and, before every
+launch, a lookup of instances tagged with that key, so a retry returns the first launch's nodes even
+where ``ClientToken`` is not honoured (moto) or has expired.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+from policies.models import Accelerator, Market, Offer, Pool
+from providers import bootstrap
+from providers.base import (
+    CapacityError,
+    LaunchRequest,
+    Node,
+    NodeState,
+    NotConfiguredError,
+    PreemptionNotice,
+    Provider,
+    ProviderError,
+    QuotaError,
+)
+from providers.catalog import CatalogOffer, load_offers
+
+CAPACITY_CODES = {
+    "InsufficientInstanceCapacity",
+    "InsufficientHostCapacity",
+    "InsufficientCapacityOnHost",
+    "InsufficientReservedInstanceCapacity",
+    "SpotMaxPriceTooLow",
+    "InsufficientFreeAddressesInSubnet",
+    "Unsupported",  # the type is not offered in that AZ
+}
+QUOTA_CODES = {
+    "VcpuLimitExceeded",
+    "MaxSpotInstanceCountExceeded",
+    "InstanceLimitExceeded",
+    "MaxSpotFleetRequestCountExceeded",
+    "SpotInstanceRequestLimitExceeded",
+}
+AUTH_CODES = {"AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId", "ExpiredToken"}
+
+# Service Quotas codes (vCPUs) per instance family letter and market.
+QUOTA_CODE = {
+    ("p", Market.ON_DEMAND): "L-417A185B",
+    ("g", Market.ON_DEMAND): "L-DB2E81BA",
+    ("p", Market.SPOT): "L-7212CCBC",
+    ("g", Market.SPOT): "L-3819A6DF",
+}
+LIVE_STATES = ["pending", "running"]
+OWNED_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
+STATE = {
+    "pending": NodeState.PENDING,
+    "running": NodeState.RUNNING,
+    "stopping": NodeState.TERMINATED,
+    "stopped": NodeState.TERMINATED,
+    "shutting-down": NodeState.TERMINATED,
+}
+DLAMI_PARAMETER = (
+    "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+)
+SPOT_NOTICE_S = 120  # EC2's two-minute interruption warning
+NOT_CONFIGURED = (
+    "aws is not configured: boto3 found no credentials in its default chain. Set AWS_PROFILE "
+    "(after `aws configure` or `aws sso login`), or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+    "or run on an instance with an IAM role."
+)
+
+
+def map_error(exc: Exception, what: str) -> Exception:
+    """Map a botocore ``ClientError`` to the broker's error types (others pass through)."""
+    from botocore.exceptions import ClientError
+
+    if not isinstance(exc, ClientError):
+        return exc
+    code = exc.response.get("Error", {}).get("Code", "")
+    message = f"aws {what}: {code}: {exc.response.get('Error', {}).get('Message', '')}"
+    if code in CAPACITY_CODES:
+        return CapacityError(message)
+    if code in QUOTA_CODES:
+        return QuotaError(message)
+    if code in AUTH_CODES:
+        return NotConfiguredError(f"{message}. {NOT_CONFIGURED}")
+    return ProviderError(message)
+
+
+class AwsProvider(Provider):
+    """EC2 in a set of regions; nodes are ``<region>/<instance-id>``."""
+
+    name = "aws"
+
+    def __init__(
+        self,
+        regions: Iterable[str] | None = None,
+        *,
+        broker_id: str = "fleetbroker",
+        image_id: str | None = None,
+        session: Any = None,
+        endpoint_url: str | None = None,
+        offers: list[CatalogOffer] | None = None,
+    ) -> None:
+        import boto3
+
+        self._session = session or boto3.Session()
+        if self._session.get_credentials() is None:
+            raise NotConfiguredError(NOT_CONFIGURED)
+        self._offers = offers if offers is not None else load_offers(["aws"])
+        self.regions = list(regions or sorted({o.region for o in self._offers}))
+        self.broker_id = broker_id
+        self.image_id = image_id
+        self._endpoint_url = endpoint_url
+        self._clients: dict[tuple[str, str], Any] = {}
+
+    def _client(self, service: str, region: str) -> Any:
+        key = (service, region)
+        if key not in self._clients:
+            self._clients[key] = self._session.client(
+                service, region_name=region, endpoint_url=self._endpoint_url
+            )
+        return self._clients[key]
+
+    # --- offers and capacity ---------------------------------------------------------------
+
+    def offers(self) -> list[Offer]:
+        return [o for o in self._offers if o.region in self.regions]
+
+    def capacity(self) -> dict[str, int]:
+        """GPU headroom per pool: the P and G families' vCPU quotas minus the vCPUs in use."""
+        out: dict[str, int] = {}
+        for region in self.regions:
+            used = self._vcpus_in_use(region)
+            for (family, market), code in QUOTA_CODE.items():
+                quota = self._quota(region, code)
+                if quota is None:
+                    continue
+                free = max(quota - used.get((family, market), 0), 0)
+                for acc, vcpus_per_gpu in self._vcpus_per_gpu(region, family).items():
+                    pool = Pool(cloud="aws", region=region, accelerator=acc, market=market, nodes=0,
+                                gpus_per_node=1)  # fmt: skip
+                    out[pool.id] = out.get(pool.id, 0) + int(free // vcpus_per_gpu)
+        return out
+
+    def _quota(self, region: str, code: str) -> float | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            resp = self._client("service-quotas", region).get_service_quota(
+                ServiceCode="ec2", QuotaCode=code
+            )
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "NoSuchResourceException":
+                return None  # not known in this account/region: headroom unknown
+            raise map_error(exc, "get_service_quota") from exc
+        return float(resp["Quota"]["Value"])
+
+    def _vcpus_in_use(self, region: str) -> dict[tuple[str, Market], int]:
+        used: dict[tuple[str, Market], int] = {}
+        known = {o.instance_type: o.vcpus or 0 for o in self._offers}
+        live = [{"Name": "instance-state-name", "Values": LIVE_STATES}]
+        for inst in self._instances(region, live):
+            family = inst["InstanceType"][0]
+            market = Market.SPOT if inst.get("InstanceLifecycle") == "spot" else Market.ON_DEMAND
+            if (family, market) not in QUOTA_CODE:
+                continue
+            cpu = inst.get("CpuOptions")
+            if cpu:
+                vcpus = cpu["CoreCount"] * cpu.get("ThreadsPerCore", 1)
+            else:  # moto omits CpuOptions: the catalog knows the vCPUs of its types
+                vcpus = int(known.get(inst["InstanceType"], 0))
+            used[(family, market)] = used.get((family, market), 0) + vcpus
+        return used
+
+    def _vcpus_per_gpu(self, region: str, family: str) -> dict[Accelerator, float]:
+        best: dict[Accelerator, float] = {}
+        for o in self._offers:
+            if o.region == region and o.instance_type.startswith(family) and o.vcpus:
+                ratio = o.vcpus / o.accelerator_count
+                best[o.accelerator] = min(best.get(o.accelerator, math.inf), ratio)
+        return best
+
+    # --- launch, terminate, inventory -------------------------------------------------------
+
+    def instance_type_for(self, request: LaunchRequest) -> str:
+        if request.instance_type:
+            return request.instance_type
+        fits = [
+            o
+            for o in self._offers
+            if o.region == request.region
+            and o.accelerator is request.accelerator
+            and o.accelerator_count == request.gpus_per_node
+            and o.hourly(request.market) is not None
+        ]
+        if not fits:
+            raise CapacityError(
+                f"aws {request.region}: no instance type with {request.gpus_per_node}x "
+                f"{request.accelerator.value} on {request.market.value} in the catalog"
+            )
+        return min(fits, key=lambda o: (o.hourly(request.market), o.instance_type)).instance_type
+
+    def launch(self, request: LaunchRequest) -> list[Node]:
+        existing = self._by_key(request.region, request.idempotency_key)
+        if existing:
+            return existing
+        ec2 = self._client("ec2", request.region)
+        tag_list = [
+            {"Key": k, "Value": v} for k, v in bootstrap.tags(request, self.broker_id).items()
+        ]
+        tag_list.append({"Key": "Name", "Value": f"fleet-{request.job_id}"})
+        kwargs: dict[str, Any] = {
+            "ImageId": self.image_id or self._default_image(request.region),
+            "InstanceType": self.instance_type_for(request),
+            "MinCount": request.nodes,
+            "MaxCount": request.nodes,
+            "ClientToken": bootstrap.token(request.idempotency_key),
+            "UserData": bootstrap.agent_script(request, "aws"),
+            "TagSpecifications": [
+                {"ResourceType": "instance", "Tags": tag_list},
+                {"ResourceType": "volume", "Tags": tag_list},
+            ],
+        }
+        if request.zone:
+            kwargs["Placement"] = {"AvailabilityZone": request.zone}
+        if request.market is Market.SPOT:
+            kwargs["InstanceMarketOptions"] = {
+                "MarketType": "spot",
+                "SpotOptions": {
+                    "SpotInstanceType": "one-time",
+                    "InstanceInterruptionBehavior": "terminate",
+                },
+            }
+        try:
+            resp = ec2.run_instances(**kwargs)
+        except Exception as exc:
+            raise map_error(exc, f"run_instances in {request.region}") from exc
+        return [self._node(request.region, inst) for inst in resp["Instances"]]
+
+    def _default_image(self, region: str) -> str:
+        """The Deep Learning Base AMI (NVIDIA driver) from its public SSM parameter."""
+        name = DLAMI_PARAMETER
+        try:
+            return self._client("ssm", region).get_parameter(Name=name)["Parameter"]["Value"]
+        except Exception as exc:
+            raise ProviderError(
+                f"aws {region}: cannot resolve the GPU image from SSM {name} ({exc}); "
+                "pass image_id (an AMI with NVIDIA drivers and python3)"
+            ) from exc
+
+    def terminate(self, node_id: str) -> None:
+        from botocore.exceptions import ClientError
+
+        region, _, instance_id = node_id.partition("/")
+        try:
+            self._client("ec2", region).terminate_instances(InstanceIds=[instance_id])
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "InvalidInstanceID.NotFound":
+                return
+            raise map_error(exc, f"terminate_instances {node_id}") from exc
+
+    def nodes(self) -> list[Node]:
+        return [
+            self._node(region, inst)
+            for region in self.regions
+            for inst in self._instances(region, self._owned_filters())
+        ]
+
+    def notices(self) -> list[PreemptionNotice]:
+        """Spot requests EC2 has ``marked-for-termination`` for our instances (2-minute warning)."""
+        out = []
+        for region in self.regions:
+            owned = {inst["InstanceId"] for inst in self._instances(region, self._owned_filters())}
+            if not owned:
+                continue
+            resp = self._client("ec2", region).describe_spot_instance_requests(
+                Filters=[{"Name": "instance-id", "Values": sorted(owned)}]
+            )
+            for req in resp.get("SpotInstanceRequests", []):
+                marked = req.get("Status", {}).get("Code") == "marked-for-termination"
+                if marked and req.get("InstanceId") in owned:
+                    since = req["Status"]["UpdateTime"]
+                    out.append(
+                        PreemptionNotice(
+                            node_id=f"{region}/{req['InstanceId']}",
+                            region=region,
+                            deadline=since + timedelta(seconds=SPOT_NOTICE_S),
+                        )
+                    )
+        return out
+
+    def _owned_filters(self) -> list[dict[str, Any]]:
+        return [
+            {"Name": f"tag:{bootstrap.BROKER_TAG}", "Values": [self.broker_id]},
+            {"Name": "instance-state-name", "Values": OWNED_STATES},
+        ]
+
+    def _by_key(self, region: str, key: str) -> list[Node]:
+        filters = [
+            {"Name": f"tag:{bootstrap.BROKER_TAG}", "Values": [self.broker_id]},
+            {"Name": f"tag:{bootstrap.KEY_TAG}", "Values": [key]},
+            {"Name": "instance-state-name", "Values": LIVE_STATES},
+        ]
+        return [self._node(region, inst) for inst in self._instances(region, filters)]
+
+    def _instances(self, region: str, filters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        try:
+            pages = (
+                self._client("ec2", region)
+                .get_paginator("describe_instances")
+                .paginate(Filters=filters)
+            )
+            return [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
+        except Exception as exc:
+            raise map_error(exc, f"describe_instances in {region}") from exc
+
+    def _offer_of(self, instance_type: str) -> CatalogOffer:
+        """The catalog row for an instance type (for nodes whose tags were edited away)."""
+        for o in self._offers:
+            if o.instance_type == instance_type:
+                return o
+        raise ProviderError(f"aws: instance type {instance_type} is not a GPU type in the catalog")
+
+    def _node(self, region: str, inst: dict[str, Any]) -> Node:
+        tag = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
+        spot = inst.get("InstanceLifecycle") == "spot" or tag.get(bootstrap.MARKET_TAG) == "spot"
+        known = self._offer_of(inst["InstanceType"])
+        return Node(
+            node_id=f"{region}/{inst['InstanceId']}",
+            provider=self.name,
+            region=region,
+            zone=inst.get("Placement", {}).get("AvailabilityZone"),
+            job_id=tag.get(bootstrap.JOB_TAG),
+            idempotency_key=tag.get(bootstrap.KEY_TAG),
+            accelerator=Accelerator.parse(tag.get(bootstrap.ACCELERATOR_TAG) or known.accelerator),
+            gpus=int(tag.get(bootstrap.GPUS_TAG) or known.accelerator_count),
+            market=Market.SPOT if spot else Market.ON_DEMAND,
+            state=STATE.get(inst["State"]["Name"], NodeState.TERMINATED),
+            launched_at=inst.get("LaunchTime"),
+        )

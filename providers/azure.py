@@ -1,0 +1,312 @@
+"""Azure provider (azure-mgmt-compute): Spot VMs in one resource group, idempotent by VM name.
+
+A VM's name is derived from the idempotency key, and ARM's PUT of a name is idempotent, so a retried
+launch finds (GET) or re-PUTs the same VM and never makes a second one. The VM creates its own NIC
+(``networkInterfaceConfigurations``), so only a subnet id is needed, not azure-mgmt-network.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from policies.models import Accelerator, Market, Offer, Pool
+from providers import bootstrap
+from providers.base import (
+    CapacityError,
+    LaunchRequest,
+    Node,
+    NodeState,
+    NotConfiguredError,
+    Provider,
+    ProviderError,
+    QuotaError,
+)
+from providers.catalog import CatalogOffer, load_offers
+
+NOT_CONFIGURED = (
+    "azure is not configured: set AZURE_SUBSCRIPTION_ID, FLEET_AZURE_RESOURCE_GROUP and "
+    "FLEET_AZURE_SUBNET_ID, and sign in for DefaultAzureCredential (`az login`, or "
+    "AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, or a managed identity)."
+)
+QUOTA_CODES = {"OperationNotAllowed", "QuotaExceeded", "SubscriptionQuotaExceeded"}
+CAPACITY_CODES = {
+    "AllocationFailed",
+    "ZonalAllocationFailed",
+    "OverconstrainedAllocationRequest",
+    "OverconstrainedZonalAllocationRequest",
+    "SkuNotAvailable",
+    "SpotPriceTooLow",  # max price below the current spot price
+}
+AUTH_CODES = {"AuthorizationFailed", "InvalidAuthenticationToken", "AuthenticationFailed"}
+STATE = {
+    "Creating": NodeState.PENDING,
+    "Updating": NodeState.PENDING,
+    "Succeeded": NodeState.RUNNING,
+}
+IMAGE = {  # Ubuntu 22.04 with NVIDIA drivers and CUDA (Microsoft's HPC image)
+    "publisher": "microsoft-dsvm",
+    "offer": "ubuntu-hpc",
+    "sku": "2204",
+    "version": "latest",
+}
+
+
+def map_error(exc: Exception, what: str) -> Exception:
+    """Map an azure-core ``HttpResponseError`` to the broker's error types (others pass through)."""
+    from azure.core.exceptions import ClientAuthenticationError, HttpResponseError
+
+    if isinstance(exc, ClientAuthenticationError):
+        return NotConfiguredError(f"azure {what}: {exc.message}. {NOT_CONFIGURED}")
+    if not isinstance(exc, HttpResponseError):
+        return exc
+    code = getattr(exc.error, "code", None) or ""
+    known = QUOTA_CODES | CAPACITY_CODES | AUTH_CODES
+    codes = {code} | {c for c in re.findall(r"[A-Za-z]+", str(exc.message)) if c in known}
+    message = f"azure {what}: {code or exc.reason}: {exc.message}"
+    if codes & CAPACITY_CODES:
+        return CapacityError(message)
+    if codes & QUOTA_CODES:
+        return QuotaError(message)
+    if codes & AUTH_CODES:
+        return NotConfiguredError(f"{message}. {NOT_CONFIGURED}")
+    return ProviderError(message)
+
+
+class AzureProvider(Provider):
+    """Azure VMs in one resource group; nodes are VM names."""
+
+    name = "azure"
+
+    def __init__(
+        self,
+        subscription_id: str | None = None,
+        resource_group: str | None = None,
+        subnet_id: str | None = None,
+        regions: Iterable[str] | None = None,
+        *,
+        broker_id: str = "fleetbroker",
+        credential: Any = None,
+        ssh_public_key: str | None = None,
+        eviction_policy: str = "Delete",
+        max_price: float = -1.0,
+        offers: list[CatalogOffer] | None = None,
+        polling_interval: float = 15.0,
+    ) -> None:
+        self.subscription_id = subscription_id or os.environ.get("AZURE_SUBSCRIPTION_ID")
+        self.resource_group = resource_group or os.environ.get("FLEET_AZURE_RESOURCE_GROUP")
+        self.subnet_id = subnet_id or os.environ.get("FLEET_AZURE_SUBNET_ID")
+        if not (self.subscription_id and self.resource_group and self.subnet_id):
+            raise NotConfiguredError(NOT_CONFIGURED)
+        if eviction_policy not in ("Delete", "Deallocate"):
+            raise ValueError(f"eviction_policy {eviction_policy!r}: use 'Delete' or 'Deallocate'")
+        if credential is None:
+            from azure.identity import DefaultAzureCredential
+
+            credential = DefaultAzureCredential()
+        from azure.mgmt.compute import ComputeManagementClient
+
+        self._compute = ComputeManagementClient(credential, self.subscription_id)
+        self.broker_id = broker_id
+        self.ssh_public_key = ssh_public_key
+        self.eviction_policy = eviction_policy
+        self.max_price = max_price  # -1: pay up to the on-demand price, never evicted for price
+        self.polling_interval = polling_interval
+        self._offers = offers if offers is not None else load_offers(["azure"])
+        self.regions = list(regions or sorted({o.region for o in self._offers}))
+
+    # --- offers and capacity ---------------------------------------------------------------
+
+    def offers(self) -> list[Offer]:
+        return [o for o in self._offers if o.region in self.regions]
+
+    def capacity(self) -> dict[str, int]:
+        """GPU headroom per pool from the regional vCPU quotas: ``lowPriorityCores`` for spot,
+        ``cores`` for on-demand (VM-family quotas may be tighter; launches still map those)."""
+        out: dict[str, int] = {}
+        for region in self.regions:
+            try:
+                usages = {u.name.value: u for u in self._compute.usage.list(region)}
+            except Exception as exc:
+                raise map_error(exc, f"usage.list {region}") from exc
+            for market, metric in ((Market.SPOT, "lowPriorityCores"), (Market.ON_DEMAND, "cores")):
+                if metric not in usages:
+                    continue
+                free = max(usages[metric].limit - usages[metric].current_value, 0)
+                for acc, vcpus_per_gpu in self._vcpus_per_gpu(region).items():
+                    pool = Pool(cloud="azure", region=region, accelerator=acc, market=market,
+                                nodes=0, gpus_per_node=1)  # fmt: skip
+                    out[pool.id] = int(free // vcpus_per_gpu)
+        return out
+
+    def _vcpus_per_gpu(self, region: str) -> dict[Accelerator, float]:
+        best: dict[Accelerator, float] = {}
+        for o in self._offers:
+            if o.region == region and o.vcpus:
+                ratio = o.vcpus / o.accelerator_count
+                best[o.accelerator] = min(best.get(o.accelerator, ratio), ratio)
+        return best
+
+    # --- launch, terminate, inventory -------------------------------------------------------
+
+    def vm_size_for(self, request: LaunchRequest) -> str:
+        if request.instance_type:
+            return request.instance_type
+        fits = [
+            o
+            for o in self._offers
+            if o.region == request.region
+            and o.accelerator is request.accelerator
+            and o.accelerator_count == request.gpus_per_node
+            and o.hourly(request.market) is not None
+        ]
+        if not fits:
+            raise CapacityError(
+                f"azure {request.region}: no VM size with {request.gpus_per_node}x "
+                f"{request.accelerator.value} on {request.market.value} in the catalog"
+            )
+        return min(fits, key=lambda o: (o.hourly(request.market), o.instance_type)).instance_type
+
+    def vm_names(self, request: LaunchRequest) -> list[str]:
+        stem = f"fleet-{bootstrap.token(request.idempotency_key, 16)}"
+        return [f"{stem}-{i}" for i in range(request.nodes)]
+
+    def vm_body(self, request: LaunchRequest, name: str) -> dict[str, Any]:
+        """The ARM JSON of one VM (the documented ``Microsoft.Compute/virtualMachines`` shape)."""
+        script = bootstrap.agent_script(request, "azure")
+        properties: dict[str, Any] = {
+            "hardwareProfile": {"vmSize": self.vm_size_for(request)},
+            "storageProfile": {
+                "imageReference": IMAGE,
+                "osDisk": {
+                    "createOption": "FromImage",
+                    "deleteOption": "Delete",
+                    "diskSizeGB": 200,
+                },
+            },
+            "osProfile": {
+                "computerName": name,
+                "adminUsername": "fleet",
+                "customData": base64.b64encode(script.encode()).decode(),
+                "linuxConfiguration": {
+                    "disablePasswordAuthentication": True,
+                    "ssh": {
+                        "publicKeys": [
+                            {"path": "/home/fleet/.ssh/authorized_keys", "keyData": self._ssh_key()}
+                        ]
+                    },
+                },
+            },
+            "networkProfile": {
+                "networkApiVersion": "2020-11-01",
+                "networkInterfaceConfigurations": [
+                    {
+                        "name": f"{name}-nic",
+                        "properties": {
+                            "primary": True,
+                            "deleteOption": "Delete",
+                            "ipConfigurations": [
+                                {
+                                    "name": "ipconfig1",
+                                    "properties": {"subnet": {"id": self.subnet_id}},
+                                }
+                            ],
+                        },
+                    }
+                ],
+            },
+        }
+        if request.market is Market.SPOT:
+            properties["priority"] = "Spot"
+            properties["evictionPolicy"] = self.eviction_policy
+            properties["billingProfile"] = {"maxPrice": self.max_price}
+        else:
+            properties["priority"] = "Regular"
+        body: dict[str, Any] = {
+            "location": request.region,
+            "tags": bootstrap.tags(request, self.broker_id),
+            "properties": properties,
+        }
+        if request.zone:
+            body["zones"] = [request.zone]
+        return body
+
+    def _ssh_key(self) -> str:
+        if self.ssh_public_key:
+            return self.ssh_public_key
+        default = Path.home() / ".ssh" / "id_rsa.pub"
+        if default.exists():
+            return default.read_text().strip()
+        raise ProviderError(
+            "azure: no SSH public key for the VMs; pass ssh_public_key or create ~/.ssh/id_rsa.pub"
+        )
+
+    def launch(self, request: LaunchRequest) -> list[Node]:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        vms = self._compute.virtual_machines
+        nodes = []
+        for name in self.vm_names(request):
+            try:
+                nodes.append(self._node(vms.get(self.resource_group, name)))
+                continue  # made by an earlier attempt of this launch
+            except ResourceNotFoundError:
+                pass
+            except Exception as exc:
+                raise map_error(exc, f"virtualMachines.get {name}") from exc
+            try:
+                poller = vms.begin_create_or_update(
+                    self.resource_group,
+                    name,
+                    self.vm_body(request, name),
+                    polling_interval=self.polling_interval,
+                )
+                nodes.append(self._node(poller.result()))
+            except Exception as exc:
+                raise map_error(exc, f"virtualMachines.createOrUpdate {name}") from exc
+        return nodes
+
+    def terminate(self, node_id: str) -> None:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            self._compute.virtual_machines.begin_delete(
+                self.resource_group, node_id, polling_interval=self.polling_interval
+            ).result()
+        except ResourceNotFoundError:
+            return
+        except Exception as exc:
+            raise map_error(exc, f"virtualMachines.delete {node_id}") from exc
+
+    def nodes(self) -> list[Node]:
+        try:
+            vms = list(self._compute.virtual_machines.list(self.resource_group))
+        except Exception as exc:
+            raise map_error(exc, "virtualMachines.list") from exc
+        return [
+            self._node(vm)
+            for vm in vms
+            if (vm.tags or {}).get(bootstrap.BROKER_TAG) == self.broker_id
+            and vm.location in self.regions
+        ]
+
+    def _node(self, vm: Any) -> Node:
+        tags = vm.tags or {}
+        props = vm.properties
+        return Node(
+            node_id=vm.name,
+            provider=self.name,
+            region=vm.location,
+            zone=(vm.zones or [None])[0],
+            job_id=tags.get(bootstrap.JOB_TAG),
+            idempotency_key=tags.get(bootstrap.KEY_TAG),
+            accelerator=Accelerator.parse(tags[bootstrap.ACCELERATOR_TAG]),
+            gpus=int(tags.get(bootstrap.GPUS_TAG, "0")),
+            market=Market.SPOT if props.priority == "Spot" else Market.ON_DEMAND,
+            state=STATE.get(props.provisioning_state or "", NodeState.TERMINATED),
+            launched_at=props.time_created,
+        )

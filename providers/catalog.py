@@ -1,0 +1,328 @@
+"""The GPU price catalog: offers in SkyPilot's ``vms.csv`` schema for AWS, GCP and Azure.
+
+Built from the vendored snapshots under ``providers/data/`` (see their SOURCE.md); a refreshed or
+user-edited ``vms.csv`` under the config dir (``<config>/catalogs/<cloud>/vms.csv``) replaces a
+cloud's snapshot. Refreshes never overwrite a user's edits (see ``write_user_catalog``).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from policies.models import Accelerator, Market, Offer
+
+DATA = Path(__file__).parent / "data"
+AWS_CSV = DATA / "aws-gpu-prices-skypilot-catalog" / "aws_gpu_prices_us_subset.csv"
+GCP_DIR = DATA / "cloud-gpu-prices-gcp-azure"
+AZURE_CSV = GCP_DIR / "azure_gpu_vm_prices.csv"
+SPOT_ADVISOR_CSV = DATA / "aws-spot-advisor" / "accelerated_instances_linux.csv"
+
+CLOUDS = ("aws", "gcp", "azure")
+VMS_COLUMNS = (
+    "InstanceType",
+    "AcceleratorName",
+    "AcceleratorCount",
+    "vCPUs",
+    "MemoryGiB",
+    "GpuInfo",
+    "Price",
+    "SpotPrice",
+    "Region",
+    "AvailabilityZone",
+)
+
+
+class CatalogOffer(Offer):
+    """An ``Offer`` plus the cloud's own accelerator name and SkyPilot's ``GpuInfo`` column."""
+
+    accelerator_name: str
+    gpu_info: str | None = None
+
+    def per_gpu(self, market: Market) -> float | None:
+        price = self.hourly(market)
+        return None if price is None else price / self.accelerator_count
+
+
+# --- config dir and the user's catalog files -------------------------------------------------
+
+
+def config_dir() -> Path:
+    """``$FLEET_CONFIG_DIR``, else ``$XDG_CONFIG_HOME/fleetbroker`` (``~/.config/fleetbroker``)."""
+    if env := os.environ.get("FLEET_CONFIG_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "fleetbroker"
+
+
+def user_catalog_path(cloud: str, root: Path | None = None) -> Path:
+    return (root or config_dir()) / "catalogs" / cloud / "vms.csv"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """Where a refresh went; ``kept_user_file`` says the user's edited file was left alone."""
+
+    path: Path
+    kept_user_file: bool
+
+
+def write_user_catalog(
+    cloud: str, offers: Iterable[CatalogOffer], root: Path | None = None
+) -> WriteResult:
+    """Write a refreshed catalog, never clobbering a file the user edited.
+
+    Every file we write gets a ``vms.csv.sha256`` stamp of its content. ``vms.csv`` is replaced only
+    when it is absent or still matches our stamp; otherwise (the user changed it, or wrote it by
+    hand) the refresh goes to ``vms.refreshed.csv`` next to it and the user's file stays as it is.
+    """
+    path = user_catalog_path(cloud, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = to_vms_csv(offers)
+    stamp = path.with_name(path.name + ".sha256")
+    if path.exists():
+        current = _digest(path.read_text())
+        ours = stamp.read_text().strip() if stamp.exists() else None
+        if current != ours:
+            target = path.with_name("vms.refreshed.csv")
+            target.write_text(text)
+            return WriteResult(target, kept_user_file=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    stamp.write_text(_digest(text) + "\n")
+    return WriteResult(path, kept_user_file=False)
+
+
+# --- vms.csv reading and writing ---------------------------------------------------------------
+
+
+def _num(text: str | None) -> float | None:
+    text = (text or "").strip()
+    return float(text) if text else None
+
+
+def to_vms_csv(offers: Iterable[CatalogOffer]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(VMS_COLUMNS)
+    for o in offers:
+        writer.writerow(
+            [
+                o.instance_type,
+                o.accelerator_name,
+                o.accelerator_count,
+                "" if o.vcpus is None else o.vcpus,
+                "" if o.memory_gib is None else o.memory_gib,
+                o.gpu_info or "",
+                "" if o.price is None else o.price,
+                "" if o.spot_price is None else o.spot_price,
+                o.region,
+                o.zone or "",
+            ]
+        )
+    return out.getvalue()
+
+
+def read_vms_csv(text: str, cloud: str, source: str = "vms.csv") -> list[CatalogOffer]:
+    """Parse a ``vms.csv``; rows with no GPU, a fractional GPU or an unknown GPU are skipped."""
+    reader = csv.DictReader(io.StringIO(text))
+    missing = {"InstanceType", "AcceleratorName", "AcceleratorCount", "Region"} - set(
+        reader.fieldnames or ()
+    )
+    if missing:
+        raise ValueError(
+            f"{source}: missing column(s) {sorted(missing)}; expected {list(VMS_COLUMNS)}"
+        )
+    offers = []
+    for line, row in enumerate(reader, start=2):
+        offer = _row_offer(cloud, row, f"{source}:{line}")
+        if offer is not None:
+            offers.append(offer)
+    return offers
+
+
+def _row_offer(cloud: str, row: dict[str, str], where: str) -> CatalogOffer | None:
+    name = (row.get("AcceleratorName") or "").strip()
+    count = _num(row.get("AcceleratorCount"))
+    if not name or count is None or count < 1 or count != int(count):
+        return None
+    try:
+        accelerator = Accelerator.parse(name)
+    except ValueError:
+        return None
+    try:
+        return CatalogOffer(
+            cloud=cloud,
+            region=row["Region"].strip(),
+            zone=(row.get("AvailabilityZone") or "").strip() or None,
+            instance_type=row["InstanceType"].strip(),
+            accelerator=accelerator,
+            accelerator_name=name,
+            accelerator_count=int(count),
+            vcpus=_num(row.get("vCPUs")),
+            memory_gib=_num(row.get("MemoryGiB")),
+            gpu_info=(row.get("GpuInfo") or "").strip() or None,
+            price=_num(row.get("Price")),
+            spot_price=_num(row.get("SpotPrice")),
+        )
+    except ValueError as exc:
+        raise ValueError(f"{where}: bad row ({exc})") from exc
+
+
+# --- the vendored snapshots --------------------------------------------------------------------
+
+
+def snapshot_aws() -> list[CatalogOffer]:
+    """SkyPilot's AWS rows (US subset); the source dropped ``GpuInfo``, so it is left empty."""
+    return read_vms_csv(AWS_CSV.read_text(), "aws", AWS_CSV.name)
+
+
+def snapshot_azure() -> list[CatalogOffer]:
+    """Azure prices are regional: the zone stays empty, as in SkyPilot's Azure catalog."""
+    return read_vms_csv(AZURE_CSV.read_text(), "azure", AZURE_CSV.name)
+
+
+_N1_HOSTED = {"T4", "P4", "P100", "V100", "K80"}
+_N1_VCPUS_PER_GPU = 8  # SkyPilot's default host: n1-highmem with 8 vCPUs per attached GPU
+_G2_L4S = {4: 1, 8: 1, 12: 1, 16: 1, 32: 1, 24: 2, 48: 4, 96: 8}  # g2-standard-<vCPUs> -> L4s
+_GCP_FIXED_HOSTS = [
+    (re.compile(r"a2-highgpu-(\d+)g$"), "A100", None),
+    (re.compile(r"a2-megagpu-(\d+)g$"), "A100", None),
+    (re.compile(r"a2-ultragpu-(\d+)g$"), "A100-80GB", None),
+    (re.compile(r"a3-highgpu-(\d+)g$"), "H100", None),
+    (re.compile(r"a3-megagpu-(\d+)g$"), "H100-MEGA", None),
+    (re.compile(r"a3-ultragpu-(\d+)g$"), "H200", None),
+    (re.compile(r"a4-highgpu-(\d+)g$"), "B200", None),
+    (re.compile(r"g2-standard-(\d+)$"), "L4", _G2_L4S),
+]
+
+
+def gcp_host_gpus(instance_type: str) -> list[tuple[str, int]]:
+    """The (GPU name, count) pairs a GCP machine type carries or hosts (empty: not a GPU host).
+
+    A2/A3/A4/G2 types have their GPUs built in; N1 hosts take T4/P4/P100/V100 attachments, and
+    the catalog pairs each attachment count with one n1-highmem host of 8 vCPUs per GPU.
+    """
+    for pattern, gpu, by_size in _GCP_FIXED_HOSTS:
+        if m := pattern.match(instance_type):
+            n = int(m.group(1))
+            count = by_size.get(n) if by_size else n
+            return [(gpu, count)] if count else []
+    if m := re.fullmatch(r"n1-highmem-(\d+)", instance_type):
+        vcpus = int(m.group(1))
+        if vcpus % _N1_VCPUS_PER_GPU == 0 and (vcpus // _N1_VCPUS_PER_GPU) in (1, 2, 4, 8):
+            return [(gpu, vcpus // _N1_VCPUS_PER_GPU) for gpu in sorted(_N1_HOSTED)]
+    return []
+
+
+def combine_gcp(hosts: list[dict[str, str]], gpus: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Join host VM rows and GPU rows of one zone into whole-instance ``vms.csv`` rows."""
+    gpu_rows = {
+        (r["AcceleratorName"], int(float(r["AcceleratorCount"])), r["AvailabilityZone"]): r
+        for r in gpus
+    }
+    rows = []
+    for host in hosts:
+        for gpu, count in gcp_host_gpus(host["InstanceType"]):
+            g = gpu_rows.get((gpu, count, host["AvailabilityZone"]))
+            if g is None:
+                continue
+            price = _sum(host.get("Price"), g.get("Price"))
+            spot = _sum(host.get("SpotPrice"), g.get("SpotPrice"))
+            rows.append(
+                {
+                    **host,
+                    "AcceleratorName": gpu,
+                    "AcceleratorCount": str(count),
+                    "GpuInfo": g.get("GpuInfo", ""),
+                    "Price": "" if price is None else f"{price:.5f}",
+                    "SpotPrice": "" if spot is None else f"{spot:.5f}",
+                }
+            )
+    return rows
+
+
+def _sum(a: str | None, b: str | None) -> float | None:
+    x, y = _num(a), _num(b)
+    return None if x is None or y is None else x + y
+
+
+def rows_to_offers(rows: list[dict[str, str]], cloud: str) -> list[CatalogOffer]:
+    """``vms.csv``-shaped dict rows to offers (through the one parser, so the rules are shared)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(VMS_COLUMNS), extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return read_vms_csv(out.getvalue(), cloud, f"{cloud} rows")
+
+
+def snapshot_gcp() -> list[CatalogOffer]:
+    hosts = list(csv.DictReader((GCP_DIR / "gcp_gpu_host_vm_prices.csv").open()))
+    gpus = list(csv.DictReader((GCP_DIR / "gcp_gpu_accelerator_prices.csv").open()))
+    return rows_to_offers(combine_gcp(hosts, gpus), "gcp")
+
+
+_SNAPSHOTS = {"aws": snapshot_aws, "gcp": snapshot_gcp, "azure": snapshot_azure}
+
+
+def load_offers(clouds: Iterable[str] = CLOUDS, root: Path | None = None) -> list[CatalogOffer]:
+    """Every cloud's offers: the user catalog file when there is one, else the vendored snapshot."""
+    offers: list[CatalogOffer] = []
+    for cloud in clouds:
+        if cloud not in _SNAPSHOTS:
+            raise ValueError(f"unknown cloud {cloud!r}; use one of: {', '.join(CLOUDS)}")
+        user = user_catalog_path(cloud, root)
+        if user.exists():
+            offers.extend(read_vms_csv(user.read_text(), cloud, str(user)))
+        else:
+            offers.extend(_SNAPSHOTS[cloud]())
+    return offers
+
+
+def cheapest(
+    offers: Iterable[CatalogOffer], market: Market, per: str = "gpu"
+) -> dict[Accelerator, CatalogOffer]:
+    """The cheapest offer per accelerator in ``market``, by price per GPU-hour (or per instance)."""
+    best: dict[Accelerator, tuple[tuple, CatalogOffer]] = {}
+    for o in offers:
+        price = o.per_gpu(market) if per == "gpu" else o.hourly(market)
+        if price is None:
+            continue
+        # Ties break on location so the answer is stable across runs.
+        key = (price, o.cloud, o.region, o.zone or "", o.instance_type)
+        if o.accelerator not in best or key < best[o.accelerator][0]:
+            best[o.accelerator] = (key, o)
+    return {acc: best[acc][1] for acc in sorted(best, key=lambda a: a.value)}
+
+
+# --- interruption priors -----------------------------------------------------------------------
+
+# Midpoints of the Spot Advisor buckets (<5%, 5-10%, 10-15%, 15-20%, >20% reclaimed per month).
+BUCKET_RATE = (0.025, 0.075, 0.125, 0.175, 0.25)
+UNKNOWN_RATE = 0.15  # no advisor data (GCP, Azure, unlisted types): assume a middling bucket
+
+
+def interruption_priors() -> dict[tuple[str, str], float]:
+    """``(region, instance_type) -> monthly interruption fraction`` from the AWS Spot Advisor."""
+    priors = {}
+    with SPOT_ADVISOR_CSV.open() as fh:
+        for row in csv.DictReader(fh):
+            bucket = int(row["interruption_range_index"])
+            priors[(row["region"], row["instance_type"])] = BUCKET_RATE[bucket]
+    return priors
+
+
+def interruption_prior(offer: Offer, priors: dict[tuple[str, str], float] | None = None) -> float:
+    table = interruption_priors() if priors is None else priors
+    return table.get((offer.region, offer.instance_type), UNKNOWN_RATE)

@@ -1,0 +1,102 @@
+"""Region-aware scoring: price, risk (prior + observed), egress, constraints and stickiness."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from policies.migration import Blocklist, mark_preempted, register
+from policies.models import Accelerator, Market, Pool
+from policies.region_score import (
+    Candidate,
+    JobNeeds,
+    Stickiness,
+    choose,
+    expected_cost,
+    hazard_per_hour,
+    rank,
+)
+
+
+def cand(cloud: str, region: str, price: float, market: Market = Market.SPOT, **kw) -> Candidate:
+    pool = Pool(cloud=cloud, region=region, accelerator=Accelerator.V100, market=market,
+                nodes=2, gpus_per_node=8, price_per_gpu_hour=price)  # fmt: skip
+    return Candidate(pool=pool, **kw)
+
+
+def test_observed_preemptions_outweigh_a_good_prior() -> None:
+    calm = cand("aws", "us-east-1", 1.0, prior_monthly_rate=0.025)
+    seen = calm.model_copy(update={"preemptions_seen": 5, "node_hours_seen": 10})
+    assert hazard_per_hour(seen) > 10 * hazard_per_hour(calm)
+    assert hazard_per_hour(cand("aws", "us-east-1", 1, Market.ON_DEMAND, preemptions_seen=9)) == 0
+
+
+@given(st.integers(0, 50), st.integers(0, 50), st.floats(0, 100))
+def test_hazard_grows_with_preemptions(a: int, b: int, hours: float) -> None:
+    lo, hi = sorted((a, b))
+    base = cand("aws", "r", 1.0, prior_monthly_rate=0.1, node_hours_seen=hours)
+    assert hazard_per_hour(base.model_copy(update={"preemptions_seen": lo})) <= hazard_per_hour(
+        base.model_copy(update={"preemptions_seen": hi})
+    )
+
+
+def test_risky_cheap_spot_loses_to_a_calm_one() -> None:
+    needs = JobNeeds(gpus=8, remaining_h=10, restart_h=0.5, checkpoint_interval_h=1)
+    risky = cand("aws", "us-east-1", 0.9, preemptions_seen=20, node_hours_seen=10)
+    calm = cand("aws", "us-west-2", 1.0, prior_monthly_rate=0.025)
+    assert choose(needs, [risky, calm]).pool_id == calm.pool.id
+
+
+def test_egress_keeps_a_big_checkpoint_near_home() -> None:
+    home = cand("aws", "us-east-1", 1.00)
+    away = cand("gcp", "us-central1", 0.99)
+    small = JobNeeds(gpus=8, remaining_h=10, checkpoint_cloud="aws", checkpoint_region="us-east-1")
+    big = small.model_copy(update={"checkpoint_gb": 500})
+    assert choose(small, [home, away]).pool_id == away.pool.id
+    assert choose(big, [home, away]).pool_id == home.pool.id
+    assert expected_cost(big, away) - expected_cost(small, away) == pytest.approx(500 * 0.09)
+
+
+def test_constraints_filter_pools() -> None:
+    pools = [
+        cand("aws", "us-east-1", 1.0),
+        cand("gcp", "europe-west4", 0.5),
+        cand("azure", "eastus", 0.7, free_gpus=4),
+        cand("aws", "us-west-2", 2.0, Market.ON_DEMAND),
+    ]
+    needs = JobNeeds(gpus=8, remaining_h=1, deny=["gcp:*"])
+    assert [s.pool_id for s in rank(needs, pools)] == [pools[0].pool.id, pools[3].pool.id]
+    od_only = needs.model_copy(update={"markets": frozenset({Market.ON_DEMAND})})
+    assert [s.pool_id for s in rank(od_only, pools)] == [pools[3].pool.id]
+    assert rank(needs.model_copy(update={"gpus": 17}), pools) == []
+    blocked = mark_preempted(register(Blocklist(), ["aws:us-east-1", "aws:us-west-2", "x:y"]),
+                             "aws:us-east-1", now=0)  # fmt: skip
+    assert [s.pool_id for s in rank(needs, pools, blocked)] == [pools[3].pool.id]
+
+
+def test_sticky_for_pennies_moves_for_dollars() -> None:
+    here, there = cand("aws", "us-east-1", 1.00), cand("aws", "us-west-2", 0.99)
+    needs = JobNeeds(gpus=8, remaining_h=2, current_pool=here.pool.id)
+    assert choose(needs, [here, there]).pool_id == here.pool.id
+    cheap = cand("aws", "us-west-2", 0.5)
+    assert choose(needs, [here, cheap]).pool_id == cheap.pool.id
+
+
+@given(
+    st.lists(st.tuples(st.floats(0.1, 5), st.floats(0, 0.5)), min_size=1, max_size=8),
+    st.floats(0, 10),
+    st.floats(0, 0.5),
+)
+def test_a_move_always_saves_more_than_the_margin(
+    spec: list[tuple[float, float]], usd: float, frac: float
+) -> None:
+    pools = [cand("aws", f"r{i}", p, prior_monthly_rate=r) for i, (p, r) in enumerate(spec)]
+    needs = JobNeeds(gpus=8, remaining_h=5, current_pool=pools[0].pool.id)
+    stick = Stickiness(min_saving_usd=usd, min_saving_fraction=frac)
+    got = choose(needs, pools, stickiness=stick)
+    ranked = rank(needs, pools)
+    stay = next(s for s in ranked if s.pool_id == needs.current_pool)
+    if got.pool_id != stay.pool_id:
+        assert got.pool_id == ranked[0].pool_id
+        assert stay.cost_usd - got.cost_usd >= stick.threshold(stay.cost_usd)

@@ -1,0 +1,243 @@
+"""AWS provider on moto's EC2: launches, idempotency, tags, user data, errors, quotas, notices."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.awsrequest import AWSResponse
+from botocore.stub import Stubber
+from moto import mock_aws
+from moto.core import DEFAULT_ACCOUNT_ID
+from moto.ec2.models import ec2_backends
+from moto.server import ThreadedMotoServer
+
+from policies.models import Accelerator, Market
+from providers import bootstrap
+from providers.aws import AwsProvider
+from providers.base import (
+    CapacityError,
+    LaunchRequest,
+    NodeState,
+    NotConfiguredError,
+    ProviderError,
+    QuotaError,
+)
+
+REGIONS = ["us-east-1", "us-west-2"]
+IMAGE = "ami-12c6146b"  # moto accepts any AMI id; this one is in its default image list
+_SESSION: list[boto3.Session] = []
+
+
+def session() -> boto3.Session:
+    """One boto3 session for all tests: its loader caches the service models (seconds each)."""
+    if not _SESSION:
+        _SESSION.append(boto3.Session())
+    return _SESSION[0]
+
+
+@pytest.fixture(autouse=True)
+def aws_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture
+def aws() -> Iterator[AwsProvider]:
+    with mock_aws():
+        yield AwsProvider(REGIONS, broker_id="test-broker", image_id=IMAGE, session=session())
+
+
+def request(key: str = "job-1:7:0", market: Market = Market.SPOT, **kw) -> LaunchRequest:
+    fields = {
+        "idempotency_key": key, "job_id": "job-1", "region": "us-east-1",
+        "accelerator": Accelerator.V100, "gpus_per_node": 1, "nodes": 2, "market": market,
+        "env": {"FLEET_BROKER_URL": "http://broker:8080"},
+        "command": ["python", "train.py", "--lr", "0.1"],
+    }  # fmt: skip
+    return LaunchRequest(**{**fields, **kw})
+
+
+def _describe(instance_id: str, region: str = "us-east-1") -> dict:
+    ec2 = session().client("ec2", region)
+    return ec2.describe_instances(InstanceIds=[instance_id])["Reservations"][0]["Instances"][0]
+
+
+def test_spot_launch_tags_user_data_and_client_token(aws: AwsProvider) -> None:
+    req = request()
+    nodes = aws.launch(req)
+    assert len(nodes) == 2
+    assert all(n.market is Market.SPOT and n.job_id == "job-1" for n in nodes)
+    assert all(n.accelerator is Accelerator.V100 and n.gpus == 1 for n in nodes)
+    region, _, iid = nodes[0].node_id.partition("/")
+    inst = _describe(iid, region)
+    assert inst["InstanceType"] == "p3.2xlarge"  # the catalog's only 1x V100 type
+    assert inst["InstanceLifecycle"] == "spot"
+    assert inst["ClientToken"] == bootstrap.token(req.idempotency_key)
+    tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
+    assert tags[bootstrap.BROKER_TAG] == "test-broker" and tags[bootstrap.KEY_TAG] == "job-1:7:0"
+    raw = (
+        session()
+        .client("ec2", region)
+        .describe_instance_attribute(InstanceId=iid, Attribute="userData")["UserData"]["Value"]
+    )
+    script = base64.b64decode(raw).decode()
+    assert "exec python3 -m broker.runtime.agent -- python train.py --lr 0.1" in script
+    assert "export FLEET_JOB_ID=job-1" in script and "export FLEET_MARKET=spot" in script
+    assert "export FLEET_BROKER_URL=http://broker:8080" in script
+
+
+def test_launch_is_idempotent_in_our_code(aws: AwsProvider) -> None:
+    first = aws.launch(request())
+    again = aws.launch(request())
+    assert [n.node_id for n in again] == [n.node_id for n in first]
+    other = aws.launch(request(key="job-1:7:1", market=Market.ON_DEMAND, nodes=1))
+    assert other[0].market is Market.ON_DEMAND and other[0].node_id not in {
+        n.node_id for n in first
+    }
+    assert len(aws.nodes()) == 3
+
+
+def test_nodes_lists_only_this_brokers_instances_across_regions(aws: AwsProvider) -> None:
+    aws.launch(request(region="us-west-2", nodes=1, key="k-west"))
+    aws.launch(request(nodes=1, key="k-east"))
+    foreign = AwsProvider(REGIONS, broker_id="someone-else", image_id=IMAGE, session=session())
+    foreign.launch(request(nodes=1, key="k-foreign"))
+    mine = aws.nodes()
+    assert sorted(n.region for n in mine) == ["us-east-1", "us-west-2"]
+    assert {n.idempotency_key for n in mine} == {"k-west", "k-east"}
+
+
+def test_terminate_is_final_and_repeatable(aws: AwsProvider) -> None:
+    node = aws.launch(request(nodes=1))[0]
+    aws.terminate(node.node_id)
+    aws.terminate(node.node_id)  # already gone: not an error
+    aws.terminate("us-east-1/i-0123456789abcdef0")  # never existed: not an error
+    assert all(n.state is NodeState.TERMINATED for n in aws.nodes() if n.node_id == node.node_id)
+    # A terminated launch does not block a relaunch under a new attempt key.
+    assert aws.launch(request(nodes=1, key="job-1:7:1"))[0].node_id != node.node_id
+
+
+def _inject_error(aws: AwsProvider, code: str) -> None:
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error><Code>{code}</Code>'
+        f"<Message>injected {code}</Message></Error></Errors><RequestID>r-1</RequestID></Response>"
+    ).encode()
+
+    def reply(request, **_):  # botocore parses this like a real EC2 error response
+        return AWSResponse(request.url, 500 if "Insufficient" in code else 400, {}, _Raw(body))
+
+    aws._client("ec2", "us-east-1").meta.events.register("before-send.ec2.RunInstances", reply)
+
+
+class _Raw:
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def stream(self, **_):
+        yield self.body
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        ("InsufficientInstanceCapacity", CapacityError),
+        ("SpotMaxPriceTooLow", CapacityError),
+        ("VcpuLimitExceeded", QuotaError),
+        ("MaxSpotInstanceCountExceeded", QuotaError),
+        ("UnauthorizedOperation", NotConfiguredError),
+        ("InvalidParameterValue", ProviderError),
+    ],
+)
+def test_ec2_errors_map_to_broker_errors(aws: AwsProvider, code: str, error: type) -> None:
+    aws._client("ec2", "us-east-1").meta.config.retries = {"max_attempts": 0}
+    _inject_error(aws, code)
+    with pytest.raises(error, match=code):
+        aws.launch(request())
+
+
+def test_no_catalog_type_is_a_capacity_error(aws: AwsProvider) -> None:
+    with pytest.raises(CapacityError, match="3x V100"):
+        aws.launch(request(gpus_per_node=3))
+
+
+def test_missing_credentials_name_the_cloud(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(NotConfiguredError, match=r"aws is not configured.*AWS_PROFILE"):
+        AwsProvider(REGIONS)
+
+
+def test_capacity_from_vcpu_quotas(aws: AwsProvider) -> None:
+    aws.launch(request(market=Market.ON_DEMAND, nodes=1))  # one p3.2xlarge = 8 vCPUs in use
+    assert aws.capacity() == {}  # moto knows no EC2 quotas: headroom unknown, nothing claimed
+    quotas = session().client("service-quotas", "us-east-1")
+    stub = Stubber(quotas)
+    for code in ("L-417A185B", "L-DB2E81BA", "L-7212CCBC", "L-3819A6DF"):
+        value = {"L-417A185B": 64.0, "L-7212CCBC": 96.0}.get(code)
+        if value is None:
+            stub.add_client_error("get_service_quota", "NoSuchResourceException")
+        else:
+            stub.add_response("get_service_quota", {"Quota": {"QuotaCode": code, "Value": value}})
+    aws.regions = ["us-east-1"]
+    aws._clients[("service-quotas", "us-east-1")] = quotas
+    with stub:
+        cap = aws.capacity()
+    # 64 on-demand P vCPUs - 8 in use = 56 -> 7 V100 at 8 vCPUs each (p3.2xlarge), 96 spot -> 12.
+    assert cap["aws:us-east-1:on-demand:V100"] == 56 // 8
+    assert cap["aws:us-east-1:spot:V100"] == 96 // 8
+    assert cap["aws:us-east-1:spot:A100"] == 96 // 12  # p4d.24xlarge: 96 vCPUs / 8 GPUs
+
+
+def test_spot_interruption_warning_becomes_a_notice(aws: AwsProvider) -> None:
+    ec2 = session().client("ec2", "us-east-1")
+    resp = ec2.request_spot_instances(
+        InstanceCount=1,
+        LaunchSpecification={"ImageId": aws.image_id, "InstanceType": "p3.2xlarge"},
+    )
+    spot = resp["SpotInstanceRequests"][0]
+    req = ec2.describe_spot_instance_requests(
+        SpotInstanceRequestIds=[spot["SpotInstanceRequestId"]]
+    )["SpotInstanceRequests"][0]
+    tags = bootstrap.tags(request(nodes=1), "test-broker")
+    ec2.create_tags(
+        Resources=[req["InstanceId"]], Tags=[{"Key": k, "Value": v} for k, v in tags.items()]
+    )
+    assert aws.notices() == []
+    # moto never interrupts: flip the request's status the way EC2 does two minutes before.
+    backend = ec2_backends[DEFAULT_ACCOUNT_ID]["us-east-1"]
+    backend.spot_instance_requests[
+        spot["SpotInstanceRequestId"]
+    ]._status_code = "marked-for-termination"
+    notices = aws.notices()
+    assert [n.node_id for n in notices] == [f"us-east-1/{req['InstanceId']}"]
+    when = datetime(2015, 1, 1, tzinfo=UTC)  # moto's fixed UpdateTime
+    assert notices[0].deadline == when + timedelta(minutes=2)
+
+
+def test_against_a_moto_server_process_on_loopback() -> None:
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        url = f"http://{host}:{port}"
+        aws = AwsProvider(
+            ["us-east-1"], broker_id="srv", image_id=IMAGE, endpoint_url=url, session=session()
+        )
+        nodes = aws.launch(request(nodes=1))
+        assert [n.node_id for n in aws.launch(request(nodes=1))] == [nodes[0].node_id]
+        assert [n.node_id for n in aws.nodes()] == [nodes[0].node_id]
+        aws.terminate(nodes[0].node_id)
+        assert all(n.state is NodeState.TERMINATED for n in aws.nodes())
+    finally:
+        server.stop()

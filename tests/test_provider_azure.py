@@ -1,0 +1,215 @@
+"""Azure provider through the real azure-mgmt-compute SDK with a fake token credential.
+
+ARM's documented JSON (VMs, async operations, usages, error payloads) is served by `responses`;
+a VM read back is the one the SDK PUT, echoed with a provisioning state.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import responses
+from azure.core.credentials import AccessToken
+
+from policies.models import Accelerator, Market
+from providers import bootstrap
+from providers.azure import AzureProvider
+from providers.base import CapacityError, LaunchRequest, NodeState, NotConfiguredError, QuotaError
+from providers.catalog import load_offers
+
+ARM = "https://management.azure.com"
+RG = f"{ARM}/subscriptions/sub-1/resourceGroups/rg-fleet/providers/Microsoft.Compute"
+VM_URL = re.compile(rf"{RG}/virtualMachines/(?P<name>[\w-]+)\?")
+OP_URL = f"{ARM}/subscriptions/sub-1/providers/Microsoft.Compute/locations/eastus/operations/op-1"
+OFFERS = load_offers(["azure"], root=Path("/nonexistent"))
+SUBNET = (
+    "/subscriptions/sub-1/resourceGroups/net/providers/Microsoft.Network"
+    "/virtualNetworks/v/subnets/s"
+)
+
+
+class FakeCredential:
+    """A TokenCredential that hands out a fixed bearer token (no identity service involved)."""
+
+    def get_token(self, *scopes: str, **kwargs) -> AccessToken:
+        return AccessToken("fake-token", 4_102_444_800)
+
+
+@pytest.fixture
+def azure() -> AzureProvider:
+    return AzureProvider(
+        "sub-1", "rg-fleet", SUBNET, ["eastus"], broker_id="b1", credential=FakeCredential(),
+        ssh_public_key="ssh-ed25519 AAAA test", offers=OFFERS, polling_interval=0,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def http() -> Iterator[responses.RequestsMock]:
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as rsps:
+        yield rsps
+
+
+def request(key: str = "job-5:2:0", market: Market = Market.SPOT, **kw) -> LaunchRequest:
+    fields = {
+        "idempotency_key": key, "job_id": "job-5", "region": "eastus",
+        "accelerator": Accelerator.V100, "gpus_per_node": 1, "nodes": 1, "market": market,
+        "command": ["python", "train.py"],
+    }  # fmt: skip
+    return LaunchRequest(**{**fields, **kw})
+
+
+def arm_error(code: str, message: str) -> dict:
+    return {"error": {"code": code, "message": message}}
+
+
+def serve_vms(http: responses.RequestsMock, store: dict[str, dict], op_status: dict) -> None:
+    """PUT stores the body and answers 201 + Azure-AsyncOperation; GET echoes it back."""
+
+    def name_of(req) -> str:
+        return VM_URL.match(req.url).group("name")
+
+    def put(req):
+        body = json.loads(req.body)
+        name = name_of(req)
+        body["properties"]["provisioningState"] = "Creating"
+        body["properties"]["timeCreated"] = "2026-12-02T13:00:00Z"
+        store[name] = {
+            **body,
+            "name": name,
+            "id": f"/vm/{name}",
+            "type": "Microsoft.Compute/virtualMachines",
+        }
+        return (
+            201,
+            {"Azure-AsyncOperation": f"{OP_URL}?api-version=2025-04-01"},
+            json.dumps(store[name]),
+        )
+
+    def get(req):
+        name = name_of(req)
+        if name not in store:
+            return 404, {}, json.dumps(arm_error("ResourceNotFound", f"VM {name} not found"))
+        vm = store[name]
+        if op_status.get("status") == "Succeeded":
+            vm["properties"]["provisioningState"] = "Succeeded"
+        return 200, {}, json.dumps(vm)
+
+    http.add_callback(responses.PUT, VM_URL, callback=put)
+    http.add_callback(responses.GET, VM_URL, callback=get)
+    http.add_callback(
+        responses.GET, re.compile(re.escape(OP_URL)), lambda _: (200, {}, json.dumps(op_status))
+    )
+
+
+def test_spot_vm_with_eviction_policy_and_agent(azure: AzureProvider, http) -> None:
+    store: dict[str, dict] = {}
+    serve_vms(http, store, {"status": "Succeeded"})
+    nodes = azure.launch(request())
+    assert [n.node_id for n in nodes] == azure.vm_names(request())
+    assert (nodes[0].market, nodes[0].state, nodes[0].job_id) == (
+        Market.SPOT,
+        NodeState.RUNNING,
+        "job-5",
+    )
+    put = next(c for c in http.calls if c.request.method == "PUT")
+    assert put.request.headers["Authorization"] == "Bearer fake-token"
+    props = json.loads(put.request.body)["properties"]
+    assert props["priority"] == "Spot" and props["evictionPolicy"] == "Delete"
+    assert props["billingProfile"] == {"maxPrice": -1.0}
+    assert props["hardwareProfile"]["vmSize"] == azure.vm_size_for(request())
+    script = base64.b64decode(props["osProfile"]["customData"]).decode()
+    assert "exec python3 -m broker.runtime.agent -- python train.py" in script
+    tags = json.loads(put.request.body)["tags"]
+    assert tags[bootstrap.BROKER_TAG] == "b1" and tags[bootstrap.KEY_TAG] == "job-5:2:0"
+
+
+def test_same_key_same_name_no_second_vm(azure: AzureProvider, http) -> None:
+    store: dict[str, dict] = {}
+    serve_vms(http, store, {"status": "Succeeded"})
+    first = azure.launch(request(nodes=2))
+    again = azure.launch(request(nodes=2))
+    assert [n.node_id for n in again] == [n.node_id for n in first] and len(store) == 2
+    assert sum(c.request.method == "PUT" for c in http.calls) == 2
+    other = azure.launch(request(key="job-5:2:1", market=Market.ON_DEMAND))
+    assert other[0].market is Market.ON_DEMAND and len(store) == 3
+
+
+def test_allocation_failure_in_the_async_operation(azure: AzureProvider, http) -> None:
+    failed = {"status": "Failed", "error": {
+        "code": "AllocationFailed",
+        "message": "Allocation failed. We do not have sufficient capacity for the requested VM "
+                   "size in this region.",
+    }}  # fmt: skip
+    serve_vms(http, {}, failed)
+    with pytest.raises(CapacityError, match="AllocationFailed"):
+        azure.launch(request())
+
+
+@pytest.mark.parametrize(
+    ("code", "message", "error"),
+    [
+        ("OperationNotAllowed", "Operation could not be completed as it results in exceeding "
+         "approved LowPriorityCores quota. Location: eastus, Current Limit: 0.", QuotaError),
+        ("QuotaExceeded", "Quota exceeded for Standard NCSv3 Family vCPUs.", QuotaError),
+        ("SkuNotAvailable", "The requested VM size Standard_NC6s_v3 is currently not available "
+         "in location 'eastus'.", CapacityError),
+    ],
+)  # fmt: skip
+def test_put_errors_map(azure: AzureProvider, http, code: str, message: str, error: type) -> None:
+    http.add(responses.GET, VM_URL, status=404, json=arm_error("ResourceNotFound", "none"))
+    http.add(responses.PUT, VM_URL, status=409, json=arm_error(code, message))
+    with pytest.raises(error, match=code):
+        azure.launch(request())
+
+
+def test_list_by_tag_and_delete(azure: AzureProvider, http) -> None:
+    store: dict[str, dict] = {}
+    serve_vms(http, store, {"status": "Succeeded"})
+    node = azure.launch(request())[0]
+    foreign = {**store[node.node_id], "name": "other", "tags": {bootstrap.BROKER_TAG: "b2"}}
+    http.add(
+        responses.GET,
+        re.compile(rf"{RG}/virtualMachines\?"),
+        json={"value": [store[node.node_id], foreign]},
+    )
+    assert [n.node_id for n in azure.nodes()] == [node.node_id]
+    http.add(responses.DELETE, VM_URL, status=200)
+    azure.terminate(node.node_id)
+    http.replace(responses.DELETE, VM_URL, status=404, json=arm_error("ResourceNotFound", "gone"))
+    azure.terminate(node.node_id)  # already gone: not an error
+    assert [c.request.method for c in http.calls][-2:] == ["DELETE", "DELETE"]
+
+
+def test_capacity_from_regional_vcpu_quotas(azure: AzureProvider, http) -> None:
+    http.add(
+        responses.GET,
+        re.compile(rf"{ARM}/subscriptions/sub-1/providers/Microsoft.Compute/locations/eastus/usages"),
+        json={"value": [
+            {"name": {"value": "lowPriorityCores", "localizedValue": "Spot vCPUs"},
+             "currentValue": 12, "limit": 100, "unit": "Count"},
+            {"name": {"value": "cores", "localizedValue": "Total Regional vCPUs"},
+             "currentValue": 10, "limit": 10, "unit": "Count"},
+        ]},
+    )  # fmt: skip
+    cap = azure.capacity()
+    per_gpu = min(
+        o.vcpus / o.accelerator_count
+        for o in OFFERS
+        if o.region == "eastus" and o.accelerator is Accelerator.V100
+    )
+    assert cap["azure:eastus:spot:V100"] == int(88 // per_gpu)
+    assert cap["azure:eastus:on-demand:V100"] == 0
+
+
+def test_not_configured_names_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("AZURE_SUBSCRIPTION_ID", "FLEET_AZURE_RESOURCE_GROUP", "FLEET_AZURE_SUBNET_ID"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(
+        NotConfiguredError, match="azure is not configured: set AZURE_SUBSCRIPTION_ID"
+    ):
+        AzureProvider()

@@ -1,0 +1,155 @@
+"""SkyPilot backend: generated tasks pass our schema of SkyPilot's format; launch/status/down at the
+adapter boundary (SkyPilot itself is not installed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from policies.models import Accelerator, Market
+from providers import bootstrap
+from providers.base import (
+    CapacityError,
+    LaunchRequest,
+    NodeState,
+    NotConfiguredError,
+    ProviderError,
+)
+from providers.catalog import load_offers
+from providers.skypilot import SkyPilotProvider, SkySdk, task_for, task_yaml, validate_task
+
+OFFERS = {c: load_offers([c], root=Path("/nonexistent")) for c in ("aws", "gcp")}
+
+
+class RecordingSky:
+    """An in-memory SkyBackend: a launched cluster is INIT, as ``sky status`` lists it."""
+
+    def __init__(self) -> None:
+        self.clusters: dict[str, dict[str, Any]] = {}
+        self.launched: list[tuple[str, dict]] = []
+        self.fail: Exception | None = None
+
+    def launch(self, task: dict[str, Any], cluster_name: str) -> None:
+        if self.fail:
+            raise self.fail
+        self.launched.append((cluster_name, task))
+        self.clusters[cluster_name] = {
+            "name": cluster_name,
+            "status": "INIT",
+            "labels": task["resources"]["labels"],
+            "launched_at": 1_764_680_000,
+        }
+
+    def status(self) -> list[dict[str, Any]]:
+        return list(self.clusters.values())
+
+    def down(self, cluster_name: str) -> None:
+        self.clusters.pop(cluster_name, None)
+
+
+def request(**kw) -> LaunchRequest:
+    fields = {
+        "idempotency_key": "job-3:4:0", "job_id": "job-3", "region": "us-central1",
+        "zone": "us-central1-a", "accelerator": Accelerator.A100, "gpus_per_node": 8, "nodes": 2,
+        "market": Market.SPOT, "command": ["torchrun", "train.py", "--epochs", "3"],
+    }  # fmt: skip
+    return LaunchRequest(**{**fields, **kw})
+
+
+def test_task_is_pinned_to_cloud_region_and_market() -> None:
+    provider = SkyPilotProvider("gcp", backend=RecordingSky(), offers=OFFERS["gcp"])
+    offer = provider.offer_for(request())
+    task = task_for(request(), offer, "b1")
+    validate_task(task)
+    assert yaml.safe_load(task_yaml(task)) == task
+    res = task["resources"]
+    assert (res["cloud"], res["region"], res["zone"]) == ("gcp", "us-central1", "us-central1-a")
+    assert res["accelerators"] == "A100:8" and res["use_spot"] is True
+    assert res["instance_type"] == offer.instance_type and task["num_nodes"] == 2
+    assert task["envs"]["FLEET_JOB_ID"] == "job-3" and task["envs"]["FLEET_MARKET"] == "spot"
+    assert task["run"].startswith("exec python3 -m broker.runtime.agent -- torchrun train.py")
+    assert all(v == v.lower() for v in res["labels"].values())  # GCE label rules
+
+
+def test_on_demand_aws_task_keeps_raw_tags() -> None:
+    req = request(region="us-east-1", zone=None, accelerator=Accelerator.V100, gpus_per_node=8,
+                  market=Market.ON_DEMAND)  # fmt: skip
+    provider = SkyPilotProvider("aws", backend=RecordingSky(), offers=OFFERS["aws"])
+    task = task_for(req, provider.offer_for(req), "b1")
+    validate_task(task)
+    assert task["resources"]["use_spot"] is False and "zone" not in task["resources"]
+    assert task["resources"]["instance_type"] in {"p3.16xlarge", "p3dn.24xlarge"}
+    assert task["resources"]["labels"][bootstrap.KEY_TAG] == "job-3:4:0"
+
+
+def test_schema_accepts_the_documented_example() -> None:
+    validate_task({
+        "name": "my-task", "workdir": "~/my-task-code", "num_nodes": 4,
+        "resources": {"cloud": "aws", "region": "us-east-1", "zone": "us-east-1a",
+                      "accelerators": "H100:8", "cpus": "4+", "memory": "32+",
+                      "instance_type": "p3.8xlarge", "use_spot": False, "disk_size": 256,
+                      "disk_tier": "medium", "image_id": "ami-0868a20f5a3bf9702", "ports": 8081,
+                      "labels": {"my-label": "my-value"}, "job_recovery": "FAILOVER"},
+        "envs": {"MY_BUCKET": "skypilot-temp-gcs-test", "MODEL_SIZE": "13b"},
+        "file_mounts": {"/remote/path": "/local/path"},
+        "setup": "pip install -r requirements.txt\n", "run": "python train.py\n",
+    })  # fmt: skip
+    validate_task({"resources": {"infra": "gcp/us-central1", "accelerators": {"A100": 8}}})
+
+
+@pytest.mark.parametrize(
+    ("mutate", "where"),
+    [
+        (lambda t: t["resources"].update(use_spots=True), "resources"),
+        (lambda t: t["resources"].update(accelerators="A100:x"), "resources/accelerators"),
+        (lambda t: t["resources"].update(cloud="gpc"), "resources/cloud"),
+        (lambda t: t["resources"].update(infra="gcp/us-central1"), "resources"),
+        (lambda t: t.update(num_nodes=0), "num_nodes"),
+        (lambda t: t["envs"].update({"BAD-NAME": "x"}), "envs"),
+    ],
+)
+def test_schema_rejects_bad_tasks_naming_the_field(mutate, where: str) -> None:
+    task = task_for(request(), None, "b1")
+    task["resources"]["cloud"] = "gcp"
+    mutate(task)
+    with pytest.raises(ValueError, match=f"invalid at {where}"):
+        validate_task(task)
+
+
+def test_launch_follow_and_terminate_through_the_adapter() -> None:
+    sky = RecordingSky()
+    provider = SkyPilotProvider("gcp", backend=sky, broker_id="b1", offers=OFFERS["gcp"])
+    nodes = provider.launch(request())
+    name = provider.cluster_name(request())
+    assert [n.node_id for n in nodes] == [f"{name}#0", f"{name}#1"]
+    assert all(n.state is NodeState.PENDING and n.market is Market.SPOT for n in nodes)
+    assert nodes[0].accelerator is Accelerator.A100 and nodes[0].region == "us-central1"
+    assert provider.launch(request()) == nodes and len(sky.launched) == 1  # idempotent by name
+    sky.clusters[name]["status"] = "UP"
+    assert {n.state for n in provider.nodes()} == {NodeState.RUNNING}
+    provider.terminate(f"{name}#1")
+    assert provider.nodes() == []
+    provider.terminate(f"{name}#0")  # already down: not an error
+
+
+def test_errors_at_the_boundary() -> None:
+    sky = RecordingSky()
+    provider = SkyPilotProvider("gcp", backend=sky, offers=OFFERS["gcp"])
+    sky.fail = CapacityError("no A100 in us-central1-a")
+    with pytest.raises(CapacityError):
+        provider.launch(request())
+    sky.fail = RuntimeError("controller unreachable")
+    with pytest.raises(ProviderError, match="controller unreachable"):
+        provider.launch(request())
+    with pytest.raises(CapacityError, match="3x A100"):
+        provider.launch(request(gpus_per_node=3))
+
+
+def test_missing_skypilot_is_a_clear_not_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "sky", None)  # import sky -> ImportError
+    with pytest.raises(NotConfiguredError, match="pip install 'skypilot"):
+        SkySdk()
