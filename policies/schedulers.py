@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+import numpy as np
+
 from policies.apps import Application
 from policies.choices import (
     ChoiceTables,
@@ -29,6 +31,8 @@ from policies.choices import (
 from policies.elastic_dp import JobChoices, allocate
 from policies.models import Accelerator
 from policies.throughput import Placement
+
+MIGRATE_GAIN = 3.0  # with migration on, a running job moves only for this much more goodput
 
 
 class Admission(StrEnum):
@@ -114,8 +118,13 @@ class ElasticPolicy(Policy):
                 continue
             ref = min(refs)  # one scale for every type: speed-up over one GPU of the slowest
             cands[j.id] = {}
-            if j.current is not None and not self.migrate:
-                tables = {j.current.accelerator: tables[j.current.accelerator]}
+            if j.current is not None:
+                here = j.current.accelerator
+                # hysteresis: a running job may only move to a type where it runs
+                # MIGRATE_GAIN times faster than its best here (no flip-flopping)
+                floor = MIGRATE_GAIN * float(np.nanmax(tables[here].rate))
+                tables = {a: t for a, t in tables.items()
+                          if a is here or (self.migrate and np.nanmax(t.rate) >= floor)}
             for acc, table in tables.items():
                 current = None
                 if j.current is not None:
@@ -326,7 +335,8 @@ def make_policy(name: PolicyName | str, fleet: Sequence[TypeCapacity],
                 migrate: bool = False) -> Policy:
     """``accumulation=False``: the elastic policies only use batches that fit in GPU memory
     (the seed paper's baseline then needs ``batch / per-GPU limit`` GPUs at least).
-    ``migrate=True`` lets running jobs change accelerator type (off: measured to churn)."""
+    ``migrate=True`` lets a running job change accelerator type when it would run
+    ``MIGRATE_GAIN`` times faster there (hysteresis; without it the types flip-flop)."""
     name = PolicyName(name)
     if name is PolicyName.ELASTIC:
         return ElasticPolicy(fleet, admission, value, tables, accumulation, migrate)

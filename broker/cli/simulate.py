@@ -43,7 +43,7 @@ def simulate(
     accumulation: bool = typer.Option(
         True, help="let elastic/fixed-batch jobs accumulate gradients past the per-GPU limit"),
     migrate: bool = typer.Option(
-        False, help="let running jobs move to another accelerator type (a restart each)"),
+        False, help="let a running job move to a type where it runs 3x faster (a restart)"),
     seed: int = typer.Option(0, help="recorded; the simulator itself draws no random numbers"),
     workers: int = typer.Option(1, help="processes simulating workloads in parallel"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object, no progress"),

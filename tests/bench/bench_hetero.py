@@ -16,6 +16,7 @@ HETERO = "t4:6x4,2080ti:3x8,a100:2x8"
 VARIANTS = [
     ("elastic, fair p=0.5", PolicyName.ELASTIC, ValueConfig(ValueFunction.FAIR, 0.5)),
     ("elastic, fair p=0.25", PolicyName.ELASTIC, FAIR),
+    ("elastic, fair p=0.25, migrate", PolicyName.ELASTIC, FAIR),
     ("elastic, speedup value", PolicyName.ELASTIC, SPEEDUP),
     ("fixed-batch, fair p=0.5", PolicyName.FIXED_BATCH, ValueConfig(ValueFunction.FAIR, 0.5)),
     ("tiresias", PolicyName.TIRESIAS, SPEEDUP),
@@ -30,7 +31,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for label, pol, value in VARIANTS:
         r = _run(WORKLOADS / "sia-sosp23" / "philly", HETERO,
-                 SimConfig(policy=pol, restart_penalty=None, sia_slowdown=True, value=value))
+                 SimConfig(policy=pol, restart_penalty=None, sia_slowdown=True, value=value,
+                           migrate=label.endswith("migrate")))
         out[label] = r
         print(f"| {label} | {r['avg_jct_h']:.3f} h | {r['p99_jct_h']:.2f} h | "
               f"{r['makespan_h']:.2f} h | {r['rescales']} |", flush=True)
