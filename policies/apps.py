@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from policies.goodput import Efficiency
 from policies.models import Accelerator
-from policies.throughput import Placement, ThroughputModel
+from policies.trace_throughput import Placement, ThroughputModel
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import numpy as np
 from policies.apps import Application
 from policies.elastic_dp import Choice, JobChoices, allocate
 from policies.models import Accelerator
-from policies.throughput import Placement, packed_placement
+from policies.trace_throughput import Placement, packed_placement
 
 
 class ValueFunction(StrEnum):

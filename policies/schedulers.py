@@ -30,7 +30,7 @@ from policies.choices import (
 )
 from policies.elastic_dp import JobChoices, allocate
 from policies.models import Accelerator
-from policies.throughput import Placement
+from policies.trace_throughput import Placement
 
 MIGRATE_GAIN = 3.0  # with migration on, a running job moves only for this much more goodput
 

@@ -15,7 +15,7 @@ import numpy as np
 from policies.apps import ACCELERATOR_TRACES, APP_SPECS, MAX_LOCAL_BSZ_OVERRIDES, Application
 from policies.goodput import Efficiency, EfficiencyModel, ValidationTable
 from policies.models import Accelerator
-from policies.throughput import StepTable, ThroughputModel, canonical
+from policies.trace_throughput import StepTable, ThroughputModel, canonical
 
 TRACES_DIR = Path(__file__).parent / "data" / "sia-sosp23" / "traces"
 

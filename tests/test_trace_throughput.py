@@ -8,7 +8,7 @@ import pytest
 
 from policies.goodput import EfficiencyModel
 from policies.models import Accelerator
-from policies.throughput import canonical, packed_placement
+from policies.trace_throughput import canonical, packed_placement
 from providers.measurements import TRACES_DIR, load_application
 
 
