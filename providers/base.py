@@ -72,6 +72,8 @@ class Node(BaseModel):
     market: Market
     state: NodeState
     launched_at: datetime | None = None
+    exit_code: int | None = None  # of the job's command, once TERMINATED (None: unknown/killed)
+    ended_at: datetime | None = None
 
 
 class PreemptionNotice(BaseModel):
@@ -111,3 +113,12 @@ class Provider(abc.ABC):
     def notices(self) -> list[PreemptionNotice]:
         """Pending preemption notices; backends without notices return none."""
         return []
+
+    def forget(self, node_id: str) -> None:
+        """Drop a TERMINATED node from the inventory once the broker recorded its outcome;
+        backends whose inventory forgets ended nodes by themselves keep this default."""
+        return None
+
+    def read_log(self, node_id: str, offset: int = 0) -> tuple[list[str], int]:
+        """Complete output lines of a node from byte ``offset``; backends without logs: none."""
+        return [], offset

@@ -1,0 +1,153 @@
+"""The actuator: carries out the outbox's intents through a provider, idempotently (the launch
+key is job id + fence + attempt), and records each outcome and placement interval atomically
+under the current leader's fence. Replaying an intent after a crash is always safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
+from broker.store import Conflict, Plan, Store
+from policies.models import Pool
+from providers.base import CapacityError, LaunchRequest, NodeState, Provider, ProviderError
+
+log = logging.getLogger(__name__)
+
+
+class ActuatorConfig(BaseModel):
+    checkpoint_root: Path = Path(".state/checkpoints")
+    broker_url: str | None = None  # where agents post heartbeats
+    agent_token: str | None = None
+    use_agent: bool = True  # run the command under ``broker.runtime.agent``
+    heartbeat_interval_s: float = 5.0
+    max_failures: int = 3
+
+
+def launch_request(job: JobRecord, intent: Intent, pool: Pool,
+                   config: ActuatorConfig) -> LaunchRequest:
+    """The provider request for a launch intent: the job's command under the runtime agent with
+    the assigned world size, batch size and checkpoint location in its environment."""
+    spec = job.spec
+    checkpoint = spec.checkpoint.uri or str((config.checkpoint_root / job.id).resolve())
+    env = {
+        **spec.envs,
+        "FLEET_JOB_ID": job.id,
+        "FLEET_ATTEMPT": str(intent.attempt),
+        "FLEET_LAUNCH_KEY": intent.key,
+        "FLEET_NPROC": str(intent.gpus),
+        "FLEET_NNODES": "1",
+        "FLEET_NODE_RANK": "0",
+        "FLEET_MASTER_ADDR": "127.0.0.1",
+        "FLEET_GLOBAL_BATCH_SIZE": str(intent.batch_size or spec.batch_size.initial),
+        "FLEET_BATCH_MODE": spec.batch_mode.value,
+        "FLEET_CHECKPOINT_URI": checkpoint,
+        "FLEET_RUN": spec.run,
+        "FLEET_HEARTBEAT_INTERVAL": str(config.heartbeat_interval_s),
+    }
+    if config.broker_url:
+        env["FLEET_BROKER_URL"] = config.broker_url
+    if config.agent_token:
+        env["FLEET_AGENT_TOKEN"] = config.agent_token
+    run = '"$FLEET_RUN"'
+    main = (f"{shlex.quote(sys.executable)} -m broker.runtime.agent -- sh -c {run}"
+            if config.use_agent else f"sh -c {run}")
+    script = (f"{spec.setup}\n" if spec.setup else "") + f"exec {main}"
+    return LaunchRequest(idempotency_key=intent.key, job_id=job.id, region=pool.region,
+                         zone=pool.zone, accelerator=pool.accelerator, gpus_per_node=intent.gpus,
+                         market=pool.market, env=env, command=["sh", "-c", script])
+
+
+class Actuator:
+    def __init__(self, store: Store, provider: Provider,
+                 config: ActuatorConfig | None = None) -> None:
+        self.store = store
+        self.provider = provider
+        self.config = config or ActuatorConfig()
+
+    def run(self, fence: int) -> int:
+        """Carry out every pending intent; returns how many were settled."""
+        intents = self.store.intents()
+        if not intents:
+            return 0
+        pools = {p.id: p for p in self.store.pools()}
+        done = 0
+        for intent in intents:
+            try:
+                done += self._one(intent, fence, pools)
+            except Conflict as exc:  # the job moved on; the next pass sees its new state
+                log.info("intent %s: %s", intent.id, exc)
+        return done
+
+    def _one(self, intent: Intent, fence: int, pools: dict[str, Pool]) -> int:
+        job = self.store.get_job(intent.job_id)
+        plan = Plan(intents_del=[intent.id])
+        if job is None:
+            self.store.apply(plan, fence=fence)
+            return 1
+        if intent.kind is IntentKind.LAUNCH:
+            return self._launch(job, intent, fence, pools, plan)
+        # resize / migrate / suspend / stop: ask the nodes to checkpoint and exit. The
+        # reconciler records the outcome when they are gone.
+        for node_id in job.node_ids:
+            self.provider.terminate(node_id)
+        plan.event(intent.kind.value + "-sent", job.id, {"nodes": job.node_ids})
+        self.store.apply(plan, fence=fence)
+        return 1
+
+    def _launch(self, job: JobRecord, intent: Intent, fence: int, pools: dict[str, Pool],
+                plan: Plan) -> int:
+        if job.state is not JobState.LAUNCHING or job.launch_key != intent.key:
+            self.store.apply(plan, fence=fence)  # superseded
+            return 1
+        if job.cancel_requested:
+            plan.change(job, JobState.CANCELLED, reason="cancelled before launch", fence=fence)
+            self.store.apply(plan, fence=fence)
+            return 1
+        # Never two attempts at once: an older attempt's node must be gone first.
+        older = [n for n in self.provider.nodes() if n.job_id == job.id and
+                 n.idempotency_key != intent.key and n.state is not NodeState.TERMINATED]
+        if older:
+            for n in older:
+                self.provider.terminate(n.node_id)
+            return 0
+        pool = pools.get(intent.pool or "")
+        if pool is None:
+            plan.change(job, JobState.SUSPENDED, reason=f"pool {intent.pool} is gone",
+                        fence=fence)
+            self.store.apply(plan, fence=fence)
+            return 1
+        if self.store.leader() is None or self.store.leader()[0] != fence:  # type: ignore[index]
+            return 0  # lost the lease: leave the intent to the next leader
+        try:
+            nodes = self.provider.launch(launch_request(job, intent, pool, self.config))
+        except CapacityError as exc:
+            plan.change(job, JobState.SUSPENDED, reason=f"no capacity: {exc}", fence=fence)
+            self.store.apply(plan, fence=fence)
+            return 1
+        except ProviderError as exc:
+            failures = job.failures + 1
+            state = JobState.FAILED if failures > self.config.max_failures else \
+                JobState.SUSPENDED
+            plan.change(job, state, reason=f"launch failed: {exc}", failures=failures,
+                        fence=fence)
+            self.store.apply(plan, fence=fence)
+            return 1
+        now = time.time()
+        start = min((n.launched_at.timestamp() for n in nodes if n.launched_at), default=now)
+        plan.change(job, JobState.RUNNING, event_data={"pool": pool.id, "gpus": intent.gpus,
+                                                       "batch_size": intent.batch_size},
+                    node_ids=[n.node_id for n in nodes], launched_at=start,
+                    started_at=job.started_at or start, fence=fence, reason="running")
+        plan.open_placement(Placement(
+            job_id=job.id, attempt=intent.attempt, start=start, pool=pool.id, cloud=pool.cloud,
+            region=pool.region, market=pool.market, gpus=intent.gpus,
+            batch_size=intent.batch_size, price_per_gpu_hour=pool.price_per_gpu_hour))
+        self.store.apply(plan, fence=fence)
+        return 1

@@ -1,0 +1,369 @@
+"""The broker's HTTP API (FastAPI; OpenAPI at ``/openapi.json``, docs at ``/docs``).
+
+``build_app(store, config)`` returns the app that ``fleet up`` serves with uvicorn. Every route
+needs a bearer token (``broker.auth``): a team sees only its own jobs (others' are 404), an admin
+sees all, an agent may only post heartbeats. Bad input is a 4xx whose body names each field.
+"""
+
+# No `from __future__ import annotations`: FastAPI resolves the local Annotated aliases.
+
+import math
+from typing import Annotated, Any
+
+import redis
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from broker import __version__
+from broker.auth import ApiConfig, Principal, Role
+from broker.models import JobRecord, JobState
+from broker.spec import Problem, SpecError, apply_overrides, parse_spec_text
+from broker.store import CHECKPOINT_EXIT, JobNotFound, Store
+from policies.models import JobSpec, Market
+
+JOB_ID = r"^[a-z0-9][a-z0-9_.-]{0,80}$"
+SPEC_MEDIA = ("application/yaml", "application/x-yaml", "text/yaml", "text/plain",
+              "application/json")
+
+
+class ApiError(HTTPException):
+    """A 4xx with a message and, for bad input, one problem per field."""
+
+    def __init__(self, status: int, message: str, problems: list[Problem] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(status_code=status, detail=message, headers=headers)
+        self.problems = problems or []
+
+
+def _error_body(status: int, message: str, problems: list[Problem]) -> dict[str, Any]:
+    return {"error": {"status": status, "message": message,
+                      "problems": [p.model_dump() for p in problems]}}
+
+
+class Heartbeat(BaseModel):
+    """What a job's agent reports (rank 0 reports progress; every rank may report liveness)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    job_id: str = Field(pattern=JOB_ID)
+    attempt: int = Field(ge=0, le=10**9)
+    node_rank: int = Field(default=0, ge=0, le=4096)
+    state: str = Field(default="running", max_length=32)
+    step: int | None = Field(default=None, ge=0, le=10**15)
+    samples_done: int | None = Field(default=None, ge=0, le=10**18)
+    samples_per_sec: float | None = Field(default=None, ge=0, le=1e12)
+    world_size: int | None = Field(default=None, ge=1, le=4096)
+    global_batch_size: int | None = Field(default=None, ge=1, le=10**7)
+    checkpoint_step: int | None = Field(default=None, ge=0, le=10**15)
+
+    @field_validator("samples_per_sec")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+
+class HeartbeatReply(BaseModel):
+    action: str | None = Field(description="null: keep going; 'checkpoint-exit': checkpoint, "
+                                           "then exit 75")
+
+
+class PreemptRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    region: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9:_.-]*$",
+                        description="a spot pool's region, or cloud:region")
+    duration_s: float = Field(default=60.0, gt=0, le=86_400,
+                              description="how long the region stays reclaimed")
+
+
+def job_view(job: JobRecord) -> dict[str, Any]:
+    """A job as the API shows it: the record plus its name and progress."""
+    return {**job.model_dump(mode="json"), "name": job.name, "progress": job.progress}
+
+
+def build_app(store: Store, config: ApiConfig) -> FastAPI:
+    """The API over ``store`` with ``config``'s tokens and limits."""
+    app = FastAPI(title="FleetBroker", version=__version__,
+                  description="Submit and follow elastic training jobs across clouds.")
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+
+    # The auth dependencies are async: pure CPU, so no worker-thread hop per request.
+    async def principal(authorization: Annotated[str | None, Header()] = None) -> Principal:
+        scheme, _, token = (authorization or "").partition(" ")
+        who = config.authenticate(token.strip()) if scheme.lower() == "bearer" else None
+        if who is None:
+            why = "missing bearer token" if not authorization else "invalid token"
+            raise ApiError(401, f"{why}: send 'Authorization: Bearer TOKEN' (fleet uses "
+                           "FLEET_TOKEN or ~/.config/fleet/config.yaml)",
+                           headers={"WWW-Authenticate": "Bearer"})
+        return who
+
+    async def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
+        if who.role is Role.AGENT:
+            raise ApiError(403, "an agent token may only post heartbeats")
+        return who
+
+    async def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
+        if who.role is not Role.ADMIN:
+            raise ApiError(403, "this needs an admin token")
+        return who
+
+    async def agent(who: Annotated[Principal, Depends(principal)]) -> Principal:
+        if who.role not in (Role.AGENT, Role.ADMIN):
+            raise ApiError(403, "heartbeats need the broker's agent token")
+        return who
+
+    User = Annotated[Principal, Depends(user)]
+    JobId = Annotated[str, Path(pattern=JOB_ID, max_length=81)]
+
+    def visible_job(job_id: str, who: Principal) -> JobRecord:
+        job = store.get_job(job_id)
+        if job is None or not who.can_see(job.team):
+            raise ApiError(404, f"no job {job_id!r} (fleet jobs lists yours)")
+        return job
+
+    @app.get("/healthz", tags=["meta"], summary="Liveness (no token needed)")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    @app.post("/v1/jobs", status_code=201, tags=["jobs"], summary="Submit a job",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  m: {"schema": {"type": "string" if m != "application/json" else "object"}}
+                  for m in SPEC_MEDIA}}})
+    async def submit(
+        request: Request, who: User,
+        gpus: Annotated[str | None, Query(max_length=16, description="N or MIN:MAX")] = None,
+        spot: Annotated[str | None, Query(max_length=16,
+                                          description="never|allowed|preferred")] = None,
+        idempotency_key: Annotated[str | None, Header(max_length=128,
+                                                      pattern=r"^[\x21-\x7e]+$")] = None,
+    ) -> dict[str, Any]:
+        """Body: the job spec as YAML (own format or SkyPilot task) or JSON. A retry with the
+        same ``Idempotency-Key`` returns the first job instead of a second one."""
+        body = await _read_spec_body(request)
+        try:
+            parsed = parse_spec_text(body)
+            spec = parsed.spec
+            if gpus is not None or spot is not None:
+                spec = apply_overrides(spec, gpus=gpus, spot=spot)
+        except SpecError as exc:
+            raise ApiError(422, "invalid job spec", exc.problems) from None
+        team = _submit_team(spec, who)
+        if spec.team != team:
+            spec = spec.model_copy(update={"team": team})
+        job = await run_in_threadpool(store.submit, spec, team=team,
+                                      request_key=idempotency_key)
+        return {"job": job_view(job), "format": parsed.format, "warnings": parsed.warnings}
+
+    @app.get("/v1/jobs", tags=["jobs"], summary="List jobs (yours; an admin sees all)")
+    def list_jobs(
+        who: User,
+        state: Annotated[list[JobState] | None, Query()] = None,
+        team: Annotated[str | None, Query(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")] = None,
+        limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+    ) -> dict[str, Any]:
+        if who.role is not Role.ADMIN:
+            if team is not None and team != who.team:
+                raise ApiError(404, f"no team {team!r} visible to this token")
+            team = who.team
+        jobs = store.list_jobs(team=team, states=state)
+        shown = jobs[-min(limit, config.max_list):]
+        return {"jobs": [job_view(j) for j in shown], "total": len(jobs)}
+
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"], summary="One job with its placements and cost")
+    def get_job(job_id: JobId, who: User) -> dict[str, Any]:
+        job = visible_job(job_id, who)
+        placements = store.placements(job_id)
+        return {"job": job_view(job),
+                "placements": [{**p.model_dump(mode="json"), "gpu_hours": p.gpu_hours,
+                                "cost": p.cost} for p in placements],
+                "gpu_hours": sum(p.gpu_hours for p in placements),
+                "cost": sum(p.cost for p in placements)}
+
+    @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"], summary="Cancel a job")
+    def cancel(job_id: JobId, who: User) -> dict[str, Any]:
+        visible_job(job_id, who)
+        try:
+            job = store.request_cancel(job_id)
+        except JobNotFound:
+            raise ApiError(404, f"no job {job_id!r}") from None
+        return {"job": job_view(job)}
+
+    @app.get("/v1/jobs/{job_id}/logs", tags=["jobs"], summary="Log lines from an offset")
+    def logs(job_id: JobId, who: User,
+             offset: Annotated[int, Query(ge=0, le=10**12)] = 0,
+             limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> dict[str, Any]:
+        job = visible_job(job_id, who)
+        lines, next_offset = store.read_logs(job_id, offset, limit)
+        return {"lines": lines, "next_offset": next_offset, "state": job.state.value,
+                "terminal": job.state.terminal}
+
+    @app.get("/v1/capacity", tags=["fleet"], summary="Pools: capacity, GPUs in use, prices")
+    def capacity(who: User) -> dict[str, Any]:
+        used: dict[str, int] = {}
+        holding = [s for s in JobState if s.holds_gpus]
+        for job in store.list_jobs(states=holding):
+            if job.pool:
+                used[job.pool] = used.get(job.pool, 0) + job.gpus
+        pools = []
+        for pool in sorted(store.pools(), key=lambda p: p.id):
+            busy = used.get(pool.id, 0)
+            pools.append({**pool.model_dump(mode="json"), "id": pool.id,
+                          "capacity": pool.capacity, "used": busy,
+                          "free": max(0, pool.capacity - busy)})
+        return {"pools": pools,
+                "total": {"capacity": sum(p["capacity"] for p in pools),
+                          "used": sum(p["used"] for p in pools)}}
+
+    @app.get("/v1/events", tags=["fleet"], summary="Events after a stream id, oldest first")
+    def events(who: User,
+               since: Annotated[str, Query(pattern=r"^(0|\d+-\d+)$")] = "0",
+               job_id: Annotated[str | None, Query(pattern=JOB_ID)] = None,
+               limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> dict[str, Any]:
+        if job_id is not None:
+            visible_job(job_id, who)
+            found = store.events(since=since, job_id=job_id, limit=limit)
+            last = found[-1].id if found else since
+        else:
+            found, last = _team_events(store, who, since, limit)
+        return {"events": [e.model_dump(mode="json") for e in found], "next": last}
+
+    @app.post("/v1/agent/heartbeat", tags=["agent"], response_model=HeartbeatReply,
+              summary="An agent's progress report; the reply tells it to go on or stop")
+    def heartbeat(beat: Heartbeat,
+                  who: Annotated[Principal, Depends(agent)]) -> HeartbeatReply:
+        report = beat.model_dump()
+        if not report["samples_per_sec"]:
+            report["samples_per_sec"] = None  # 0 = not measured yet, not a real throughput
+        try:
+            action = store.record_heartbeat(**report)
+        except JobNotFound:
+            raise ApiError(404, f"no job {beat.job_id!r}") from None
+        return HeartbeatReply(action=CHECKPOINT_EXIT if action == CHECKPOINT_EXIT else None)
+
+    @app.post("/v1/chaos/preempt", status_code=202, tags=["chaos"],
+              summary="Reclaim every spot node in a region (admin)")
+    def chaos_preempt(req: PreemptRequest,
+                      who: Annotated[Principal, Depends(admin)]) -> dict[str, Any]:
+        spot = [p for p in store.pools() if p.market is Market.SPOT]
+        hits = [p for p in spot if req.region in (p.region, f"{p.cloud}:{p.region}")]
+        if not hits:
+            known = sorted({f"{p.cloud}:{p.region}" for p in spot}) or ["none"]
+            raise ApiError(404, f"no spot pool in region {req.region!r}; spot regions: "
+                           + ", ".join(known))
+        store.request_preempt(hits[0].region, duration_s=req.duration_s)
+        return {"accepted": True, "region": hits[0].region,
+                "pools": sorted(p.id for p in hits), "duration_s": req.duration_s}
+
+    return app
+
+
+def _submit_team(spec: JobSpec, who: Principal) -> str:
+    """A team token submits for its own team; ``team:`` in the spec must then agree."""
+    if who.role is Role.ADMIN:
+        return spec.team
+    assert who.team is not None  # team grants always carry a team
+    if spec.team not in ("default", who.team):
+        raise ApiError(403, f"this token belongs to team {who.team!r}, the spec says team "
+                       f"{spec.team!r}; remove team: or use that team's token",
+                       [Problem(field="team", value=repr(spec.team),
+                                message=f"must be {who.team!r} for this token")])
+    return who.team
+
+
+def _team_events(store: Store, who: Principal, since: str,
+                 limit: int) -> tuple[list[Any], str]:
+    """The global stream, filtered to events of jobs the caller may see (and fleet events)."""
+    if who.role is Role.ADMIN:
+        found = store.events(since=since, limit=limit)
+        return found, found[-1].id if found else since
+    own = {j.id for j in store.list_jobs(team=who.team)}
+    out: list[Any] = []
+    cursor = since
+    for _ in range(20):  # bounded scan: at most 20 pages per request
+        page = store.events(since=cursor, limit=max(limit, 200))
+        if not page:
+            break
+        for event in page:
+            cursor = event.id
+            if event.job_id is None or event.job_id in own:
+                out.append(event)
+                if len(out) == limit:
+                    return out, cursor
+    return out, cursor
+
+
+async def _read_spec_body(request: Request) -> bytes:
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media and media not in SPEC_MEDIA:
+        raise ApiError(415, f"content type {media!r} is not a job spec; send "
+                       + ", ".join(SPEC_MEDIA))
+    return await request.body()
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``limit`` bytes (declared or streamed) with
+    413 on every route, before anything parses them (auth runs after FastAPI reads a body)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            response = JSONResponse(self._error(), status_code=413)
+            await response(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # a chunked upload: stop reading at the limit
+                    raise ApiError(413, self._error()["error"]["message"])
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _error(self) -> dict[str, Any]:
+        return _error_body(413, f"request body is over the {self.limit}-byte limit", [])
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        problems = exc.problems if isinstance(exc, ApiError) else []
+        return JSONResponse(_error_body(exc.status_code, str(exc.detail), problems),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(redis.RedisError)
+    async def store_down(request: Request, exc: redis.RedisError) -> JSONResponse:
+        message = "the broker's state store (redis) is unavailable; check `fleet up`"
+        return JSONResponse(_error_body(503, message, []), status_code=503)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            loc = [str(x) for x in err["loc"]]
+            where = ".".join(loc[1:] if loc and loc[0] in ("body", "query", "path", "header")
+                             else loc) or "body"
+            value = err.get("input") if err["type"] != "missing" else None
+            problems.append(Problem(field=where, message=err["msg"],
+                                    value=None if value is None else repr(value)[:80]))
+        return JSONResponse(_error_body(422, "invalid request", problems), status_code=422)

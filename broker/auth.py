@@ -1,0 +1,186 @@
+"""API settings and bearer tokens: who a token is (a team, an admin or a job's agent).
+
+Only SHA-256 hashes of tokens are kept in memory; a presented token is hashed and compared with
+``hmac.compare_digest`` against every grant, so neither the token nor timing leaks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import secrets
+from collections.abc import Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from broker.spec import MAX_SPEC_BYTES
+from policies.models import check_name
+
+MIN_TOKEN_CHARS = 16
+
+
+class Role(StrEnum):
+    TEAM = "team"  # submits and sees its own jobs only
+    ADMIN = "admin"  # sees every job, may preempt regions (chaos)
+    AGENT = "agent"  # a job's agent: may post heartbeats only
+
+
+class Principal(BaseModel):
+    """Who made a request."""
+
+    model_config = ConfigDict(frozen=True)
+
+    role: Role
+    team: str | None = None
+
+    def can_see(self, team: str) -> bool:
+        return self.role is Role.ADMIN or (self.role is Role.TEAM and self.team == team)
+
+
+class TokenGrant(BaseModel):
+    """One accepted token, by its SHA-256 hex digest."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    role: Role
+    team: str | None = None
+
+    @field_validator("team")
+    @classmethod
+    def _team(cls, v: str | None) -> str | None:
+        return None if v is None else check_name(v, "team")
+
+
+class ConfigError(ValueError):
+    """The broker's API settings are invalid; the message names the entry and the fix."""
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def new_token() -> str:
+    """A fresh random token (256 bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+class ApiConfig(BaseModel):
+    """The ``api:`` section of the broker config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[TokenGrant] = Field(default_factory=list)
+    max_body_bytes: int = Field(default=MAX_SPEC_BYTES + 4096, ge=1024, le=16 * 1024 * 1024)
+    max_list: int = Field(default=10_000, ge=1, description="most jobs one listing returns")
+
+    def authenticate(self, token: str | None) -> Principal | None:
+        if not token:
+            return None
+        digest = hash_token(token)
+        found: TokenGrant | None = None
+        for grant in self.tokens:  # no early exit: every grant is compared
+            if hmac.compare_digest(grant.sha256, digest):
+                found = grant
+        return None if found is None else Principal(role=found.role, team=found.team)
+
+    def with_token(self, token: str, role: Role, team: str | None = None) -> ApiConfig:
+        """A copy that also accepts ``token`` (``fleet up`` adds its admin and agent tokens)."""
+        grant = _grant(token, role, team, where="with_token")
+        return self.model_copy(update={"tokens": [*self.tokens, grant]})
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None) -> ApiConfig:
+        """From the ``api:`` mapping; each token entry is ``{team: NAME | admin: true | agent:
+        true, token: TEXT | token_sha256: HEX}``."""
+        data = dict(data or {})
+        entries = data.pop("tokens", None) or []
+        if not isinstance(entries, list):
+            raise ConfigError("api.tokens: write a list of {team|admin|agent, token|token_sha256}")
+        grants = [_entry(e, f"api.tokens[{i}]") for i, e in enumerate(entries)]
+        try:
+            return cls(tokens=grants, **data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise ConfigError(f"api.{where}: {err['msg']}") from None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> list[TokenGrant]:
+        """Tokens from ``FLEET_ADMIN_TOKEN``, ``FLEET_AGENT_TOKEN`` and
+        ``FLEET_TEAM_TOKENS`` (``team=token,team2=token2``)."""
+        env = os.environ if environ is None else environ
+        grants = []
+        if env.get("FLEET_ADMIN_TOKEN"):
+            grants.append(_grant(env["FLEET_ADMIN_TOKEN"], Role.ADMIN, None, "FLEET_ADMIN_TOKEN"))
+        if env.get("FLEET_AGENT_TOKEN"):
+            grants.append(_grant(env["FLEET_AGENT_TOKEN"], Role.AGENT, None, "FLEET_AGENT_TOKEN"))
+        for i, item in enumerate(filter(None, env.get("FLEET_TEAM_TOKENS", "").split(","))):
+            team, sep, token = item.strip().partition("=")
+            if not sep:
+                raise ConfigError(f"FLEET_TEAM_TOKENS entry {i + 1}: write team=token pairs "
+                                  "separated by commas")
+            grants.append(_grant(token, Role.TEAM, team, f"FLEET_TEAM_TOKENS entry {i + 1}"))
+        return grants
+
+    @classmethod
+    def load(cls, path: str | Path | None = None,
+             environ: Mapping[str, str] | None = None) -> ApiConfig:
+        """The ``api:`` section of a broker config YAML (if given) plus the tokens from env."""
+        data: Any = {}
+        if path is not None:
+            try:
+                data = yaml.safe_load(Path(path).read_text()) or {}
+            except (OSError, yaml.YAMLError) as exc:
+                raise ConfigError(f"{path}: cannot read the broker config ({exc})") from None
+            if not isinstance(data, Mapping):
+                raise ConfigError(f"{path}: the broker config must be a YAML mapping")
+            data = data.get("api", {})
+        config = cls.from_mapping(data)
+        return config.model_copy(update={"tokens": [*config.tokens, *cls.from_env(environ)]})
+
+
+def _entry(entry: Any, where: str) -> TokenGrant:
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"{where}: write {{team: NAME, token_sha256: HEX}}")
+    unknown = set(entry) - {"team", "admin", "agent", "token", "token_sha256"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}; use team, admin, agent, "
+                          "token or token_sha256")
+    roles = [r for r, on in ((Role.ADMIN, entry.get("admin")), (Role.AGENT, entry.get("agent")),
+                             (Role.TEAM, entry.get("team"))) if on]
+    if len(roles) != 1:
+        raise ConfigError(f"{where}: give exactly one of team: NAME, admin: true, agent: true")
+    role = roles[0]
+    team = entry.get("team") if role is Role.TEAM else None
+    if ("token" in entry) == ("token_sha256" in entry):
+        raise ConfigError(f"{where}: give token (plain) or token_sha256 (its SHA-256 hex digest)")
+    if "token_sha256" in entry:
+        digest = str(entry["token_sha256"]).strip().lower()
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ConfigError(f"{where}.token_sha256: write the 64-hex-digit SHA-256 digest "
+                              "(python -c 'import hashlib,sys; print(hashlib.sha256("
+                              "sys.argv[1].encode()).hexdigest())' TOKEN)")
+        return _make(digest, role, team, where)
+    return _grant(str(entry["token"]), role, team, where)
+
+
+def _grant(token: str, role: Role, team: str | None, where: str) -> TokenGrant:
+    if len(token) < MIN_TOKEN_CHARS or token != token.strip():
+        raise ConfigError(f"{where}: a token needs at least {MIN_TOKEN_CHARS} characters and no "
+                          "surrounding spaces (make one with: fleet token)")
+    return _make(hash_token(token), role, team, where)
+
+
+def _make(digest: str, role: Role, team: str | None, where: str) -> TokenGrant:
+    try:
+        return TokenGrant(sha256=digest, role=role, team=team)
+    except ValidationError as exc:
+        raise ConfigError(f"{where}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") \
+            from None

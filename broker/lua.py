@@ -1,0 +1,186 @@
+"""The Lua scripts behind every atomic step of ``broker.store`` (Redis runs each one alone).
+
+Keys are built from a prefix passed as ``ARGV[1]``; FleetBroker targets one Redis primary (with
+Sentinel or a managed failover), not Redis Cluster, so scripts may touch keys they compute.
+A job hash holds ``doc`` (the record as JSON) and plain copies of what scripts compare:
+``state``, ``version``, ``attempt``, ``cancel_requested`` (plus ``id`` and ``team``).
+"""
+
+# Fencing: a write that carries a fence is refused unless the leader lease still holds that
+# fence. The lease value is "<fence>|<owner>".
+_FENCE_CHECK = """
+local function check_fence(p, fence)
+  if fence == '' then return nil end
+  local lease = redis.call('GET', p .. 'leader')
+  if (not lease) or string.match(lease, '^(%d+)|') ~= fence then
+    return redis.error_reply('STALEFENCE fence ' .. fence .. ' no longer holds the leader lease')
+  end
+  return nil
+end
+local function event(p, now, etype, job, data)
+  redis.call('XADD', p .. 'events', 'MAXLEN', '~', 100000, '*',
+             'ts', now, 'type', etype, 'job', job or '', 'data', data or '{}')
+  if job and job ~= '' then
+    redis.call('XADD', p .. 'events:' .. job, 'MAXLEN', '~', 1000, '*',
+               'ts', now, 'type', etype, 'job', job, 'data', data or '{}')
+  end
+end
+local function wake(p)
+  redis.call('LPUSH', p .. 'wake', '1')
+  redis.call('LTRIM', p .. 'wake', 0, 0)
+end
+"""
+
+# ARGV: prefix, team, name, now, request_key ('' = none), doc (JSON object without "id").
+# Returns the job id (the existing one when request_key was seen before).
+SUBMIT = _FENCE_CHECK + """
+local p, team, name, now, rkey, doc = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local dedupe = p .. 'request:' .. team .. ':' .. rkey
+if rkey ~= '' then
+  local seen = redis.call('GET', dedupe)
+  if seen then return seen end
+end
+local n = redis.call('INCR', p .. 'seq:job')
+local id = name .. '-' .. n
+local key = p .. 'job:' .. id
+redis.call('HSET', key, 'id', id, 'team', team, 'state', 'queued', 'version', 1,
+           'attempt', 0, 'cancel_requested', 'false',
+           'doc', '{"id":"' .. id .. '",' .. string.sub(doc, 2))
+redis.call('ZADD', p .. 'jobs', n, id)
+redis.call('ZADD', p .. 'team:' .. team, n, id)
+redis.call('SADD', p .. 'state:queued', id)
+if rkey ~= '' then redis.call('SET', dedupe, id, 'EX', 86400) end
+event(p, now, 'submitted', id, cjson.encode({team = team}))
+wake(p)
+return id
+"""
+
+# ARGV: prefix, fence ('' = none), now, ops (JSON). All checks run before any write, so a plan
+# applies entirely or not at all. ops = {
+#   checks: [{job, states?: [..], version?: n, attempt?: n}],
+#   sets: [{job, state?: s, fields?: {name: text}}],   -- bumps version by one
+#   intents_add: [{id, json}], intents_del: [id],
+#   placement_open: [{job, json}], placement_close: [{job, json}],
+#   events: [{type, job?, data?}], wake?: true }
+APPLY = _FENCE_CHECK + """
+local p, fence, now = ARGV[1], ARGV[2], ARGV[3]
+local err = check_fence(p, fence)
+if err then return err end
+local ops = cjson.decode(ARGV[4])
+for _, c in ipairs(ops.checks or {}) do
+  local key = p .. 'job:' .. c.job
+  local st = redis.call('HGET', key, 'state')
+  if not st then return redis.error_reply('NOTFOUND ' .. c.job) end
+  if c.states then
+    local ok = false
+    for _, s in ipairs(c.states) do if s == st then ok = true end end
+    if not ok then return redis.error_reply('CONFLICT ' .. c.job .. ' is ' .. st) end
+  end
+  if c.version and tonumber(redis.call('HGET', key, 'version')) ~= c.version then
+    return redis.error_reply('CONFLICT ' .. c.job .. ' changed (version)')
+  end
+  if c.attempt and tonumber(redis.call('HGET', key, 'attempt')) ~= c.attempt then
+    return redis.error_reply('CONFLICT ' .. c.job .. ' is on another attempt')
+  end
+end
+local versions = {}
+for _, s in ipairs(ops.sets or {}) do
+  local key = p .. 'job:' .. s.job
+  if s.state then
+    local old = redis.call('HGET', key, 'state')
+    if old ~= s.state then
+      redis.call('SREM', p .. 'state:' .. old, s.job)
+      redis.call('SADD', p .. 'state:' .. s.state, s.job)
+      redis.call('HSET', key, 'state', s.state)
+    end
+  end
+  for f, v in pairs(s.fields or {}) do redis.call('HSET', key, f, v) end
+  table.insert(versions, redis.call('HINCRBY', key, 'version', 1))
+end
+for _, it in ipairs(ops.intents_add or {}) do redis.call('HSET', p .. 'outbox', it.id, it.json) end
+for _, id in ipairs(ops.intents_del or {}) do redis.call('HDEL', p .. 'outbox', id) end
+for _, pl in ipairs(ops.placement_open or {}) do
+  redis.call('RPUSH', p .. 'placements:' .. pl.job, pl.json)
+end
+for _, pl in ipairs(ops.placement_close or {}) do
+  if redis.call('LLEN', p .. 'placements:' .. pl.job) > 0 then
+    redis.call('LSET', p .. 'placements:' .. pl.job, -1, pl.json)
+  end
+end
+for _, e in ipairs(ops.events or {}) do event(p, now, e.type, e.job, e.data) end
+if ops.wake then wake(p) end
+return versions
+"""
+
+# ARGV: prefix, owner, ttl_ms. Returns the fence held (new or renewed), or 0 when another
+# owner holds the lease. The fence counter only ever grows.
+ACQUIRE = """
+local p, owner, ttl = ARGV[1], ARGV[2], ARGV[3]
+local cur = redis.call('GET', p .. 'leader')
+if cur then
+  local f, o = string.match(cur, '^(%d+)|(.*)$')
+  if o == owner then
+    redis.call('PEXPIRE', p .. 'leader', ttl)
+    return tonumber(f)
+  end
+  return 0
+end
+local f = redis.call('INCR', p .. 'fence')
+redis.call('SET', p .. 'leader', f .. '|' .. owner, 'PX', ttl)
+return f
+"""
+
+# ARGV: prefix, fence. Deletes the lease only if it still holds this fence.
+RELEASE = """
+local cur = redis.call('GET', ARGV[1] .. 'leader')
+if cur and string.match(cur, '^(%d+)|') == ARGV[2] then
+  redis.call('DEL', ARGV[1] .. 'leader')
+  return 1
+end
+return 0
+"""
+
+# ARGV: prefix, states... Returns {{doc, state, version}, ...}, {progress flat per job},
+# pools flat, outbox flat: one consistent view for a scheduling round.
+SNAPSHOT = """
+local p = ARGV[1]
+local jobs, progress = {}, {}
+for i = 2, #ARGV do
+  for _, id in ipairs(redis.call('SMEMBERS', p .. 'state:' .. ARGV[i])) do
+    table.insert(jobs, redis.call('HMGET', p .. 'job:' .. id, 'doc', 'state', 'version'))
+    table.insert(progress, redis.call('HGETALL', p .. 'progress:' .. id))
+  end
+end
+return {jobs, progress, redis.call('HGETALL', p .. 'pools'), redis.call('HGETALL', p .. 'outbox')}
+"""
+
+# ARGV: prefix, job, attempt, now, n_fields, field, value, ... Records agent progress for the
+# job's current attempt; returns the job's state and cancel flag so the caller picks the action,
+# or 'stale' when the heartbeat comes from an attempt that is no longer current.
+HEARTBEAT = """
+local p, job, attempt, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local key = p .. 'job:' .. job
+local st = redis.call('HGET', key, 'state')
+if not st then return {'missing', '0'} end
+if redis.call('HGET', key, 'attempt') ~= attempt then return {'stale', '0'} end
+local nf = tonumber(ARGV[5])
+for i = 0, nf - 1 do
+  redis.call('HSET', p .. 'progress:' .. job, ARGV[6 + 2 * i], ARGV[7 + 2 * i])
+end
+redis.call('HSET', p .. 'progress:' .. job, 'heartbeat_at', now)
+return {st, redis.call('HGET', key, 'cancel_requested') or 'false'}
+"""
+
+# ARGV: prefix, job, max_lines, line... Appends log lines, trimming the oldest beyond
+# max_lines; 'logbase' counts trimmed lines so offsets stay absolute.
+APPEND_LOG = """
+local p, job, cap = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local key = p .. 'logs:' .. job
+for i = 4, #ARGV do redis.call('RPUSH', key, ARGV[i]) end
+local n = redis.call('LLEN', key)
+if n > cap then
+  redis.call('LTRIM', key, n - cap, -1)
+  redis.call('INCRBY', p .. 'logbase:' .. job, n - cap)
+end
+return n
+"""

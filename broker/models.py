@@ -1,0 +1,200 @@
+"""Control-plane records kept in Redis: job states and their legal transitions, job records,
+placement intervals, intents (the scheduler's outbox) and events.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.models import JobSpec, Market
+
+
+class JobState(StrEnum):
+    """Life cycle of a job. ``TRANSITIONS`` lists every legal step; the store enforces it."""
+
+    QUEUED = "queued"  # accepted, waiting for GPUs
+    LAUNCHING = "launching"  # a launch intent is in the outbox; the provider starts nodes
+    RUNNING = "running"  # nodes are up and the job makes progress
+    SUSPENDING = "suspending"  # asked to checkpoint and exit (resize, migrate, preempt, cancel)
+    SUSPENDED = "suspended"  # checkpointed and off GPUs; eligible to be placed again
+    COMPLETED = "completed"  # the command exited 0
+    FAILED = "failed"  # the command failed more often than the retry budget allows
+    CANCELLED = "cancelled"  # a user cancelled it
+    DROPPED = "dropped"  # admission control ("drop") refused it: no room when it arrived
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+    @property
+    def holds_gpus(self) -> bool:
+        """States in which the job occupies (or is about to occupy) GPUs in a pool."""
+        return self in (JobState.LAUNCHING, JobState.RUNNING, JobState.SUSPENDING)
+
+
+TERMINAL_STATES = frozenset(
+    {JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.DROPPED}
+)
+
+# Why each step exists:
+#   queued     -> launching   scheduler gave it GPUs and wrote a launch intent
+#   queued     -> cancelled   user cancelled before it ever ran
+#   queued     -> dropped     admission "drop": no allocation in the round it arrived
+#   launching  -> running     actuator: provider started the nodes
+#   launching  -> suspended   actuator: provider had no capacity / launch failed (retry later)
+#   launching  -> suspending  cancel or preemption before the launch was confirmed
+#   launching  -> failed      launch failed more often than the retry budget
+#   launching  -> cancelled   cancelled before the launch was carried out
+#   running    -> suspending  resize, migrate, suspend, preemption notice or cancel
+#   running    -> completed   the command exited 0
+#   running    -> suspended   the node exited 75 (checkpointed) or was lost; placed again later
+#   running    -> failed      the command failed more often than the retry budget
+#   suspending -> suspended   the node checkpointed and exited (or was killed after the grace)
+#   suspending -> completed   the job finished while it was being asked to stop
+#   suspending -> cancelled   a cancelled job's node is gone
+#   suspending -> failed      the command failed while stopping, out of retries
+#   suspended  -> launching   placed again (resume from the checkpoint)
+#   suspended  -> cancelled   user cancelled while it waited
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.LAUNCHING, JobState.CANCELLED, JobState.DROPPED}),
+    JobState.LAUNCHING: frozenset(
+        {JobState.RUNNING, JobState.SUSPENDED, JobState.SUSPENDING, JobState.FAILED,
+         JobState.CANCELLED}
+    ),
+    JobState.RUNNING: frozenset(
+        {JobState.SUSPENDING, JobState.COMPLETED, JobState.SUSPENDED, JobState.FAILED}
+    ),
+    JobState.SUSPENDING: frozenset(
+        {JobState.SUSPENDED, JobState.COMPLETED, JobState.CANCELLED, JobState.FAILED}
+    ),
+    JobState.SUSPENDED: frozenset({JobState.LAUNCHING, JobState.CANCELLED}),
+    JobState.COMPLETED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+    JobState.DROPPED: frozenset(),
+}
+
+
+def check_transition(old: JobState, new: JobState) -> None:
+    """Raise ``ValueError`` unless ``old -> new`` is in ``TRANSITIONS``."""
+    if new not in TRANSITIONS[old]:
+        raise ValueError(f"illegal job transition {old.value} -> {new.value}")
+
+
+class JobRecord(BaseModel):
+    """A job as the control plane knows it. ``version`` grows by one with every change."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    spec: JobSpec
+    team: str
+    state: JobState = JobState.QUEUED
+    version: int = 0
+    fence: int = 0  # fencing token of the leader that made the last change (0 = user/API)
+    attempt: int = 0  # grows by one with every launch
+    gpus: int = 0  # assigned GPUs (0 when off GPUs)
+    batch_size: int | None = None  # assigned global batch size
+    pool: str | None = None  # assigned pool id (cloud:region:market:accelerator)
+    node_ids: list[str] = Field(default_factory=list)
+    launch_key: str | None = None  # idempotency key of the current attempt's launch
+    samples_done: int = 0
+    samples_per_sec: float | None = None  # last measured throughput (agent heartbeats)
+    measured_gpus: int | None = None  # configuration the measurement was taken at
+    measured_batch_size: int | None = None
+    # Samples/s measured at each configuration the job ran in, keyed "<gpus>x<global batch>".
+    measured: dict[str, float] = Field(default_factory=dict)
+    checkpoint_step: int | None = None
+    failures: int = 0
+    rescales: int = 0
+    migrations: int = 0
+    preemptions: int = 0
+    cancel_requested: bool = False
+    reason: str | None = None  # why the last transition happened
+    exit_code: int | None = None
+    submitted_at: float = Field(default_factory=time.time)
+    started_at: float | None = None  # first time it ran
+    launched_at: float | None = None  # when the current attempt started running
+    updated_at: float = Field(default_factory=time.time)
+    finished_at: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def progress(self) -> float:
+        return min(1.0, self.samples_done / self.spec.work_samples)
+
+
+class Placement(BaseModel):
+    """One interval during which a job held GPUs in one pool; ``end`` is None while open."""
+
+    job_id: str
+    attempt: int
+    start: float
+    end: float | None = None
+    pool: str
+    cloud: str
+    region: str
+    market: Market
+    gpus: int
+    batch_size: int | None = None
+    price_per_gpu_hour: float
+
+    @property
+    def gpu_hours(self) -> float:
+        end = self.end if self.end is not None else time.time()
+        return max(0.0, end - self.start) * self.gpus / 3600.0
+
+    @property
+    def cost(self) -> float:
+        return self.gpu_hours * self.price_per_gpu_hour
+
+
+class IntentKind(StrEnum):
+    LAUNCH = "launch"  # start the job's nodes in ``pool`` with ``gpus`` and ``batch_size``
+    RESIZE = "resize"  # checkpoint, then relaunch in the same pool with new gpus/batch
+    MIGRATE = "migrate"  # checkpoint, then relaunch in another pool
+    SUSPEND = "suspend"  # checkpoint and go back to the queue
+    STOP = "stop"  # terminate for good (cancel)
+
+
+class Intent(BaseModel):
+    """A side effect the scheduler decided on, written to the outbox with its fencing token.
+
+    The actuator carries it out; ``key`` (job id + fence + attempt) makes the provider call
+    idempotent, so replaying an intent after a crash never launches a second node.
+    """
+
+    kind: IntentKind
+    job_id: str
+    fence: int
+    attempt: int
+    gpus: int = 0
+    batch_size: int | None = None
+    pool: str | None = None
+    reason: str | None = None
+    created_at: float = Field(default_factory=time.time)
+
+    @property
+    def key(self) -> str:
+        return f"{self.job_id}:{self.fence}:{self.attempt}"
+
+    @property
+    def id(self) -> str:
+        return f"{self.kind.value}:{self.key}"
+
+
+class Event(BaseModel):
+    """One entry of the event stream (Redis stream id, time, type, job, details)."""
+
+    id: str
+    ts: float
+    type: str
+    job_id: str | None = None
+    data: dict[str, Any] = Field(default_factory=dict)

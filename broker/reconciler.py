@@ -1,0 +1,119 @@
+"""The reconciler: compares the provider's inventory with Redis and repairs both sides.
+
+Nodes that ended settle their job (exit 0 -> completed, 75 -> suspended to resume from its
+checkpoint, else a counted failure), closing the placement interval; preemption notices move
+running jobs to suspending; nodes no active job claims (stale attempts, jobs lost with Redis
+data) are terminated; nodes' output is copied into the job logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from broker.models import JobRecord, JobState
+from broker.store import Conflict, Plan, Store
+from providers.base import Node, NodeState, Provider
+
+log = logging.getLogger(__name__)
+
+EXIT_DONE = 0
+EXIT_CHECKPOINTED = 75
+
+
+@dataclass
+class ReconcileResult:
+    settled: int = 0
+    preempted: int = 0
+    orphans: int = 0
+
+
+class Reconciler:
+    def __init__(self, store: Store, provider: Provider, *, max_failures: int = 3) -> None:
+        self.store = store
+        self.provider = provider
+        self.max_failures = max_failures
+
+    def run(self, fence: int) -> ReconcileResult:
+        res = ReconcileResult()
+        nodes = {n.node_id: n for n in self.provider.nodes()}
+        jobs = self.store.list_jobs(states=[JobState.LAUNCHING, JobState.RUNNING,
+                                            JobState.SUSPENDING])
+        noticed = {n.node_id for n in self.provider.notices()}
+        claimed: set[str] = set()
+        for job in jobs:
+            mine = [n for n in nodes.values() if n.idempotency_key == job.launch_key]
+            claimed |= {n.node_id for n in mine}
+            if job.state is JobState.LAUNCHING:
+                continue  # the actuator owns it until the launch is recorded
+            self._copy_logs(job, mine)
+            try:
+                preempted = bool(noticed & set(job.node_ids))
+                if self._settle(job, [nodes.get(i) for i in job.node_ids], fence, preempted):
+                    res.settled += 1
+                elif job.state is JobState.RUNNING and preempted:
+                    plan = Plan()
+                    plan.change(job, JobState.SUSPENDING, event="preempted",
+                                reason="spot capacity reclaimed", preemptions=job.preemptions + 1,
+                                fence=fence)
+                    self.store.apply(plan, fence=fence)
+                    res.preempted += 1
+            except Conflict as exc:
+                log.info("reconcile %s: %s", job.id, exc)
+        for node in nodes.values():
+            if node.node_id in claimed:
+                continue
+            if node.state is NodeState.TERMINATED:
+                self.provider.forget(node.node_id)
+            else:
+                log.warning("terminating orphan node %s (job %s)", node.node_id, node.job_id)
+                self.provider.terminate(node.node_id)
+                res.orphans += 1
+        return res
+
+    def _settle(self, job: JobRecord, nodes: list[Node | None], fence: int,
+                preempted: bool) -> bool:
+        """If every node of the job is gone, record how it ended. True when settled."""
+        if any(n is not None and n.state is not NodeState.TERMINATED for n in nodes):
+            return False
+        codes = [n.exit_code for n in nodes if n is not None]
+        ended = max((n.ended_at.timestamp() for n in nodes if n and n.ended_at),
+                    default=time.time())
+        plan = Plan()
+        fields: dict[str, object] = {"exit_code": codes[0] if codes else None, "fence": fence}
+        event = None
+        if codes and all(c == EXIT_DONE for c in codes):
+            state, reason = JobState.COMPLETED, "finished"
+        elif job.cancel_requested:
+            state, reason = JobState.CANCELLED, "cancelled by user"
+        elif preempted and job.state is JobState.RUNNING:  # ended before we saw the notice
+            state, reason, event = JobState.SUSPENDED, "spot capacity reclaimed", "preempted"
+            fields["preemptions"] = job.preemptions + 1
+        elif (codes and all(c == EXIT_CHECKPOINTED for c in codes)) or \
+                job.state is JobState.SUSPENDING:
+            state, reason = JobState.SUSPENDED, job.reason or "checkpointed"
+        elif not codes:
+            state, reason = JobState.SUSPENDED, "node lost"
+            fields["preemptions"] = job.preemptions + 1
+        else:
+            failures = job.failures + 1
+            fields["failures"] = failures
+            state = JobState.FAILED if failures > self.max_failures else JobState.SUSPENDED
+            reason = f"command exited {codes[0]} (failure {failures})"
+        plan.change(job, state, event=event, reason=reason, **fields)
+        open_ = [p for p in self.store.placements(job.id) if p.end is None]
+        if open_:
+            plan.close_placement(open_[-1].model_copy(update={"end": ended}))
+        plan.wake = True
+        self.store.apply(plan, fence=fence)
+        return True
+
+    def _copy_logs(self, job: JobRecord, nodes: list[Node]) -> None:
+        for node in nodes:
+            key = f"{self.store.p}logoffset:{node.node_id}"
+            offset = int(self.store.r.get(key) or 0)
+            lines, new = self.provider.read_log(node.node_id, offset)
+            if lines:
+                self.store.append_log(job.id, lines)
+                self.store.r.set(key, new, ex=7 * 86400)

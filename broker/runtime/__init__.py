@@ -1,0 +1,88 @@
+"""FleetBroker's job-side runtime: the elastic PyTorch library and the node agent.
+
+Importing this package needs neither torch nor the control plane (fastapi, redis, typer); the
+torch-based names below load on first use.
+
+Library (two lines in a plain DDP script)::
+
+    import broker.runtime as fleet
+    loader = fleet.elastic(model, optimizer, dataset, batch_size=B, steps=S, scheduler=sched)
+    for x, y in loader:                      # the loop body stays as it was
+        ...
+
+It runs under the agent, under ``torchrun --standalone --nproc-per-node K`` (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT) and as a single process. Arguments win over the environment.
+
+Contract between the broker and the agent
+-----------------------------------------
+``python -m broker.runtime.agent [options] -- CMD ARGS...`` runs FLEET_NPROC copies of CMD on this
+node. Environment it reads (an option of the same name in lower-case, e.g. ``--nproc``, wins):
+
+=========================  ====================================================================
+FLEET_JOB_ID               job id (default ``local``)
+FLEET_ATTEMPT              attempt number, int (default 0)
+FLEET_NPROC                worker processes on this node (= GPUs or virtual GPUs), default 1
+FLEET_NNODES               nodes in the job (default 1)
+FLEET_NODE_RANK            this node's rank (default 0)
+FLEET_MASTER_ADDR          rendezvous address (default 127.0.0.1)
+FLEET_MASTER_PORT          rendezvous port (default: a free port; required when NNODES > 1)
+FLEET_GLOBAL_BATCH_SIZE    the global batch the allocator chose
+FLEET_BATCH_MODE           ``fixed`` (gradient accumulation keeps the job's batch) or ``elastic``
+FLEET_CHECKPOINT_URI       local dir, ``file://``, ``s3://bucket/prefix`` or another fsspec URI
+FLEET_BROKER_URL           optional; heartbeats go to ``POST {url}/v1/agent/heartbeat``
+FLEET_AGENT_TOKEN          ``Authorization: Bearer {token}`` on heartbeats
+FLEET_HEARTBEAT_INTERVAL   seconds between heartbeats (default 5)
+FLEET_GRACE_PERIOD         seconds the workers get to checkpoint and exit after a stop (default 25)
+FLEET_NOTICE_AWS_URL       full URL polled for the AWS notice, e.g.
+                           ``http://169.254.169.254/latest/meta-data/spot/instance-action``
+                           (404 = none; 200 with JSON = notice)
+FLEET_NOTICE_GCP_URL       e.g. ``http://metadata.google.internal/computeMetadata/v1/instance/preempted``
+                           (header ``Metadata-Flavor: Google``; body ``TRUE`` = notice)
+FLEET_NOTICE_AZURE_URL     e.g. ``http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01``
+                           (header ``Metadata: true``; ``Events[].EventType == "Preempt"`` = notice)
+FLEET_NOTICE_INTERVAL      seconds between notice polls (default 5)
+=========================  ====================================================================
+
+Optional knobs the library reads: FLEET_CHECKPOINT_EVERY_STEPS, FLEET_CHECKPOINT_EVERY_SECONDS,
+FLEET_CHECKPOINT_KEEP (default 3), FLEET_PROGRESS_INTERVAL (seconds, default 1),
+FLEET_CHECKPOINT_CACHE (local staging folder for remote stores).
+
+Each worker gets torchrun's variables (RANK = NODE_RANK * NPROC + LOCAL_RANK, WORLD_SIZE = NNODES *
+NPROC, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the FLEET_* variables, and
+FLEET_PROGRESS_FILE (a file in the agent's temp folder unless the agent's env already names one).
+Rank 0 writes there, as JSON, ``{step, samples_done, samples_per_sec,
+global_batch_size, world_size, checkpoint_step}``. Every FLEET_HEARTBEAT_INTERVAL the agent sends
+``{job_id, attempt, node_rank, state, step, samples_done, samples_per_sec, world_size,
+global_batch_size, checkpoint_step}`` where state is ``running`` or ``stopping`` (a last heartbeat
+says ``finished``, ``stopped`` or ``failed``). A response ``{"action": "checkpoint-exit"}``
+stops the job.
+
+A stop (SIGTERM or SIGINT to the agent, a preemption notice, or the broker's ``checkpoint-exit``)
+sends SIGTERM to every worker; the library checkpoints at the next step boundary and exits with 75.
+SIGUSR1 to the agent asks for a checkpoint without stopping. Workers still running after the grace
+period are killed. Agent exit codes: 0 = job finished; 75 = stopped cleanly after a checkpoint
+(resume later, with any world size); 2 = bad options; anything else = failure. Worker output is
+streamed to the agent's stdout/stderr, each line prefixed with ``[rank N]``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from broker.runtime.assignment import EXIT_FINISHED, EXIT_STOPPED, Assignment
+from broker.runtime.store import open_store
+
+if TYPE_CHECKING:
+    from broker.runtime.trainer import Trainer, elastic, from_args
+
+__all__ = [
+    "EXIT_FINISHED", "EXIT_STOPPED", "Assignment", "Trainer", "elastic", "from_args", "open_store",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Trainer", "elastic", "from_args"):
+        from broker.runtime import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'broker.runtime' has no attribute {name!r}")

@@ -1,0 +1,528 @@
+"""The elastic trainer: an iterable of micro-batches that makes a DDP loop resumable and resizable.
+
+``fleet.elastic(model, optimizer, dataset, batch_size=..., steps=...)`` replaces the script's
+DataLoader. Iterating it yields this rank's micro-batches; the script's own ``zero_grad`` /
+``backward`` / ``step`` / ``scheduler.step`` calls stay as they are. Between optimizer steps the
+trainer agrees with all ranks (one tiny all-reduce) whether to checkpoint or stop, and it
+checkpoints, resumes and reshards through :mod:`broker.runtime.checkpoint`.
+
+Gradient maths: the loss is assumed to be a mean over the micro-batch (PyTorch's default). A
+micro-batch of ``m`` samples in a global batch of ``B`` carries weight ``m / B``; the accumulated
+gradient is kept in units of the current micro-batch's weight, and the all-reduce (a DDP
+communication hook, or our own all-reduce without DDP) multiplies by the last weight and sums. The
+optimizer therefore always sees the mean-loss gradient of exactly the ``B`` samples of the step,
+however they were spread over ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data._utils.collate import default_collate
+
+from broker.runtime.assignment import BATCH_MODES, EXIT_STOPPED, Assignment
+from broker.runtime.checkpoint import Checkpointer
+from broker.runtime.data import MicroBatch, step_plan
+from broker.runtime.scaling import lr_factor
+from broker.runtime.store import open_store
+
+log = logging.getLogger("fleet")
+if not log.handlers:  # resumes, stops and checkpoints are worth seeing in every job's log
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("fleet: %(message)s"))
+    log.addHandler(_handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+class Trainer:
+    """Iterate it instead of a DataLoader; see the module docstring and :func:`elastic`.
+
+    ``batch_size`` is the global batch the learning rate was tuned for and ``steps`` the job's
+    length in optimizer steps at that batch (or ``epochs``). ``batch_mode`` ``fixed`` keeps
+    ``batch_size`` across resizes; ``elastic`` runs at ``global_batch_size`` (default:
+    FLEET_GLOBAL_BATCH_SIZE) with the LR scaled by ``lr_scaling`` (linear, sqrt, none).
+    ``max_micro_batch`` caps the samples per forward pass (gradient accumulation beyond it).
+    Checkpoints go to ``checkpoint_dir`` (default FLEET_CHECKPOINT_URI; none = no checkpoints)
+    every ``checkpoint_every_steps`` / ``checkpoint_every_seconds``, keeping ``keep_checkpoints``.
+    ``seed`` fixes the data order. ``assignment`` replaces the environment (tests, notebooks).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Dataset,
+        *,
+        batch_size: int | None = None,
+        steps: int | None = None,
+        epochs: float | None = None,
+        scheduler: Any = None,
+        global_batch_size: int | None = None,
+        batch_mode: str | None = None,
+        lr_scaling: str = "linear",
+        max_micro_batch: int | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every_steps: int | None = None,
+        checkpoint_every_seconds: float | None = None,
+        keep_checkpoints: int | None = None,
+        async_checkpoint: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        assignment: Assignment | None = None,
+    ) -> None:
+        a = assignment or Assignment.from_env()
+        self.assignment = a
+        self.model, self.optimizer, self.dataset, self.scheduler = (
+            model,
+            optimizer,
+            dataset,
+            scheduler,
+        )
+        self.n = len(dataset)  # type: ignore[arg-type]
+        self.seed = seed
+        self.num_workers = num_workers
+        self.collate_fn = collate_fn or default_collate
+        self.async_checkpoint = async_checkpoint
+
+        # Arguments (the script's flags) win over the environment, which wins over defaults.
+        self.batch_mode = (batch_mode or a.batch_mode or "fixed").lower()
+        if self.batch_mode not in BATCH_MODES:
+            raise ValueError(f"batch_mode={batch_mode!r}; use one of {', '.join(BATCH_MODES)}")
+        base = batch_size or a.global_batch_size
+        if not base:
+            raise ValueError("give batch_size= (the global batch the learning rate is tuned for)")
+        self.base_batch_size = int(base)
+        # fixed: the script's batch is the job's batch; elastic: the allocator's choice wins.
+        chosen = (
+            global_batch_size or batch_size
+            if self.batch_mode == "fixed"
+            else global_batch_size or a.global_batch_size
+        )
+        self.global_batch_size = int(chosen or base)
+        if steps is None and epochs is None:
+            raise ValueError("give steps= (optimizer steps at batch_size) or epochs=")
+        self.total_samples = int(
+            steps * self.base_batch_size if steps is not None else epochs * self.n  # type: ignore[operator]
+        )
+        self.lr_scaling = lr_scaling
+        lr_factor(lr_scaling, 1, 1)  # reject an unknown rule now, not at the first step
+        self.max_micro_batch = max_micro_batch
+        self.every_steps = checkpoint_every_steps or a.checkpoint_every_steps
+        self.every_seconds = checkpoint_every_seconds or a.checkpoint_every_seconds
+
+        self._init_distributed(a)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        multi = self.world_size > 1
+        # Own gloo groups: control flags never wait behind NCCL kernels, and the background
+        # checkpoint thread's collectives never interleave with the training thread's.
+        self._control = dist.new_group(backend="gloo") if multi else None
+        ckpt_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+        uri = checkpoint_dir or a.checkpoint_uri
+        self.checkpointer = (
+            None
+            if uri is None
+            else Checkpointer(
+                open_store(uri),
+                rank=self.rank,
+                local_rank=a.local_rank,
+                group=ckpt_group,
+                keep=keep_checkpoints or a.checkpoint_keep,
+            )
+        )
+
+        self.step = 0
+        self.samples_done = 0
+        self.finished = False
+        self._restore()
+        # Refuse an impossible split now, with the fix in the message, not at the first step.
+        step_plan(self.seed, self.n, 0, self.global_batch_size, self.world_size, self.rank, None)
+
+        self._micro: MicroBatch | None = None
+        self._next_weight: float | None = None
+        self._accumulating = False
+        self._factor = (
+            1.0
+            if self.batch_mode == "fixed"
+            else lr_factor(lr_scaling, self.global_batch_size, self.base_batch_size)
+        )
+        self._ddp = model if isinstance(model, DistributedDataParallel) else None
+        self._wrap()
+
+        self._stop = threading.Event()
+        self._ckpt_request = threading.Event()
+        self._handlers: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            self._handlers = {
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: self._stop.set()),
+                signal.SIGUSR1: signal.signal(signal.SIGUSR1, lambda *_: self._ckpt_request.set()),
+            }
+        self._saved_step = self.step
+        self._last_ckpt_time = time.monotonic()
+        self._progress_at = (time.monotonic(), self.samples_done)
+        self._progress_written = 0.0
+        self._rate = 0.0
+        if self.rank == 0:
+            log.info(
+                "rank %d/%d: %s batch %d (base %d, lr x%.3g), step %d, samples %d of %d",
+                self.rank,
+                self.world_size,
+                self.batch_mode,
+                self.global_batch_size,
+                self.base_batch_size,
+                self._factor,
+                self.step,
+                self.samples_done,
+                self.total_samples,
+            )
+
+    # ---- set-up -----------------------------------------------------------------------------
+    @staticmethod
+    def _init_distributed(a: Assignment) -> None:
+        """Start the process group unless the script already did (gloo on CPU, NCCL on GPU)."""
+        if not a.distributed or dist.is_initialized():
+            return
+        if torch.cuda.is_available():
+            torch.cuda.set_device(a.local_rank)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+    def _restore(self) -> None:
+        if self.checkpointer is None:
+            return
+        step = self.checkpointer.latest()
+        if step is None:
+            return
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        manifest, shared = self.checkpointer.load(step, state)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        if self.scheduler is not None and shared.get("scheduler") is not None:
+            self.scheduler.load_state_dict(shared["scheduler"])
+        self.step, self.samples_done = shared["step"], shared["samples_done"]
+        self.finished = bool(shared.get("finished"))
+        saved_batch = int(shared["global_batch_size"])
+        if self.batch_mode == "fixed" and saved_batch != self.global_batch_size:
+            log.warning(
+                "fixed batch mode: keeping the checkpoint's global batch %d (asked %d)",
+                saved_batch,
+                self.global_batch_size,
+            )
+            self.global_batch_size = saved_batch
+        if self.rank == 0:
+            log.info(
+                "resumed from step %d (written by %d ranks) in %s",
+                step,
+                manifest.get("world_size", 1),
+                self.checkpointer.store.uri,
+            )
+
+    def _wrap(self) -> None:
+        """Route the script's optimizer/scheduler calls through the accumulation logic."""
+        opt = self.optimizer
+        real_step, real_zero = opt.step, opt.zero_grad
+
+        @functools.wraps(real_step)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return self._optimizer_step(real_step, *args, **kwargs)
+
+        @functools.wraps(real_zero)
+        def zero_grad(*args: Any, **kwargs: Any) -> None:
+            if not self._accumulating:
+                real_zero(*args, **kwargs)
+
+        opt.step, opt.zero_grad = step, zero_grad  # type: ignore[method-assign]
+        if self.scheduler is not None:
+            real_sched = self.scheduler.step
+
+            @functools.wraps(real_sched)
+            def sched_step(*args: Any, **kwargs: Any) -> Any:
+                if self._micro is None or self._micro.last:
+                    return real_sched(*args, **kwargs)
+                return None
+
+            self.scheduler.step = sched_step
+        if self._ddp is not None:
+            self._ddp.register_comm_hook(None, self._weighted_allreduce)
+
+    def _weighted_allreduce(self, _state, bucket):  # DDP rejects string annotations on hooks
+        buf = bucket.buffer()
+        if self._micro is not None:
+            buf.mul_(self._micro.weight)
+        else:  # a backward outside the loop: plain DDP averaging
+            buf.div_(self.world_size)
+        fut = dist.all_reduce(buf, async_op=True).get_future()  # type: ignore[union-attr]
+        return fut.then(lambda f: f.value()[0])
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [
+            p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
+        ]
+
+    def _optimizer_step(self, real_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        mb = self._micro
+        if mb is None:  # outside the loop (e.g. DCP initialising optimizer state)
+            return real_step(*args, **kwargs)
+        if not mb.last:
+            if self._next_weight is not None and self._next_weight != mb.weight:
+                torch._foreach_mul_(self._grads(), mb.weight / self._next_weight)
+            self._accumulating = True
+            return None
+        if self._ddp is None:
+            grads = self._grads()
+            torch._foreach_mul_(grads, mb.weight)
+            if self.world_size > 1:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat)
+                torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        if self._factor != 1.0:
+            for g in self.optimizer.param_groups:
+                g["lr"] = g["lr"] * self._factor
+        try:
+            return real_step(*args, **kwargs)
+        finally:
+            for g, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+                g["lr"] = lr
+            self._accumulating = False
+
+    # ---- the loop ---------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.samples_done // self.n
+
+    def _plans(self, samples_done: int) -> Iterator[list[MicroBatch]]:
+        while samples_done < self.total_samples:
+            yield step_plan(
+                self.seed,
+                self.n,
+                samples_done,
+                self.global_batch_size,
+                self.world_size,
+                self.rank,
+                self.max_micro_batch,
+            )
+            samples_done += self.global_batch_size
+
+    def _batches(self) -> Iterator[Any]:
+        if isinstance(self.dataset, TensorDataset) and self.num_workers == 0:
+            for plan in self._plans(self.samples_done):
+                for mb in plan:
+                    idx = torch.from_numpy(mb.indices)
+                    yield [t[idx] for t in self.dataset.tensors]
+            return
+        sampler = (mb.indices.tolist() for plan in self._plans(self.samples_done) for mb in plan)
+        yield from DataLoader(
+            self.dataset,
+            batch_sampler=sampler,
+            num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = self._batches()
+        try:
+            while True:
+                self._boundary()
+                if self.samples_done >= self.total_samples:
+                    break
+                plan = step_plan(
+                    self.seed,
+                    self.n,
+                    self.samples_done,
+                    self.global_batch_size,
+                    self.world_size,
+                    self.rank,
+                    self.max_micro_batch,
+                )
+                for k, mb in enumerate(plan):
+                    self._micro = mb
+                    self._next_weight = None if mb.last else plan[k + 1].weight
+                    if self._ddp is not None:
+                        self._ddp.require_backward_grad_sync = mb.last
+                    yield next(batches)
+                self._micro = None
+                self.samples_done += self.global_batch_size
+                self.step += 1
+                self._write_progress()
+            self._micro = None
+            self.finished = True
+            self._checkpoint(sync=True)
+            self._write_progress(force=True)
+        finally:
+            self._micro = None
+            if self._ddp is not None:
+                self._ddp.require_backward_grad_sync = True
+            self._restore_signals()
+
+    def _boundary(self) -> None:
+        """Between steps: agree with every rank on checkpoint/stop, then act on it."""
+        now = time.monotonic()
+        timer = bool(self.every_seconds) and now - self._last_ckpt_time >= self.every_seconds  # type: ignore[operator]
+        flags = torch.tensor(
+            [self._stop.is_set(), self._ckpt_request.is_set() or (timer and self.rank == 0)],
+            dtype=torch.int32,
+        )
+        if self._control is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
+        stop, requested = bool(flags[0]), bool(flags[1])
+        self._ckpt_request.clear()
+        if stop:
+            log.warning(
+                "rank %d: stop requested at step %d: checkpointing and exiting",
+                self.rank,
+                self.step,
+            )
+            self._checkpoint(sync=True)
+            self._write_progress(force=True)
+            raise SystemExit(EXIT_STOPPED)
+        periodic = bool(self.every_steps) and self.step % self.every_steps == 0  # type: ignore[operator]
+        if requested or periodic:
+            self._checkpoint(sync=not self.async_checkpoint)
+
+    def _checkpoint(self, *, sync: bool) -> None:
+        if self.checkpointer is None:
+            return
+        self._last_ckpt_time = time.monotonic()
+        if self.step == self._saved_step:  # nothing new since the last checkpoint
+            if sync:
+                self.checkpointer.wait()
+            return
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        sched = None
+        if self.scheduler is not None:
+            sched = self.scheduler.state_dict()
+            if sched.get("step") is self.scheduler.step:  # our wrapper lives in the instance dict
+                del sched["step"]
+        shared = {
+            "scheduler": sched,
+            "step": self.step,
+            "samples_done": self.samples_done,
+            "global_batch_size": self.global_batch_size,
+            "finished": self.finished,
+        }
+        manifest = {
+            "job_id": self.assignment.job_id,
+            "attempt": self.assignment.attempt,
+            "world_size": self.world_size,
+            "global_batch_size": self.global_batch_size,
+            "batch_mode": self.batch_mode,
+            "samples_done": self.samples_done,
+            "finished": self.finished,
+            "time": time.time(),
+        }
+        self.checkpointer.save(
+            self.step,
+            {"model": model_sd, "optim": optim_sd},
+            shared,
+            manifest,
+            asynchronous=not sync,
+        )
+        if sync:
+            self.checkpointer.wait()
+        self._saved_step = self.step
+
+    def _write_progress(self, force: bool = False) -> None:
+        path = self.assignment.progress_file
+        if self.rank != 0 or path is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._progress_written < self.assignment.progress_interval:
+            return
+        then, samples = self._progress_at
+        if now > then and self.samples_done > samples:
+            self._rate = (self.samples_done - samples) / (now - then)
+        self._progress_at = (now, self.samples_done)
+        self._progress_written = now
+        record = {
+            "step": self.step,
+            "samples_done": self.samples_done,
+            "samples_per_sec": self._rate,
+            "global_batch_size": self.global_batch_size,
+            "world_size": self.world_size,
+            "checkpoint_step": self.checkpointer.last_committed if self.checkpointer else None,
+            "finished": self.finished,
+        }
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+
+    # ---- explicit control -------------------------------------------------------------------
+    def request_checkpoint(self) -> None:
+        """Checkpoint at the next step boundary (what SIGUSR1 does)."""
+        self._ckpt_request.set()
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._handlers = {}
+
+    def close(self) -> None:
+        """Wait for a checkpoint still being written; give SIGTERM/SIGUSR1 back to the script."""
+        self._restore_signals()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def elastic(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, **kwargs: Any
+) -> Trainer:
+    """Make a training loop elastic: ``for x, y in fleet.elastic(model, opt, data, ...)``.
+
+    Keyword arguments are those of :class:`Trainer`; each one left out is read from the
+    broker's FLEET_* variables (see :mod:`broker.runtime`).
+    """
+    return Trainer(model, optimizer, dataset, **kwargs)
+
+
+def from_args(args: Any) -> dict[str, Any]:
+    """The :class:`Trainer` options found (and set) among a script's parsed flags.
+
+    ``fleet.elastic(model, optimizer, data, **fleet.from_args(args))`` passes ``--batch-size``,
+    ``--steps``, ``--seed``, ``--batch-mode``, ``--checkpoint-dir`` and the like through; flags
+    left unset fall back to the broker's environment.
+    """
+    names = (
+        "batch_size",
+        "steps",
+        "epochs",
+        "seed",
+        "global_batch_size",
+        "batch_mode",
+        "lr_scaling",
+        "max_micro_batch",
+        "checkpoint_dir",
+        "checkpoint_every_steps",
+        "checkpoint_every_seconds",
+        "keep_checkpoints",
+        "num_workers",
+    )
+    given = vars(args)
+    return {name: given[name] for name in names if given.get(name) is not None}

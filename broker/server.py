@@ -1,0 +1,316 @@
+"""The broker process: an embedded ``redis-server`` (unless a URL is given), the leader loop
+(lease, operator commands, reconcile, schedule, actuate) and the HTTP API in one process.
+
+``build_broker(config)`` gives the leader loop alone (``python -m broker.server`` runs it; tests
+kill it); ``Stack`` adds the embedded Redis and the API: it is what ``fleet up`` and ``fleet demo``
+run. Several broker processes may share one Redis: one holds the lease and acts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from pydantic import BaseModel, Field
+
+from broker.actuator import Actuator, ActuatorConfig
+from broker.reconciler import Reconciler
+from broker.scheduler import Scheduler, SchedulerConfig
+from broker.store import Plan, StaleFence, Store
+from providers.local import LocalFleet, LocalProvider
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_FLEET = REPO / "examples" / "fleets" / "local.yaml"
+REDIS_HINT = ("redis-server not found on PATH: install it (Debian/Ubuntu: apt-get install "
+              "redis-server; macOS: brew install redis) or pass --redis-url redis://HOST:PORT")
+
+
+class BrokerConfig(BaseModel):
+    state_dir: Path = Path(".state")
+    redis_url: str | None = None  # None: start an embedded redis-server under state_dir
+    fleet: Path = DEFAULT_FLEET
+    owner: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    tick_s: float = Field(default=1.0, gt=0)
+    lease_ttl_s: float = Field(default=5.0, gt=0)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    use_agent: bool = True
+    broker_url: str | None = None
+    agent_token: str | None = None
+    heartbeat_interval_s: float = Field(default=5.0, gt=0)
+
+
+class EmbeddedRedis:
+    """A redis-server child on loopback with AOF (everysec), no RDB snapshots and its data
+    under ``data_dir``; it can be stopped (gracefully or ``kill -9``) and restarted on the same
+    port and data, reloading the AOF."""
+
+    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(REDIS_HINT)
+        self.binary = binary
+        self.dir = data_dir
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> EmbeddedRedis:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+             "--dir", str(self.dir.resolve()), "--appendonly", "yes",
+             "--appendfsync", "everysec", "--save", "", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 15
+        try:
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    # PING answers while the AOF still loads; wait until data is served.
+                    if client.ping() and client.info("persistence").get("loading", 0) == 0:
+                        return self
+                except (redis.ConnectionError, redis.BusyLoadingError):
+                    pass
+                time.sleep(0.02)
+        finally:
+            client.close()
+        raise RuntimeError(f"redis-server did not start on port {self.port} (data {self.dir})")
+
+    def stop(self, *, kill: bool = False) -> None:
+        if self.proc is not None:
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def restart(self, *, kill: bool = True) -> None:
+        self.stop(kill=kill)
+        self.start()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Broker:
+    """The leader loop over a store and a provider."""
+
+    def __init__(self, config: BrokerConfig, store: Store, provider: LocalProvider) -> None:
+        self.config = config
+        self.store = store
+        self.provider = provider
+        self.scheduler = Scheduler(store, config.scheduler)
+        self.actuator = Actuator(store, provider, ActuatorConfig(
+            checkpoint_root=config.state_dir / "checkpoints", broker_url=config.broker_url,
+            agent_token=config.agent_token, use_agent=config.use_agent,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            max_failures=config.scheduler.max_failures))
+        self.reconciler = Reconciler(store, provider,
+                                     max_failures=config.scheduler.max_failures)
+        self.fence = 0
+        self.rounds = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def step(self) -> bool:
+        """One pass of the loop; returns whether this process is the leader."""
+        self.fence = self.store.acquire_lease(self.config.owner, self.config.lease_ttl_s)
+        if not self.fence:
+            return False
+        try:
+            for cmd in self.store.pop_commands():
+                self._command(cmd)
+            self.store.set_pools(self.provider.pools())
+            self.reconciler.run(self.fence)
+            self.scheduler.run_round(self.fence)
+            self.actuator.run(self.fence)
+            self.rounds += 1
+        except StaleFence:
+            log.warning("lost the leader lease (fence %s); standing by", self.fence)
+            self.fence = 0
+        return bool(self.fence)
+
+    def _command(self, cmd: dict[str, Any]) -> None:
+        if cmd.get("kind") == "preempt":
+            try:
+                n = self.provider.reclaim(str(cmd["region"]), float(cmd.get("duration_s", 60)))
+            except ValueError as exc:
+                log.warning("chaos preempt refused: %s", exc)
+                return
+            plan = Plan()
+            plan.event("region-reclaimed", None, {"region": cmd["region"], "nodes": n})
+            self.store.apply(plan, fence=self.fence)
+
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.step():  # a standby polls the lease; it leaves the wakes alone
+                    self._stop.wait(self.config.lease_ttl_s / 3)
+                    continue
+                self.store.wait_wake(0.1 if self.store.intents() else self.config.tick_s)
+            except redis.ConnectionError as exc:  # Redis restarting or failing over
+                log.warning("redis unavailable (%s); retrying", exc)
+                self._stop.wait(min(1.0, self.config.tick_s))
+            except Exception:  # one bad pass must not stop the control plane; state is in Redis
+                log.exception("broker loop pass failed; retrying")
+                self._stop.wait(self.config.tick_s)
+
+    def start(self) -> Broker:
+        self._thread = threading.Thread(target=self.run_forever, name="broker-loop", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, *, release: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if release and self.fence:
+            self.store.release_lease(self.fence)
+
+
+def build_broker(config: BrokerConfig, *, redis_url: str | None = None) -> Broker:
+    """A broker over ``redis_url`` (or ``config.redis_url``) with the local fleet provider."""
+    url = redis_url or config.redis_url
+    if url is None:
+        raise ValueError("build_broker needs a redis URL; run_server starts an embedded one")
+    fleet = LocalFleet.load(config.fleet)
+    provider = LocalProvider(fleet, config.state_dir / "provider", workdir=REPO)
+    return Broker(config, Store.from_url(url), provider)
+
+
+def drain(provider: LocalProvider) -> None:
+    """Ask every node to checkpoint and exit, and wait (killing after the grace period): a
+    later broker resumes those jobs from their checkpoints."""
+    from providers.base import NodeState
+
+    for node in provider.nodes():
+        provider.terminate(node.node_id)
+    deadline = time.monotonic() + provider.fleet.grace_period_s + 5
+    while time.monotonic() < deadline and any(
+            n.state is not NodeState.TERMINATED for n in provider.nodes()):
+        time.sleep(0.2)
+
+
+def _tokens(state_dir: Path) -> dict[str, str]:
+    """The admin and agent tokens: from FLEET_ADMIN_TOKEN / FLEET_AGENT_TOKEN, else made once
+    and kept (mode 0600) in the state dir so clients keep working across restarts."""
+    from broker.auth import new_token
+
+    path = state_dir / "tokens.json"
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    tokens = {"admin": os.environ.get("FLEET_ADMIN_TOKEN") or saved.get("admin") or new_token(),
+              "agent": os.environ.get("FLEET_AGENT_TOKEN") or saved.get("agent") or new_token()}
+    if tokens != saved:
+        path.touch(mode=0o600)
+        path.write_text(json.dumps(tokens))
+    return tokens
+
+
+class Stack:
+    """Everything ``fleet up`` runs: embedded redis-server (unless ``config.redis_url``), the
+    HTTP API (agents' heartbeats included) on ``host:port`` and the broker loop."""
+
+    def __init__(self, config: BrokerConfig, *, host: str = "127.0.0.1", port: int = 8470,
+                 api_config_path: Path | None = None) -> None:
+        self.config = config
+        self.host, self.port = host, port or free_port()
+        self.api_config_path = api_config_path
+        self.redis: EmbeddedRedis | None = None
+        self.broker: Broker | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.tokens: dict[str, str] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> Stack:
+        import uvicorn
+
+        from broker.api import build_app
+        from broker.auth import ApiConfig, Role
+
+        state = self.config.state_dir
+        state.mkdir(parents=True, exist_ok=True)
+        url = self.config.redis_url
+        if url is None:
+            self.redis = EmbeddedRedis(state / "redis").start()
+            url = self.redis.url
+        self.tokens = _tokens(state)
+        api_config = (ApiConfig.load(self.api_config_path)
+                      .with_token(self.tokens["admin"], Role.ADMIN)
+                      .with_token(self.tokens["agent"], Role.AGENT))
+        config = self.config.model_copy(update={
+            "redis_url": url, "broker_url": self.url, "agent_token": self.tokens["agent"]})
+        self.broker = build_broker(config)
+        app = build_app(self.broker.store, api_config)
+        self._server = uvicorn.Server(uvicorn.Config(
+            app, host=self.host, port=self.port, log_level="warning", access_log=False,
+            lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, name="api", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 15
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                self.stop()
+                raise RuntimeError(f"the API could not listen on {self.url} (port in use? "
+                                   "pass --port)")
+            time.sleep(0.05)
+        self.broker.start()
+        return self
+
+    def stop(self) -> None:
+        if self.broker is not None:
+            self.broker.stop()
+            drain(self.broker.provider)
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m broker.server --redis-url URL --state-dir DIR [--fleet F] [--no-agent]``:
+    the leader loop alone (tests kill and restart it)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m broker.server")
+    ap.add_argument("--redis-url", required=True)
+    ap.add_argument("--state-dir", type=Path, required=True)
+    ap.add_argument("--fleet", type=Path, default=DEFAULT_FLEET)
+    ap.add_argument("--tick", type=float, default=0.5)
+    ap.add_argument("--lease-ttl", type=float, default=3.0)
+    ap.add_argument("--owner", default=None)
+    ap.add_argument("--no-agent", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    config = BrokerConfig(state_dir=args.state_dir, redis_url=args.redis_url, fleet=args.fleet,
+                          tick_s=args.tick, lease_ttl_s=args.lease_ttl,
+                          use_agent=not args.no_agent,
+                          **({"owner": args.owner} if args.owner else {}))
+    build_broker(config).run_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,895 @@
+"""Load a job spec (the project's own YAML, or a SkyPilot task YAML as it is) into ``JobSpec``.
+
+Every problem in a spec is collected and raised together as one ``SpecError`` that names the
+field, the value and the fix; nothing a user wrote is dropped without an error or a warning.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from policies.models import Accelerator, JobSpec, SpotPolicy, check_name
+
+MAX_SPEC_BYTES = 256 * 1024
+MAX_DEADLINE_S = 366 * 24 * 3600.0
+MAX_WORK_SAMPLES = 10**15
+# A SkyPilot task says nothing about its work: it runs until its command exits.
+UNBOUNDED_WORK = MAX_WORK_SAMPLES
+FORMAT_FLEET = "fleet"
+FORMAT_SKYPILOT = "skypilot"
+
+
+class Problem(BaseModel):
+    """One thing wrong with a spec: where, what was there, and how to fix it."""
+
+    field: str
+    value: str | None = None
+    message: str
+
+    def __str__(self) -> str:
+        shown = f" (got {self.value})" if self.value is not None else ""
+        return f"{self.field}{shown}: {self.message}"
+
+
+class SpecError(ValueError):
+    """A spec that cannot be accepted; ``problems`` lists every reason."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        noun = "problem" if len(problems) == 1 else "problems"
+        super().__init__(f"invalid job spec ({len(problems)} {noun}):\n{lines}")
+
+
+class ParsedSpec(BaseModel):
+    """A validated spec, the format it was written in, and notes on what was translated."""
+
+    spec: JobSpec
+    format: str
+    warnings: list[str] = []
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Problems:
+    def __init__(self) -> None:
+        self.items: list[Problem] = []
+        self.fields: set[str] = set()
+
+    def add(self, field: str, value: Any, message: str, *, show: bool = True) -> None:
+        self.items.append(Problem(field=field, value=_show(value) if show else None,
+                                  message=message))
+        self.fields.add(field.split(".")[0].split("[")[0])
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            raise SpecError(self.items)
+
+
+# --- YAML loading ---------------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """Safe YAML that refuses duplicate keys (PyYAML would silently keep the last one)."""
+
+
+def _mapping_no_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    seen: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"unhashable key {key!r}", key_node.start_mark) from None
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen[key] = loader.construct_object(value_node, deep=True)
+    return seen
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                              _mapping_no_duplicates)
+# YAML 1.1 reads `1:4` as the base-60 number 64; keep such values text (gpus: 1:4, A100:8).
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, re.compile(r"(?=[^:]*$)" + rx.pattern, rx.flags)
+             if tag.endswith((":int", ":float")) else rx) for tag, rx in resolvers]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def load_yaml(text: str | bytes) -> Any:
+    """Parse one YAML (or JSON) document with size and shape limits; ``SpecError`` on failure."""
+    if isinstance(text, bytes):
+        if len(text) > MAX_SPEC_BYTES:
+            raise SpecError([_too_big(len(text))])
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SpecError([Problem(field="(file)", message=f"not UTF-8 text ({exc.reason}); "
+                                     "save the spec as UTF-8")]) from None
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise SpecError([_too_big(len(text))])
+    if text.lstrip().startswith("{"):
+        try:  # JSON proper first: YAML cannot read JSON's surrogate-pair escapes
+            return json.loads(text, object_pairs_hook=_json_object)
+        except json.JSONDecodeError:
+            pass  # a YAML flow mapping, or broken JSON: YAML's parser names the position
+        except ValueError as exc:  # a duplicate key, or a number too long to convert
+            raise SpecError([_unreadable(exc)]) from None
+    try:
+        docs = list(yaml.load_all(text, Loader=_StrictLoader))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
+        raise SpecError([Problem(field=where, message=f"malformed YAML: {exc.problem or exc}; "
+                                 "fix it at that position")]) from None
+    except (yaml.YAMLError, RecursionError, ValueError) as exc:
+        raise SpecError([_unreadable(exc)]) from None
+    docs = [d for d in docs if d is not None]
+    if len(docs) != 1:
+        msg = ("the file is empty; write a job spec (see examples/jobs/)" if not docs else
+               f"holds {len(docs)} YAML documents; put one job per file")
+        raise SpecError([Problem(field="(file)", message=msg)])
+    return docs[0]
+
+
+def _unreadable(exc: BaseException) -> Problem:
+    text = str(exc).split(";")[0] or type(exc).__name__
+    return Problem(field="(file)", message=f"cannot read the spec: {text}; fix that value")
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}; remove one of them")
+        out[key] = value
+    return out
+
+
+def _too_big(size: int) -> Problem:
+    return Problem(field="(file)", value=f"{size} bytes",
+                   message=f"a spec may be at most {MAX_SPEC_BYTES} bytes; move data out of it")
+
+
+# --- entry points ---------------------------------------------------------------------------
+
+
+def parse_spec_text(text: str | bytes, *, default_name: str | None = None) -> ParsedSpec:
+    """Parse spec text in either format (detected from its keys)."""
+    return parse_spec_data(load_yaml(text), default_name=default_name)
+
+
+def load_spec_file(path: str | Path) -> ParsedSpec:
+    """Read and parse a spec file; a missing file is a ``SpecError`` naming the path."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        problem = Problem(field="(file)", value=str(p),
+                          message=f"cannot read it ({exc.strerror}); check the path")
+        raise SpecError([problem]) from None
+    return parse_spec_text(raw, default_name=_name_from_stem(p.stem))
+
+
+def _name_from_stem(stem: str) -> str | None:
+    name = re.sub(r"[^a-z0-9_.-]+", "-", stem.lower()).strip("-_.")[:63]
+    return name or None
+
+
+_FLEET_KEYS = {
+    "name", "run", "setup", "envs", "accelerators", "gpus", "batch_size", "batch_mode", "work",
+    "work_samples", "spot", "regions", "checkpoint", "priority", "team", "deadline", "deadline_s",
+    "model",
+}
+_FLEET_ONLY = _FLEET_KEYS - {"name", "run", "setup", "envs"}
+_SKY_KEYS = {
+    "name", "run", "setup", "envs", "num_nodes", "resources", "workdir", "file_mounts", "secrets",
+    "service", "config", "event_callback", "inputs", "outputs", "volumes",
+}
+_SKY_ONLY = _SKY_KEYS - {"name", "run", "setup", "envs"}
+
+
+def detect_format(doc: Mapping[str, Any]) -> str:
+    """``fleet`` if the document uses a key only the own format has, else ``skypilot``.
+
+    A document with only ``name/run/setup/envs`` is a minimal SkyPilot task.
+    """
+    keys = set(doc)
+    if keys & _FLEET_ONLY:
+        return FORMAT_FLEET
+    return FORMAT_SKYPILOT
+
+
+def parse_spec_data(doc: Any, *, default_name: str | None = None) -> ParsedSpec:
+    """Validate an already-loaded document (dict from YAML or JSON) in either format."""
+    if not isinstance(doc, Mapping):
+        raise SpecError([Problem(field="(file)", value=_show(doc), message=(
+            "a job spec is a YAML mapping (key: value lines); see examples/jobs/"))])
+    bad_keys = [k for k in doc if not isinstance(k, str)]
+    if bad_keys:
+        raise SpecError([Problem(field="(top level)", value=_show(k),
+                                 message="keys must be text") for k in bad_keys])
+    fleet_keys, sky_keys = set(doc) & _FLEET_ONLY, set(doc) & _SKY_ONLY
+    if fleet_keys and sky_keys:
+        raise SpecError([Problem(
+            field="(top level)", value=", ".join(sorted(sky_keys)),
+            message=("mixes SkyPilot task keys with FleetBroker keys "
+                     f"({', '.join(sorted(fleet_keys))}); write one format per file"))])
+    if detect_format(doc) == FORMAT_FLEET:
+        return _parse_fleet(doc)
+    return _parse_skypilot(doc, default_name=default_name)
+
+
+# --- the project's own format ---------------------------------------------------------------
+
+_DURATION = re.compile(r"^\s*(?:(\d+)\s*d)?\s*(?:(\d+)\s*h)?\s*(?:(\d+)\s*m)?\s*(?:(\d+)\s*s)?\s*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_REGION_PATTERN = re.compile(r"^[a-z0-9*?\[\]!-]+:[a-z0-9*?\[\]!_-]+$")
+_RESERVED_ENV_PREFIX = "FLEET_"
+
+
+def parse_duration(value: Any) -> float | None:
+    """Seconds from ``90``, ``"90s"``, ``"5m"``, ``"1h30m"``, ``"2d"``; ``None`` if not one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value) if math.isfinite(value) else None
+    if not isinstance(value, str) or not value.strip():
+        return None
+    m = _DURATION.match(value)
+    if not m or not any(m.groups()):
+        return None
+    d, h, mi, s = (int(g or 0) for g in m.groups())
+    return float(((d * 24 + h) * 60 + mi) * 60 + s)
+
+
+def _int(p: _Problems, field: str, value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value.strip())
+        p.add(field, value, "must be a whole number")
+        return None
+    return value
+
+
+def _parse_range(p: _Problems, field: str, value: Any) -> dict[str, int] | None:
+    """``4``, ``"2:8"`` or ``{min: 2, max: 8}``."""
+    if isinstance(value, Mapping):
+        unknown = set(value) - {"min", "max"}
+        if unknown:
+            p.add(f"{field}.{sorted(map(str, unknown))[0]}", None,
+                  f"unknown key; {field} takes min and max", show=False)
+            return None
+        lo = _int(p, f"{field}.min", value.get("min", 1))
+        hi = _int(p, f"{field}.max", value.get("max", value.get("min", 1)))
+        return None if lo is None or hi is None else {"min": lo, "max": hi}
+    if isinstance(value, str) and ":" in value:
+        lo_s, _, hi_s = value.partition(":")
+        if lo_s.strip().isdigit() and hi_s.strip().isdigit():
+            return {"min": int(lo_s), "max": int(hi_s)}
+        p.add(field, value, "write N, MIN:MAX (like 2:8) or {min: 2, max: 8}")
+        return None
+    n = _int(p, field, value)
+    return None if n is None else {"min": n, "max": n}
+
+
+def _parse_batch(p: _Problems, value: Any) -> dict[str, Any] | None:
+    if isinstance(value, Mapping):
+        unknown = set(value) - {"min", "max", "default", "per_gpu_max"}
+        if unknown:
+            p.add(f"batch_size.{sorted(map(str, unknown))[0]}", None,
+                  "unknown key; batch_size takes min, max, default and per_gpu_max", show=False)
+            return None
+        out = {}
+        for key in ("min", "max", "default", "per_gpu_max"):
+            if key in value and value[key] is not None:
+                n = _int(p, f"batch_size.{key}", value[key])
+                if n is None:
+                    return None
+                out[key] = n
+        if "min" not in out or "max" not in out:
+            p.add("batch_size", dict(value), "needs min and max (global batch sizes)")
+            return None
+        return out
+    n = _int(p, "batch_size", value)
+    return None if n is None else {"min": n, "max": n, "default": n}
+
+
+def _parse_work(p: _Problems, value: Any, batch: dict[str, Any] | None) -> int | None:
+    if not isinstance(value, Mapping):
+        p.add("work", value, "write {samples: N}, {epochs: E, dataset_size: D} or {steps: S}")
+        return None
+    keys = set(value)
+    if keys == {"samples"}:
+        total = _int(p, "work.samples", value["samples"])
+    elif keys == {"epochs", "dataset_size"}:
+        e = _int(p, "work.epochs", value["epochs"])
+        d = _int(p, "work.dataset_size", value["dataset_size"])
+        total = None if e is None or d is None else e * d
+    elif keys == {"steps"}:
+        s = _int(p, "work.steps", value["steps"])
+        if s is None or batch is None:
+            return None
+        initial = batch.get("default", batch["min"])
+        total = s * initial
+    else:
+        p.add("work", dict(value), "write exactly one of {samples: N}, "
+              "{epochs: E, dataset_size: D} or {steps: S} (steps at the initial batch size)")
+        return None
+    if total is not None and not 1 <= total <= MAX_WORK_SAMPLES:
+        p.add("work", dict(value), f"total samples {total} must lie in [1, {MAX_WORK_SAMPLES}]")
+        return None
+    return total
+
+
+def _parse_envs(p: _Problems, value: Any) -> dict[str, str] | None:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        p.add("envs", value, "write a mapping NAME: value")
+        return None
+    out: dict[str, str] = {}
+    for k, v in value.items():
+        field = f"envs.{k}"
+        if not isinstance(k, str) or not _ENV_NAME.match(k):
+            p.add("envs", k, "an environment variable name is letters, digits and '_', "
+                  "not starting with a digit")
+        elif k.startswith(_RESERVED_ENV_PREFIX):
+            p.add(field, v, f"names starting with {_RESERVED_ENV_PREFIX} are set by the broker; "
+                  "rename the variable")
+        elif v is None:
+            p.add(field, v, "has no value; give it one (FleetBroker has no --env at launch)")
+        elif isinstance(v, Mapping | list):
+            p.add(field, v, "must be text or a number")
+        elif isinstance(v, str) and "\0" in v:
+            p.add(field, v, "contains a NUL character; remove it")
+        else:
+            out[k] = _env_text(v)
+    return out
+
+
+def _env_text(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def _parse_accelerators(p: _Problems, field: str, value: Any) -> list[Accelerator] | None:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items:
+        p.add(field, value,
+              "write one accelerator or a list in order of preference, like [A100, V100]")
+        return None
+    before = len(p.items)
+    out: list[Accelerator] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            p.add(f"{field}[{i}]", item, _known_accelerators())
+            continue
+        try:
+            acc = Accelerator.parse(item)
+        except ValueError:
+            p.add(f"{field}[{i}]", item, _known_accelerators())
+            continue
+        if acc not in out:
+            out.append(acc)
+    return out if len(p.items) == before else None
+
+
+def _known_accelerators() -> str:
+    return "unknown accelerator; use one of: " + ", ".join(a.value for a in Accelerator)
+
+
+def _parse_text(p: _Problems, field: str, value: Any, *, required: bool) -> str | None:
+    if value is None:
+        if required:
+            p.add(field, None, "is required; give the shell command that runs the job",
+                  show=False)
+        return None
+    if isinstance(value, list) and all(isinstance(x, str) for x in value):
+        value = "\n".join(value)
+    if not isinstance(value, str):
+        p.add(field, value, "must be text (a shell command or script)")
+        return None
+    if "\0" in value:
+        p.add(field, value, "contains a NUL character; remove it")
+        return None
+    return value
+
+
+def _parse_name(p: _Problems, field: str, value: Any) -> str | None:
+    if not isinstance(value, str):
+        p.add(field, value, "must be text: 1-63 lowercase letters, digits, '-', '_' or '.'")
+        return None
+    try:
+        return check_name(value, field)
+    except ValueError as exc:
+        p.add(field, value, str(exc).split(" is invalid: ", 1)[-1])
+        return None
+
+
+def _parse_region_list(p: _Problems, field: str, value: Any) -> list[str] | None:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        p.add(field, value, "write a list of cloud:region patterns, like [aws:us-*, gcp:*]")
+        return None
+    out = []
+    for i, item in enumerate(items):
+        pat = item.strip().lower() if isinstance(item, str) else None
+        if pat is not None and pat != "*" and ":" not in pat:
+            pat = f"{pat}:*"  # a bare cloud name means all its regions
+        if pat is None or (pat != "*" and not _REGION_PATTERN.match(pat)):
+            p.add(f"{field}[{i}]", item, "write cloud:region with optional * wildcards, "
+                  "like aws:us-east-1, aws:us-*, local:*")
+            continue
+        out.append(pat)
+    return out
+
+
+def _parse_regions(p: _Problems, value: Any) -> dict[str, list[str]] | None:
+    if isinstance(value, list | str):
+        allow = _parse_region_list(p, "regions", value)
+        return None if allow is None else {"allow": allow, "deny": []}
+    if not isinstance(value, Mapping):
+        p.add("regions", value, "write {allow: [...], deny: [...]} with cloud:region patterns")
+        return None
+    unknown = set(value) - {"allow", "deny"}
+    if unknown:
+        p.add(f"regions.{sorted(map(str, unknown))[0]}", None,
+              "unknown key; regions takes allow and deny", show=False)
+        return None
+    allow = _parse_region_list(p, "regions.allow", value.get("allow", ["*"]))
+    deny = _parse_region_list(p, "regions.deny", value.get("deny", []))
+    return None if allow is None or deny is None else {"allow": allow, "deny": deny}
+
+
+def _parse_checkpoint(p: _Problems, value: Any) -> dict[str, Any] | None:
+    if isinstance(value, str):
+        value = {"uri": value}
+    if not isinstance(value, Mapping):
+        p.add("checkpoint", value, "write {uri: ..., interval: 100s | 500steps}")
+        return None
+    unknown = set(value) - {"uri", "interval"}
+    if unknown:
+        p.add(f"checkpoint.{sorted(map(str, unknown))[0]}", None,
+              "unknown key; checkpoint takes uri and interval", show=False)
+        return None
+    out: dict[str, Any] = {}
+    uri = value.get("uri")
+    if uri is not None:
+        if not isinstance(uri, str) or not uri or len(uri) > 2048 or any(
+                ord(ch) < 32 for ch in uri):
+            p.add("checkpoint.uri", uri, "write a path or URL (file://, s3://, gs://, az://) "
+                  "without control characters")
+            return None
+        out["uri"] = uri
+    interval = value.get("interval")
+    if interval is not None:
+        steps = re.fullmatch(r"\s*(\d+)\s*steps?\s*", interval) if isinstance(
+            interval, str) else None
+        secs = parse_duration(interval)
+        if steps and int(steps.group(1)) >= 1:
+            out["interval"] = f"{int(steps.group(1))}steps"
+        elif secs is not None and 1 <= secs <= MAX_DEADLINE_S:
+            out["interval"] = f"{int(secs)}s"
+        else:
+            p.add("checkpoint.interval", interval,
+                  "write a time like 100s or 5m, or a step count like 500steps")
+            return None
+    return out
+
+
+def _parse_spot(p: _Problems, field: str, value: Any) -> SpotPolicy | None:
+    if isinstance(value, str):
+        try:
+            return SpotPolicy(value.strip().lower())
+        except ValueError:
+            pass
+    p.add(field, value, "use one of: never, allowed, preferred")
+    return None
+
+
+def _choice(p: _Problems, field: str, value: Any, choices: Iterable[str]) -> str | None:
+    options = list(choices)
+    if isinstance(value, str) and value.strip().lower() in options:
+        return value.strip().lower()
+    p.add(field, value, "use one of: " + ", ".join(options))
+    return None
+
+
+def _unknown_keys(p: _Problems, keys: Iterable[str], known: set[str], what: str) -> None:
+    for key in keys:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"remove it; {what} keys are: " + \
+            ", ".join(sorted(known))
+        p.add(key, None, f"unknown key; {hint}", show=False)
+
+
+def _parse_fleet(doc: Mapping[str, Any]) -> ParsedSpec:
+    p = _Problems()
+    _unknown_keys(p, doc, _FLEET_KEYS, "job spec")
+    out: dict[str, Any] = {}
+
+    if "name" not in doc:
+        p.add("name", None, "is required: 1-63 lowercase letters, digits, '-', '_' or '.'",
+              show=False)
+    else:
+        out["name"] = _parse_name(p, "name", doc["name"])
+    out["run"] = _parse_text(p, "run", doc.get("run"), required=True)
+    if doc.get("setup") is not None:
+        out["setup"] = _parse_text(p, "setup", doc["setup"], required=False)
+    out["envs"] = _parse_envs(p, doc.get("envs"))
+    if "accelerators" in doc:
+        out["accelerators"] = _parse_accelerators(p, "accelerators", doc["accelerators"])
+    if "gpus" in doc:
+        out["gpus"] = _parse_range(p, "gpus", doc["gpus"])
+    batch = None
+    if "batch_size" not in doc:
+        p.add("batch_size", None, "is required: {min, max, default, per_gpu_max} global batch "
+              "sizes (or one number for a fixed batch)", show=False)
+    else:
+        batch = out["batch_size"] = _parse_batch(p, doc["batch_size"])
+    if "batch_mode" in doc:
+        out["batch_mode"] = _choice(p, "batch_mode", doc["batch_mode"], ("elastic", "fixed"))
+    if "work" in doc and "work_samples" in doc:
+        p.add("work_samples", doc["work_samples"], "give work or work_samples, not both")
+    elif "work" in doc:
+        out["work_samples"] = _parse_work(p, doc["work"], batch)
+    elif "work_samples" in doc:
+        out["work_samples"] = _parse_work(p, {"samples": doc["work_samples"]}, batch)
+    else:
+        p.add("work", None, "is required: {samples: N}, {epochs: E, dataset_size: D} or "
+              "{steps: S}", show=False)
+    if "spot" in doc:
+        out["spot"] = _parse_spot(p, "spot", doc["spot"])
+    if "regions" in doc:
+        out["regions"] = _parse_regions(p, doc["regions"])
+    if "checkpoint" in doc:
+        out["checkpoint"] = _parse_checkpoint(p, doc["checkpoint"])
+    if "priority" in doc:
+        out["priority"] = _int(p, "priority", doc["priority"])
+    if "team" in doc:
+        out["team"] = _parse_name(p, "team", doc["team"])
+    if "model" in doc and doc["model"] is not None:
+        out["model"] = _parse_name(p, "model", doc["model"])
+    deadline_key = "deadline" if "deadline" in doc else "deadline_s"
+    if doc.get(deadline_key) is not None:
+        secs = parse_duration(doc[deadline_key])
+        if secs is None or not 0 < secs <= MAX_DEADLINE_S:
+            p.add(deadline_key, doc[deadline_key], "write a time after submission, like 90m, "
+                  f"6h or 2d (at most {int(MAX_DEADLINE_S // 86400)}d)")
+        else:
+            out["deadline_s"] = secs
+    return ParsedSpec(spec=_validate(p, out), format=FORMAT_FLEET)
+
+
+_FIELD_NAMES = {"work_samples": "work", "deadline_s": "deadline"}
+
+
+def _validate(p: _Problems, fields: dict[str, Any]) -> JobSpec:
+    """Run the model's own checks on what parsed cleanly; report both kinds of problem at once."""
+    clean = {k: v for k, v in fields.items() if v is not None}
+    try:
+        spec = JobSpec.model_validate(clean)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = [str(x) for x in err["loc"]]
+            if loc and (loc[0] in p.fields or _FIELD_NAMES.get(loc[0]) in p.fields):
+                continue  # already reported with a better message
+            if loc:
+                loc[0] = _FIELD_NAMES.get(loc[0], loc[0])
+            field = ".".join(loc) or "(top level)"
+            msg = err["msg"].removeprefix("Value error, ")
+            value = err.get("input") if err["type"] != "missing" else None
+            p.add(field, value, msg, show=err["type"] != "missing" and loc != [])
+        p.raise_if_any()
+        raise  # pragma: no cover - raise_if_any always raises here
+    p.raise_if_any()
+    return spec
+
+
+# --- SkyPilot task YAML ---------------------------------------------------------------------
+
+_SKY_CLOUDS = {"aws", "gcp", "azure", "local"}
+_SKY_RESOURCE_KEYS = {
+    "accelerators", "use_spot", "infra", "cloud", "region", "zone", "any_of", "ordered",
+    "job_recovery", "spot_recovery", "cpus", "memory", "disk_size", "disk_tier",
+}
+_SKY_IGNORED_RESOURCES = {"cpus", "memory", "disk_size", "disk_tier"}
+_SKY_UNSUPPORTED_TOP = {
+    "workdir": "FleetBroker runs `run` in the job's own directory on the node and ships no "
+               "files; remove workdir and fetch code in setup",
+    "file_mounts": "FleetBroker mounts no files; remove file_mounts and fetch data in setup",
+    "volumes": "FleetBroker mounts no volumes; remove volumes and fetch data in setup",
+    "secrets": "secrets are not stored by FleetBroker; pass them through your cloud's secret "
+               "store and read them in setup",
+    "service": "SkyServe services are not jobs; FleetBroker runs training jobs only",
+    "config": "per-task SkyPilot config has no FleetBroker meaning; remove it",
+    "event_callback": "remove event_callback; follow the job with `fleet logs ID --follow`",
+    "inputs": "remove inputs (SkyPilot's optimizer hint)",
+    "outputs": "remove outputs (SkyPilot's optimizer hint)",
+}
+_SKY_RECOVERY = {"failover", "eager_next_region", "none"}
+
+
+def _parse_skypilot(doc: Mapping[str, Any], *, default_name: str | None) -> ParsedSpec:
+    p = _Problems()
+    warnings: list[str] = []
+    for key in doc:
+        if key in _SKY_UNSUPPORTED_TOP:
+            p.add(key, doc[key], f"not supported: {_SKY_UNSUPPORTED_TOP[key]}")
+    _unknown_keys(p, doc, _SKY_KEYS, "SkyPilot task")
+    out: dict[str, Any] = {}
+
+    name = doc.get("name")
+    if name is None:
+        name = default_name or "sky-task"
+        warnings.append(f"name: not given; the job is named {name!r}")
+    if isinstance(name, str) and name != name.lower():
+        warnings.append(f"name: {name!r} is lowercased to {name.lower()!r}")
+        name = name.lower()
+    out["name"] = _parse_name(p, "name", name)
+    out["run"] = _parse_text(p, "run", doc.get("run"), required=True)
+    if doc.get("setup") is not None:
+        out["setup"] = _parse_text(p, "setup", doc["setup"], required=False)
+    out["envs"] = _parse_envs(p, doc.get("envs"))
+    nodes = _int(p, "num_nodes", doc.get("num_nodes", 1))
+    if nodes is not None and not 1 <= nodes <= 512:
+        p.add("num_nodes", nodes, "must lie in [1, 512]")
+        nodes = None
+
+    resources = doc.get("resources") or {}
+    alternatives: list[Mapping[str, Any]] = [{}]
+    if not isinstance(resources, Mapping):
+        p.add("resources", resources, "write a mapping (accelerators, use_spot, infra, ...)")
+        resources = {}
+    else:
+        alternatives = _sky_alternatives(p, resources, warnings)
+
+    accelerators: list[Accelerator] = []
+    counts: list[int] = []
+    allow: list[str] = []
+    spot_flags: list[bool] = []
+    per_alt: set[frozenset[Accelerator]] = set()
+    for i, alt in enumerate(alternatives):
+        where = "resources" if len(alternatives) == 1 and not (
+            "any_of" in resources or "ordered" in resources) else (
+            f"resources.{'ordered' if 'ordered' in resources else 'any_of'}[{i}]")
+        found = _sky_accelerators(p, f"{where}.accelerators", alt.get("accelerators"))
+        per_alt.add(frozenset(acc for acc, _ in found))
+        for acc, count in found:
+            if acc not in accelerators:
+                accelerators.append(acc)
+            counts.append(count)
+        pattern = _sky_infra(p, where, alt, warnings)
+        if pattern and pattern not in allow:
+            allow.append(pattern)
+        use_spot = alt.get("use_spot", False)
+        if not isinstance(use_spot, bool):
+            p.add(f"{where}.use_spot", use_spot, "write true or false")
+        spot_flags.append(use_spot is True)
+        for key in sorted(set(alt) & _SKY_IGNORED_RESOURCES):
+            warnings.append(f"{where}.{key}: ignored; FleetBroker sizes nodes by accelerator")
+
+    if accelerators:
+        out["accelerators"] = accelerators
+    if nodes is not None:
+        per_node = counts or [1]
+        if len(set(per_node)) > 1:
+            warnings.append(f"resources: alternatives ask for {sorted(set(per_node))} GPUs per "
+                            "node; the job accepts any count in that range")
+        lo, hi = min(per_node) * nodes, max(per_node) * nodes
+        if hi > 4096:
+            p.add("resources.accelerators", hi, "asks for more than 4096 GPUs in total; "
+                  "lower the count or num_nodes")
+        else:
+            out["gpus"] = {"min": lo, "max": hi}
+            # SkyPilot knows no batch sizes: a fixed-size job, one unit of batch per GPU.
+            out["batch_size"] = {"min": lo, "max": hi, "default": lo}
+            out["batch_mode"] = "fixed"
+    if len(per_alt) > 1 and len(allow) > 1:
+        warnings.append("resources: alternatives are combined (any listed accelerator in any "
+                        "listed region); their pairings are not kept")
+    if allow:
+        out["regions"] = {"allow": allow, "deny": []}
+    if any(spot_flags) and not all(spot_flags):
+        out["spot"] = "allowed"
+    elif all(spot_flags):
+        out["spot"] = "preferred"
+        warnings.append("use_spot: true becomes spot: preferred (the broker falls back to "
+                        "on-demand when spot is gone)")
+    else:
+        out["spot"] = "never"
+    out["work_samples"] = UNBOUNDED_WORK
+    return ParsedSpec(spec=_validate(p, out), format=FORMAT_SKYPILOT, warnings=warnings)
+
+
+def _sky_alternatives(p: _Problems, resources: Mapping[str, Any],
+                      warnings: list[str]) -> list[Mapping[str, Any]]:
+    """Expand ``any_of``/``ordered`` into full resource mappings (shared keys merged in)."""
+    for key in resources:
+        if key not in _SKY_RESOURCE_KEYS:
+            fix = ("FleetBroker picks instance types itself; name accelerators instead"
+                   if key == "instance_type" else "remove it")
+            p.add(f"resources.{key}", resources[key], f"not supported; {fix}")
+    recovery = resources.get("job_recovery", resources.get("spot_recovery"))
+    if recovery is not None:
+        _sky_recovery(p, recovery, warnings)
+    groups = [k for k in ("any_of", "ordered") if k in resources]
+    if len(groups) > 1:
+        p.add("resources", "any_of + ordered", "use either any_of or ordered, not both")
+        return [resources]
+    if not groups:
+        return [resources]
+    key = groups[0]
+    items = resources[key]
+    if not isinstance(items, list) or not items or not all(isinstance(x, Mapping) for x in items):
+        p.add(f"resources.{key}", items, "write a list of resource mappings")
+        return [resources]
+    shared = {k: v for k, v in resources.items() if k not in ("any_of", "ordered")}
+    alts = []
+    for i, item in enumerate(items):
+        for k in item:
+            if k not in _SKY_RESOURCE_KEYS or k in ("any_of", "ordered", "job_recovery",
+                                                    "spot_recovery"):
+                p.add(f"resources.{key}[{i}].{k}", item[k], "not supported inside "
+                      f"{key}; put it under resources or remove it")
+        alts.append({**shared, **item})
+    return alts
+
+
+def _sky_recovery(p: _Problems, value: Any, warnings: list[str]) -> None:
+    strategy = value.get("strategy") if isinstance(value, Mapping) else value
+    if isinstance(value, Mapping):
+        for k in value:
+            if k not in ("strategy", "max_restarts_on_errors"):
+                p.add(f"resources.job_recovery.{k}", value[k],
+                      "unknown key; job_recovery takes strategy and max_restarts_on_errors")
+        if value.get("max_restarts_on_errors"):
+            warnings.append("resources.job_recovery.max_restarts_on_errors: not applied; a job "
+                            "whose command fails ends as failed")
+    if strategy is None:
+        return
+    if not isinstance(strategy, str) or strategy.strip().lower() not in _SKY_RECOVERY:
+        p.add("resources.job_recovery.strategy", strategy,
+              "use FAILOVER or EAGER_NEXT_REGION")
+    elif strategy.strip().lower() == "none":
+        warnings.append("resources.job_recovery: FleetBroker always recovers preempted jobs")
+
+
+_SKY_ACC = re.compile(r"^\s*([^:]+?)\s*(?::\s*([0-9.]+)\s*)?$")
+
+
+def _sky_accelerators(p: _Problems, field: str, value: Any) -> list[tuple[Accelerator, int]]:
+    """``A100:8``, ``A100``, a list (ordered), a mapping or a set ``{A100: 8, V100: 8}``."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        entries: list[tuple[Any, Any]] = []
+        m = _SKY_ACC.match(value)
+        if m:
+            entries.append((m.group(1), m.group(2)))
+        else:
+            p.add(field, value, "write NAME or NAME:COUNT, like A100:8")
+            return []
+    elif isinstance(value, list):
+        out: list[tuple[Accelerator, int]] = []
+        for i, item in enumerate(value):
+            out += _sky_accelerators(p, f"{field}[{i}]", item)
+        return out
+    elif isinstance(value, Mapping):
+        # `{A100:8, V100:8}` loads as keys "A100:8" with no value (YAML needs ": " to split).
+        entries = []
+        for k, v in value.items():
+            m = _SKY_ACC.match(k) if isinstance(k, str) and v is None else None
+            entries.append((m.group(1), m.group(2)) if m else (k, v))
+    else:
+        p.add(field, value, "write NAME:COUNT, a list or a mapping of them")
+        return []
+    result = []
+    for name, count in entries:
+        if not isinstance(name, str):
+            p.add(field, name, _known_accelerators())
+            continue
+        try:
+            acc = Accelerator.parse(name)
+        except ValueError:
+            p.add(field, name, _known_accelerators())
+            continue
+        n = 1 if count is None else count
+        if isinstance(n, str):
+            try:
+                n = float(n)
+            except ValueError:
+                n = None
+        if isinstance(n, float) and n.is_integer():
+            n = int(n)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4096:
+            p.add(field, f"{name}:{count}", "the count must be a whole number of GPUs in "
+                  "[1, 4096]; fractional GPUs are not supported")
+            continue
+        result.append((acc, n))
+    return result
+
+
+def _sky_infra(p: _Problems, where: str, alt: Mapping[str, Any],
+               warnings: list[str]) -> str | None:
+    """``infra: aws/us-east-1[/zone]`` (or the older cloud/region/zone keys) to a pattern."""
+    if "infra" in alt and any(k in alt for k in ("cloud", "region", "zone")):
+        p.add(f"{where}.infra", alt["infra"], "give infra or cloud/region/zone, not both")
+        return None
+    if "infra" in alt:
+        infra = alt["infra"]
+        if not isinstance(infra, str) or not infra.strip():
+            p.add(f"{where}.infra", infra, "write cloud[/region[/zone]], like aws/us-east-1")
+            return None
+        parts = infra.strip().lower().split("/")
+        field = f"{where}.infra"
+    else:
+        parts = [alt.get("cloud"), alt.get("region"), alt.get("zone")]
+        while parts and parts[-1] is None:
+            parts.pop()
+        if not parts:
+            return None
+        if any(x is None or not isinstance(x, str) for x in parts):
+            p.add(f"{where}.cloud", alt.get("cloud"), "region and zone need a cloud; "
+                  "write infra: cloud/region")
+            return None
+        parts = [x.strip().lower() for x in parts]
+        field = f"{where}.cloud"
+    if len(parts) > 3:
+        p.add(field, "/".join(parts), "write cloud[/region[/zone]], like aws/us-east-1")
+        return None
+    cloud = parts[0]
+    if cloud not in _SKY_CLOUDS and cloud != "*":
+        p.add(field, cloud, "this cloud is not supported; use one of: "
+              + ", ".join(sorted(_SKY_CLOUDS)))
+        return None
+    region = parts[1] if len(parts) > 1 else "*"
+    pattern = f"{cloud}:{region}"
+    if not _REGION_PATTERN.match(pattern):
+        p.add(field, "/".join(parts), "write cloud[/region[/zone]], like aws/us-east-1")
+        return None
+    if len(parts) == 3:
+        warnings.append(f"{field}: zone {parts[2]!r} widens to region {pattern!r} "
+                        "(FleetBroker places jobs by region)")
+    return pattern
+
+
+def spec_to_json(spec: JobSpec) -> str:
+    """The canonical JSON a client sends to the API (parses back to the same ``JobSpec``)."""
+    return json.dumps(spec.model_dump(mode="json"), ensure_ascii=False)
+
+
+def apply_overrides(spec: JobSpec, *, gpus: str | None = None,
+                    spot: str | None = None) -> JobSpec:
+    """``fleet launch --gpus N|MIN:MAX --spot POLICY``: replace those fields and re-validate."""
+    p = _Problems()
+    data = spec.model_dump(mode="json")
+    if gpus is not None:
+        rng = _parse_range(p, "--gpus", gpus)
+        if rng is not None:
+            data["gpus"] = rng
+    if spot is not None:
+        policy = _parse_spot(p, "--spot", spot)
+        if policy is not None:
+            data["spot"] = policy.value
+    return _validate(p, data)

@@ -1,0 +1,401 @@
+"""The control plane's state in Redis: jobs, queue, pools, placements, intents outbox, events,
+logs, agent progress and the leader lease. Every change is one atomic Lua step (``broker.lua``)
+that checks the expected state; leader writes also carry the fencing token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from broker import lua
+from broker.models import (
+    TERMINAL_STATES,
+    Event,
+    Intent,
+    JobRecord,
+    JobState,
+    Placement,
+    check_transition,
+)
+from policies.models import JobSpec, Pool
+
+_PROGRESS_FIELDS = (
+    "samples_done", "samples_per_sec", "measured_gpus", "measured_batch_size", "checkpoint_step",
+)
+ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
+CHECKPOINT_EXIT = "checkpoint-exit"
+CONTINUE = "continue"
+
+
+class StoreError(Exception):
+    """Base of the store's refusals."""
+
+
+class JobNotFound(StoreError):
+    pass
+
+
+class Conflict(StoreError):
+    """The record changed since it was read (or is in an unexpected state); re-read, retry."""
+
+
+class StaleFence(StoreError):
+    """The caller's fencing token no longer holds the leader lease; it must stop acting."""
+
+
+# Kept outside ``doc``: the hash's plain fields and the agent-reported progress.
+_NOT_IN_DOC = {"state", "version", "measured", *_PROGRESS_FIELDS}
+
+
+def _doc(job: JobRecord) -> str:
+    return job.model_dump_json(exclude=_NOT_IN_DOC)
+
+
+def _decode_job(doc: str, state: str, version: str | int, progress: Sequence[str] = (),
+                cache: dict[tuple[str, ...], JobRecord] | None = None) -> JobRecord:
+    """A record from its hash. ``cache`` maps what was read to the parsed record, so a
+    scheduling round re-parses only the jobs that changed since the last one."""
+    key = (doc, state, str(version), *progress)
+    if cache is not None and (hit := cache.get(key)) is not None:
+        return hit
+    data: dict[str, Any] = json.loads(doc)
+    data["state"], data["version"] = state, int(version)
+    prog = dict(zip(progress[::2], progress[1::2], strict=True))
+    for k in _PROGRESS_FIELDS:
+        if k in prog:
+            data[k] = json.loads(prog[k])
+    data["measured"] = {k[2:]: float(v) for k, v in prog.items() if k.startswith("m:")}
+    job = JobRecord.model_validate(data)
+    if cache is not None:
+        if len(cache) > 200_000:
+            cache.clear()
+        cache[key] = job
+    return job
+
+
+def _translate(exc: redis.ResponseError) -> StoreError:
+    msg = str(exc)
+    if msg.startswith("STALEFENCE"):
+        return StaleFence(msg)
+    if msg.startswith("NOTFOUND"):
+        return JobNotFound(msg.split(" ", 1)[1])
+    if msg.startswith("CONFLICT"):
+        return Conflict(msg)
+    raise exc
+
+
+@dataclass
+class Plan:
+    """A batch of job changes, intents, placements and events applied in one atomic step."""
+
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    sets: list[dict[str, Any]] = field(default_factory=list)
+    intents_add: list[dict[str, str]] = field(default_factory=list)
+    intents_del: list[str] = field(default_factory=list)
+    placement_open: list[dict[str, str]] = field(default_factory=list)
+    placement_close: list[dict[str, str]] = field(default_factory=list)
+    events: list[dict[str, str]] = field(default_factory=list)
+    wake: bool = False
+
+    def change(
+        self, job: JobRecord, state: JobState | None = None, *, event: str | None = None,
+        event_data: dict[str, Any] | None = None, **fields: Any,
+    ) -> None:
+        """Move ``job`` (as read, at its version) to ``state`` and set ``fields``."""
+        if state is not None and state != job.state:
+            check_transition(job.state, state)
+        now = time.time()
+        values = {**fields, "updated_at": now}
+        if state is not None and state.terminal:
+            values.setdefault("finished_at", now)
+        new = job.model_copy(update=values)
+        self.checks.append({"job": job.id, "version": job.version})
+        entry: dict[str, Any] = {"job": job.id, "fields": {
+            "doc": _doc(new), "attempt": str(new.attempt),
+            "cancel_requested": json.dumps(new.cancel_requested)}}
+        if state is not None:
+            entry["state"] = state.value
+        self.sets.append(entry)
+        if event or (state is not None and state != job.state):
+            data = {"from": job.state.value, **(event_data or {})}
+            if state is not None:
+                data["to"] = state.value
+            self.event(event or state.value, job.id, data)  # type: ignore[union-attr]
+
+    def event(self, etype: str, job_id: str | None = None, data: dict[str, Any] | None = None,
+              ) -> None:
+        self.events.append({"type": etype, "job": job_id or "", "data": json.dumps(data or {})})
+
+    def add_intent(self, intent: Intent) -> None:
+        self.intents_add.append({"id": intent.id, "json": intent.model_dump_json()})
+
+    def open_placement(self, placement: Placement) -> None:
+        self.placement_open.append({"job": placement.job_id, "json": placement.model_dump_json()})
+
+    def close_placement(self, placement: Placement) -> None:
+        self.placement_close.append({"job": placement.job_id, "json": placement.model_dump_json()})
+
+    def empty(self) -> bool:
+        return not (self.sets or self.intents_add or self.intents_del or self.events
+                    or self.placement_open or self.placement_close)
+
+    def ops(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if v and k != "wake"}
+        if self.wake:
+            out["wake"] = True
+        return out
+
+
+@dataclass
+class Snapshot:
+    """One consistent read for a scheduling round: active jobs, pools and pending intents."""
+
+    jobs: list[JobRecord]
+    pools: list[Pool]
+    intents: list[Intent]
+
+
+class Store:
+    """FleetBroker's state over one ``redis.Redis`` client (``decode_responses=True``)."""
+
+    LOG_CAP = 20_000  # log lines kept per job
+
+    def __init__(self, client: redis.Redis, *, prefix: str = "fb:") -> None:
+        if not client.get_connection_kwargs().get("decode_responses"):
+            raise ValueError("Store needs a redis client made with decode_responses=True")
+        self.r = client
+        self.p = prefix
+        self._parsed: dict[tuple[str, ...], JobRecord] = {}
+        self._submit = client.register_script(lua.SUBMIT)
+        self._apply = client.register_script(lua.APPLY)
+        self._acquire = client.register_script(lua.ACQUIRE)
+        self._release = client.register_script(lua.RELEASE)
+        self._snapshot = client.register_script(lua.SNAPSHOT)
+        self._heartbeat = client.register_script(lua.HEARTBEAT)
+        self._append_log = client.register_script(lua.APPEND_LOG)
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "fb:") -> Store:
+        return cls(redis.Redis.from_url(url, decode_responses=True), prefix=prefix)
+
+    # ---- jobs (API side) ------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec, *, team: str, request_key: str | None = None) -> JobRecord:
+        """Queue a job atomically. With ``request_key`` a retried submission returns the first
+        job instead of making a second one. Durable once it returns (AOF; see README.d)."""
+        now = time.time()
+        rec = JobRecord(id="pending", spec=spec, team=team, submitted_at=now, updated_at=now)
+        doc = rec.model_dump_json(exclude={"id", *_NOT_IN_DOC})
+        job_id = self._submit(args=[self.p, team, spec.name, now, request_key or "", doc])
+        if request_key:  # may be an earlier job: read what was stored
+            got = self.get_job(job_id)
+            assert got is not None  # written by the script above or before
+            return got
+        return rec.model_copy(update={"id": job_id, "version": 1})
+
+    def get_job(self, job_id: str) -> JobRecord | None:
+        got = self._get_many([job_id])
+        return got[0] if got else None
+
+    def list_jobs(self, *, team: str | None = None,
+                  states: Iterable[JobState | str] | None = None) -> list[JobRecord]:
+        """Jobs in submission order, optionally of one team and in some states."""
+        ids: list[str] = self.r.zrange(f"{self.p}team:{team}" if team else f"{self.p}jobs", 0, -1)
+        if states is not None:
+            wanted = [JobState(s).value for s in states]
+            members: set[str] = set()
+            for s in wanted:
+                members |= self.r.smembers(f"{self.p}state:{s}")
+            ids = [i for i in ids if i in members]
+        return self._get_many(ids)
+
+    def request_cancel(self, job_id: str) -> JobRecord:
+        """Cancel a job: at once when it holds no GPUs, else flag it for the scheduler to stop.
+        Cancelling a finished job changes nothing and returns it."""
+        for _ in range(20):
+            job = self._require(job_id)
+            if job.state.terminal or job.cancel_requested:
+                return job
+            plan = Plan(wake=True)
+            if job.state in (JobState.QUEUED, JobState.SUSPENDED):
+                plan.change(job, JobState.CANCELLED, reason="cancelled by user",
+                            cancel_requested=True)
+            else:
+                plan.change(job, event="cancel-requested", cancel_requested=True)
+            try:
+                self.apply(plan)
+            except Conflict:
+                continue
+            return self._require(job_id)
+        raise Conflict(f"job {job_id} kept changing; try again")
+
+    def record_heartbeat(self, job_id: str, attempt: int, *, samples_done: int | None = None,
+                         samples_per_sec: float | None = None, world_size: int | None = None,
+                         global_batch_size: int | None = None,
+                         checkpoint_step: int | None = None, **_: Any) -> str:
+        """Record an agent's progress; returns the action for the agent: ``continue`` or
+        ``checkpoint-exit`` (stale attempt, cancel requested, or the job is being stopped)."""
+        values: dict[str, Any] = {}
+        if samples_done is not None:
+            values["samples_done"] = int(samples_done)
+        if samples_per_sec is not None:
+            values["samples_per_sec"] = float(samples_per_sec)
+            values["measured_gpus"] = world_size
+            values["measured_batch_size"] = global_batch_size
+        if checkpoint_step is not None:
+            values["checkpoint_step"] = int(checkpoint_step)
+        flat = [x for k, v in values.items() for x in (k, json.dumps(v))]
+        if samples_per_sec and world_size and global_batch_size:
+            # per-configuration history: the scheduler's throughput curve uses it
+            flat += [f"m:{int(world_size)}x{int(global_batch_size)}", json.dumps(
+                float(samples_per_sec))]
+        state, cancel = self._heartbeat(args=[self.p, job_id, json.dumps(int(attempt)),
+                                              time.time(), len(flat) // 2, *flat])
+        if state == "missing":
+            raise JobNotFound(job_id)
+        if state == "stale" or cancel == "true" or state not in ("running", "launching"):
+            return CHECKPOINT_EXIT
+        return CONTINUE
+
+    # ---- events, logs, placements -----------------------------------------------------------
+
+    def events(self, *, since: str = "0", job_id: str | None = None,
+               limit: int = 100) -> list[Event]:
+        """Events after stream id ``since`` (exclusive), oldest first."""
+        key = f"{self.p}events:{job_id}" if job_id else f"{self.p}events"
+        start = "-" if since in ("0", "", "-") else f"({since}"
+        rows = self.r.xrange(key, min=start, max="+", count=max(1, min(limit, 10_000)))
+        return [Event(id=eid, ts=float(f["ts"]), type=f["type"], job_id=f.get("job") or None,
+                      data=json.loads(f.get("data") or "{}")) for eid, f in rows]
+
+    def last_event_id(self) -> str:
+        """The newest event's id ("0" when none): pass it as ``since`` to follow new events."""
+        rows = self.r.xrevrange(f"{self.p}events", count=1)
+        return rows[0][0] if rows else "0"
+
+    def append_log(self, job_id: str, lines: Sequence[str]) -> None:
+        if lines:
+            self._append_log(args=[self.p, job_id, self.LOG_CAP, *lines])
+
+    def read_logs(self, job_id: str, offset: int = 0, limit: int = 1000) -> tuple[list[str], int]:
+        """Lines from absolute ``offset``; returns them and the offset to ask for next."""
+        base = int(self.r.get(f"{self.p}logbase:{job_id}") or 0)
+        start = max(offset, base)
+        lines = self.r.lrange(f"{self.p}logs:{job_id}", start - base, start - base + limit - 1)
+        return lines, start + len(lines)
+
+    def placements(self, job_id: str) -> list[Placement]:
+        return [Placement.model_validate_json(x)
+                for x in self.r.lrange(f"{self.p}placements:{job_id}", 0, -1)]
+
+    # ---- pools and operator commands ------------------------------------------------------------
+
+    def pools(self) -> list[Pool]:
+        return [Pool.model_validate_json(v) for v in self.r.hgetall(f"{self.p}pools").values()]
+
+    def set_pools(self, pools: Iterable[Pool]) -> None:
+        """Replace the fleet's pools (capacity and prices) in one step; wakes the scheduler
+        when anything changed."""
+        new = {p.id: p.model_dump_json() for p in pools}
+        key = f"{self.p}pools"
+        if self.r.hgetall(key) == new:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(key)
+        if new:
+            pipe.hset(key, mapping=new)
+        pipe.lpush(f"{self.p}wake", "1")
+        pipe.ltrim(f"{self.p}wake", 0, 0)
+        pipe.execute()
+
+    def request_command(self, kind: str, **args: Any) -> None:
+        """Queue an operator command for the leader (e.g. ``preempt`` a region)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.rpush(f"{self.p}commands", json.dumps({"kind": kind, **args}))
+        pipe.lpush(f"{self.p}wake", "1")
+        pipe.ltrim(f"{self.p}wake", 0, 0)
+        pipe.execute()
+
+    def request_preempt(self, region: str, *, duration_s: float = 60.0) -> None:
+        """Ask the leader to reclaim a spot region (chaos): its jobs get a preemption notice."""
+        self.request_command("preempt", region=region, duration_s=duration_s)
+
+    def pop_commands(self) -> list[dict[str, Any]]:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.lrange(f"{self.p}commands", 0, -1)
+        pipe.delete(f"{self.p}commands")
+        raw, _ = pipe.execute()
+        return [json.loads(x) for x in raw]
+
+    # ---- leader side: lease, snapshot, plans, intents ------------------------------------------
+
+    def acquire_lease(self, owner: str, ttl_s: float) -> int:
+        """Take or renew the leader lease; returns the fence held, or 0 if another owner leads."""
+        return int(self._acquire(args=[self.p, owner, int(ttl_s * 1000)]))
+
+    def release_lease(self, fence: int) -> None:
+        self._release(args=[self.p, fence])
+
+    def leader(self) -> tuple[int, str] | None:
+        cur = self.r.get(f"{self.p}leader")
+        if not cur:
+            return None
+        fence, owner = cur.split("|", 1)
+        return int(fence), owner
+
+    def snapshot(self) -> Snapshot:
+        jobs, progress, pools, outbox = self._snapshot(args=[self.p, *ACTIVE_STATES])
+        return Snapshot(
+            jobs=[_decode_job(*j, pr, cache=self._parsed)
+                  for j, pr in zip(jobs, progress, strict=True)],
+            pools=[Pool.model_validate_json(v) for v in pools[1::2]],
+            intents=sorted((Intent.model_validate_json(v) for v in outbox[1::2]),
+                           key=lambda i: i.created_at),
+        )
+
+    def apply(self, plan: Plan, *, fence: int | None = None) -> list[int]:
+        """Apply ``plan`` atomically; with ``fence``, only while that fence holds the lease.
+        Raises ``Conflict``, ``JobNotFound`` or ``StaleFence`` and then writes nothing."""
+        try:
+            return self._apply(args=[self.p, "" if fence is None else fence, time.time(),
+                                     json.dumps(plan.ops())])
+        except redis.ResponseError as exc:
+            raise _translate(exc) from None
+
+    def intents(self) -> list[Intent]:
+        return sorted((Intent.model_validate_json(v)
+                       for v in self.r.hvals(f"{self.p}outbox")), key=lambda i: i.created_at)
+
+    def wait_wake(self, timeout_s: float) -> bool:
+        """Block until something wakes the scheduler (submission, cancel, pool change)."""
+        return self.r.blpop([f"{self.p}wake"], timeout=max(timeout_s, 0.01)) is not None
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    def _job_key(self, job_id: str) -> str:
+        return f"{self.p}job:{job_id}"
+
+    def _require(self, job_id: str) -> JobRecord:
+        job = self.get_job(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
+
+    def _get_many(self, ids: Sequence[str]) -> list[JobRecord]:
+        pipe = self.r.pipeline(transaction=True)  # MULTI: each record read with its progress
+        for i in ids:
+            pipe.hmget(self._job_key(i), "doc", "state", "version")
+            pipe.hgetall(f"{self.p}progress:{i}")
+        raw = pipe.execute()
+        return [_decode_job(*j, _flatten(pr), cache=self._parsed)
+                for j, pr in zip(raw[::2], raw[1::2], strict=True) if j[0] is not None]
+
+
+def _flatten(d: dict[str, str]) -> list[str]:
+    return [x for kv in d.items() for x in kv]

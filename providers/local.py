@@ -1,0 +1,342 @@
+"""The ``local`` provider: pretend regions on this machine, each with its own cloud name, market,
+price and virtual GPUs (a virtual GPU is a worker process). A node is a process group started
+under ``providers.local_node``; its state lives in a directory per node, so a restarted broker
+finds the nodes an earlier broker process launched. Spot regions can be reclaimed on command or
+on a schedule in the fleet file: their nodes get SIGTERM (the preemption notice), then SIGKILL
+of the whole group after the grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from policies.models import Accelerator, Market, Offer, Pool
+from providers.base import (
+    CapacityError,
+    LaunchRequest,
+    Node,
+    NodeState,
+    PreemptionNotice,
+    Provider,
+    ProviderError,
+)
+
+
+class LocalRegion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cloud: str = "local"
+    region: str
+    market: Market = Market.ON_DEMAND
+    price_per_gpu_hour: float = Field(ge=0)
+    gpus: int = Field(ge=1, le=256, description="virtual GPUs (worker processes)")
+    accelerator: Accelerator = Accelerator.T4
+
+    def pool(self, reclaimed: bool = False) -> Pool:
+        return Pool(cloud=self.cloud, region=self.region, accelerator=self.accelerator,
+                    market=self.market, nodes=0 if reclaimed else 1, gpus_per_node=self.gpus,
+                    price_per_gpu_hour=self.price_per_gpu_hour)
+
+
+class Reclaim(BaseModel):
+    """Reclaim spot region ``region`` ``at_s`` seconds after the provider starts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    region: str
+    at_s: float = Field(ge=0)
+    duration_s: float = Field(default=60.0, gt=0)
+
+
+class LocalFleet(BaseModel):
+    """A fleet file (``examples/fleets/*.yaml``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "local"
+    grace_period_s: float = Field(default=10.0, ge=0, le=600)
+    regions: list[LocalRegion] = Field(min_length=1)
+    reclaims: list[Reclaim] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LocalFleet:
+        names = [r.region for r in self.regions]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"regions: region names must be unique, repeated: {sorted(dup)}")
+        for rc in self.reclaims:
+            self.region(rc.region, spot_only=True)
+        return self
+
+    def region(self, name: str, *, spot_only: bool = False) -> LocalRegion:
+        for r in self.regions:
+            if r.region == name:
+                if spot_only and r.market is not Market.SPOT:
+                    raise ValueError(f"region {name!r} is on-demand; only spot regions can be "
+                                     "reclaimed")
+                return r
+        known = ", ".join(r.region for r in self.regions)
+        raise ValueError(f"unknown region {name!r}; the fleet has: {known}")
+
+    @classmethod
+    def load(cls, path: str | Path) -> LocalFleet:
+        """Read a fleet file; errors name the file and the field."""
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"{path}: cannot read fleet file: {exc}") from None
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+            raise ValueError(f"{path}: {where}: {first['msg']}") from None
+
+
+def _proc_start(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) of a live process, or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0], int(fields[19])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _ts(x: float | None) -> datetime | None:
+    return datetime.fromtimestamp(x, UTC) if x is not None else None
+
+
+class LocalProvider(Provider):
+    name = "local"
+
+    def __init__(self, fleet: LocalFleet, state_dir: str | Path,
+                 workdir: str | Path | None = None) -> None:
+        self.fleet = fleet
+        self.dir = Path(state_dir)
+        self.nodes_dir = self.dir / "nodes"
+        self.nodes_dir.mkdir(parents=True, exist_ok=True)
+        self.workdir = Path(workdir) if workdir else Path.cwd()
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+        started = _read_json(self.dir / "provider.json")
+        if started is None:
+            started = {"started_at": time.time()}
+            (self.dir / "provider.json").write_text(json.dumps(started))
+        self.started_at = float(started["started_at"])
+
+    # ---- capacity ---------------------------------------------------------------------------
+
+    def _reclaimed(self) -> dict[str, float]:
+        """Spot regions reclaimed now -> until when; applies the fleet file's schedule."""
+        now = time.time()
+        state = _read_json(self.dir / "reclaims.json") or {"until": {}, "done": []}
+        for i, rc in enumerate(self.fleet.reclaims):
+            if str(i) not in state["done"] and now >= self.started_at + rc.at_s:
+                state["done"].append(str(i))
+                self._write_reclaims(state)
+                self.reclaim(rc.region, rc.duration_s)
+                state = _read_json(self.dir / "reclaims.json") or state
+        return {r: u for r, u in state["until"].items() if u > now}
+
+    def _write_reclaims(self, state: dict[str, Any]) -> None:
+        tmp = self.dir / "reclaims.tmp"
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.dir / "reclaims.json")
+
+    def reclaim(self, region: str, duration_s: float = 60.0) -> int:
+        """Take a spot region away for ``duration_s``: every node there gets a preemption
+        notice (SIGTERM) and is killed after the grace period. Returns the nodes notified."""
+        self.fleet.region(region, spot_only=True)
+        state = _read_json(self.dir / "reclaims.json") or {"until": {}, "done": []}
+        state["until"][region] = time.time() + duration_s
+        self._write_reclaims(state)
+        hit = [n for n in self._scan() if n.region == region and n.state is NodeState.RUNNING]
+        for n in hit:
+            self._signal_stop(n.node_id, reason="spot-reclaim")
+        return len(hit)
+
+    def pools(self) -> list[Pool]:
+        reclaimed = self._reclaimed()
+        return [r.pool(r.region in reclaimed) for r in self.fleet.regions]
+
+    def offers(self) -> list[Offer]:
+        return [Offer(cloud=r.cloud, region=r.region, instance_type=f"local-{r.gpus}x",
+                      accelerator=r.accelerator, accelerator_count=r.gpus,
+                      price=None if r.market is Market.SPOT else r.price_per_gpu_hour * r.gpus,
+                      spot_price=r.price_per_gpu_hour * r.gpus if r.market is Market.SPOT
+                      else None)
+                for r in self.fleet.regions]
+
+    def capacity(self) -> dict[str, int]:
+        used: dict[str, int] = {}
+        for n in self.nodes():
+            if n.state is not NodeState.TERMINATED:
+                used[n.region] = used.get(n.region, 0) + n.gpus
+        return {p.id: p.capacity - used.get(p.region, 0) for p in self.pools()}
+
+    # ---- nodes ------------------------------------------------------------------------------
+
+    def launch(self, request: LaunchRequest) -> list[Node]:
+        node_id = request.idempotency_key.replace(":", "_").replace("/", "_")
+        node_dir = self.nodes_dir / node_id
+        if node_dir.exists():  # the same intent again: hand back the node it made
+            return [self._node(node_dir)]
+        region = self.fleet.region(request.region)
+        if region.market is not request.market:
+            raise ProviderError(f"region {region.region} sells {region.market.value}, "
+                                f"not {request.market.value}")
+        if region.region in self._reclaimed():
+            raise CapacityError(f"spot region {region.region} is reclaimed")
+        nodes_per_gpu = request.gpus_per_node * request.nodes
+        if self.capacity().get(region.pool().id, 0) < nodes_per_gpu:
+            raise CapacityError(f"region {region.region} has fewer than {nodes_per_gpu} free GPUs")
+        try:
+            node_dir.mkdir()
+        except FileExistsError:
+            return [self._node(node_dir)]
+        meta = {"job_id": request.job_id, "key": request.idempotency_key,
+                "region": region.region, "market": region.market.value,
+                "accelerator": region.accelerator.value, "gpus": nodes_per_gpu,
+                "launched_at": time.time()}
+        (node_dir / "meta.json").write_text(json.dumps(meta))
+        env = {**os.environ, **request.env, "FLEET_WORKDIR": str(self.workdir)}
+        # Jobs run from the work dir with this interpreter's tools first on PATH, so `python
+        # examples/x.py` finds the same packages as the broker.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join(
+            x for x in (str(self.workdir), env.get("PYTHONPATH")) if x)
+        env.setdefault("FLEET_MASTER_PORT", str(_free_port()))
+        env.setdefault("FLEET_GRACE_PERIOD", str(self.fleet.grace_period_s))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "providers.local_node", str(node_dir), "--",
+             *request.command],
+            env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=str(Path(__file__).resolve().parent.parent),
+        )
+        self._children[node_id] = proc
+        st = _proc_start(proc.pid)
+        (node_dir / "pid.json").write_text(json.dumps({"pid": proc.pid,
+                                                       "start": st[1] if st else 0}))
+        with open(self.dir / "launches.log", "a") as f:  # audit: one line per real spawn
+            f.write(f"{request.idempotency_key} {node_id} {time.time():.3f}\n")
+        return [self._node(node_dir)]
+
+    def terminate(self, node_id: str) -> None:
+        self._signal_stop(node_id, reason="terminate")
+
+    def _signal_stop(self, node_id: str, reason: str) -> None:
+        node_dir = self.nodes_dir / node_id
+        if not node_dir.exists():
+            return
+        term = node_dir / "term.json"
+        if not term.exists():
+            term.write_text(json.dumps({"deadline": time.time() + self.fleet.grace_period_s,
+                                        "reason": reason}))
+        pid = self._live_pid(node_dir)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+
+    def nodes(self) -> list[Node]:
+        self._reclaimed()
+        return self._scan()
+
+    def _scan(self) -> list[Node]:
+        for proc in self._children.values():
+            proc.poll()  # reap finished supervisors so they do not linger as zombies
+        return [self._node(d) for d in sorted(self.nodes_dir.iterdir()) if d.is_dir()]
+
+    def notices(self) -> list[PreemptionNotice]:
+        out = []
+        for d in sorted(self.nodes_dir.iterdir()):
+            term = _read_json(d / "term.json")
+            # Kept after the node ended (until forgotten) so the broker learns the node was
+            # preempted even when it exited between two looks.
+            if term and term.get("reason") == "spot-reclaim":
+                meta = _read_json(d / "meta.json") or {}
+                out.append(PreemptionNotice(node_id=d.name, region=meta.get("region", "?"),
+                                            deadline=_ts(term["deadline"]) or datetime.now(UTC)))
+        return out
+
+    def forget(self, node_id: str) -> None:
+        node_dir = self.nodes_dir / node_id
+        if node_dir.exists() and self._node(node_dir).state is NodeState.TERMINATED:
+            shutil.rmtree(node_dir, ignore_errors=True)
+            self._children.pop(node_id, None)
+
+    def read_log(self, node_id: str, offset: int = 0) -> tuple[list[str], int]:
+        try:
+            with open(self.nodes_dir / node_id / "output.log", "rb") as f:
+                f.seek(offset)
+                data = f.read(1 << 20)
+        except OSError:
+            return [], offset
+        end = data.rfind(b"\n") + 1  # complete lines only
+        lines = data[:end].decode(errors="replace").splitlines()
+        return lines, offset + end
+
+    def _live_pid(self, node_dir: Path) -> int | None:
+        info = _read_json(node_dir / "pid.json")
+        if not info:
+            return None
+        st = _proc_start(info["pid"])
+        if st is None or st[0] in ("Z", "X") or st[1] != info["start"]:
+            return None
+        return int(info["pid"])
+
+    def _node(self, node_dir: Path) -> Node:
+        meta = _read_json(node_dir / "meta.json") or {}
+        region = self.fleet.region(meta["region"]) if meta.get("region") else None
+        done = _read_json(node_dir / "exit.json")
+        term = _read_json(node_dir / "term.json")
+        if done is not None:
+            state, code, ended = NodeState.TERMINATED, int(done["code"]), done["ended_at"]
+        else:
+            code, ended = None, None
+            pid = self._live_pid(node_dir)
+            if pid is None:
+                young = time.time() - meta.get("launched_at", 0) < 10
+                state = NodeState.PENDING if young and not (node_dir / "pid.json").exists() \
+                    else NodeState.TERMINATED
+            elif term is not None:
+                state = NodeState.PREEMPTING
+                if time.time() >= term["deadline"]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+            else:
+                state = NodeState.RUNNING
+        return Node(node_id=node_dir.name, provider=self.name,
+                    region=meta.get("region", "?"), job_id=meta.get("job_id"),
+                    idempotency_key=meta.get("key"),
+                    accelerator=region.accelerator if region else Accelerator.T4,
+                    gpus=meta.get("gpus", 0), market=region.market if region else Market.SPOT,
+                    state=state, launched_at=_ts(meta.get("launched_at")), exit_code=code,
+                    ended_at=_ts(ended))

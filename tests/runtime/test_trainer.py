@@ -1,0 +1,99 @@
+"""The trainer in one process: accumulation, resume and LR scaling give the expected maths."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import broker.runtime as fleet
+from broker.runtime.assignment import Assignment
+from broker.runtime.store import LocalStore
+
+DATA = TensorDataset(torch.randn(40, 6, generator=torch.Generator().manual_seed(0)),
+                     torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(1)))
+SOLO = Assignment()  # one process, whatever the environment of the test run says
+
+
+def build() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+
+def train(trainer: fleet.Trainer, model: nn.Module, opt: torch.optim.Optimizer, sched,
+          sigterm_at: int | None = None) -> None:
+    for x, y in trainer:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+        if trainer.step == sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at the next step boundary
+
+
+def params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def run(**kw) -> torch.Tensor:
+    model, opt, sched = build()
+    trainer = fleet.elastic(model, opt, DATA, batch_size=12, steps=8, scheduler=sched,
+                            assignment=SOLO, **kw)
+    train(trainer, model, opt, sched)
+    assert trainer.step == 8 and trainer.samples_done == 96
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5 ** 2)  # stepped once per step
+    return params(model)
+
+
+def test_gradient_accumulation_does_not_change_the_maths() -> None:
+    whole = run()
+    for micro in (5, 3):
+        torch.testing.assert_close(run(max_micro_batch=micro), whole, atol=1e-6, rtol=0)
+
+
+def test_resume_restores_model_optimizer_scheduler_data_and_rng(tmp_path: Path) -> None:
+    whole = run(checkpoint_dir=tmp_path / "a")
+    model, opt, sched = build()
+    first = fleet.elastic(model, opt, DATA, batch_size=12, steps=8, scheduler=sched,
+                          assignment=SOLO, checkpoint_dir=tmp_path / "b", max_micro_batch=5)
+    with pytest.raises(SystemExit) as stopped:
+        train(first, model, opt, sched, sigterm_at=3)
+    assert stopped.value.code == 75 and LocalStore(tmp_path / "b").steps() == ([4], [])
+    torch.manual_seed(123)  # a fresh process: every RNG elsewhere
+    model, opt, sched = build()
+    second = fleet.elastic(model, opt, DATA, batch_size=12, steps=8, scheduler=sched,
+                           assignment=SOLO, checkpoint_dir=tmp_path / "b")
+    assert (second.step, second.samples_done) == (4, 48)
+    train(second, model, opt, sched)
+    torch.testing.assert_close(params(model), whole, atol=1e-6, rtol=0)
+
+
+def test_elastic_mode_scales_the_learning_rate_only_inside_the_step() -> None:
+    model, opt, _ = build()
+    seen = []
+    real = opt.step
+    trainer = fleet.elastic(model, opt, DATA, batch_size=12, global_batch_size=24, steps=4,
+                            batch_mode="elastic", lr_scaling="sqrt", assignment=SOLO)
+    assert trainer._factor == pytest.approx(2 ** 0.5)
+    for x, y in trainer:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+    assert trainer.step == 2 and seen == [0.01, 0.01] and opt.step is not real
+
+
+def test_bad_arguments_are_named() -> None:
+    model, opt, _ = build()
+    with pytest.raises(ValueError, match="batch_mode='huge'"):
+        fleet.elastic(model, opt, DATA, batch_size=4, steps=1, batch_mode="huge", assignment=SOLO)
+    with pytest.raises(ValueError, match="give batch_size="):
+        fleet.elastic(model, opt, DATA, steps=1, assignment=SOLO)

@@ -1,0 +1,330 @@
+"""The HTTP API on a real uvicorn server over a real redis-server: jobs, auth, bad input."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from broker.api import build_app
+from broker.models import JobState
+from broker.store import Plan, Store
+from policies.models import Accelerator, Market, Pool
+from tests.api_server import TOKENS, ApiServer, api_config, api_stack
+from tests.redis_server import RedisServer
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "jobs"
+
+SPEC = """
+name: digits
+run: python examples/train_digits.py --steps 10
+gpus: 1:2
+batch_size: {min: 32, max: 128, default: 64}
+work: {steps: 10}
+"""
+POOLS = [
+    Pool(cloud="local", region="east", accelerator=Accelerator.T4, market=Market.SPOT, nodes=1,
+         gpus_per_node=4, price_per_gpu_hour=0.2),
+    Pool(cloud="local", region="west", accelerator=Accelerator.T4, market=Market.ON_DEMAND,
+         nodes=2, gpus_per_node=2, price_per_gpu_hour=0.5),
+]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiServer, Store]]:
+    """One redis-server and one API server for the module (each test starts from an empty db)."""
+    with api_stack(tmp_path_factory.mktemp("api")) as stack:
+        yield stack
+
+
+@pytest.fixture
+def server(shared: tuple[ApiServer, Store]) -> ApiServer:
+    shared[1].r.flushdb()
+    return shared[0]
+
+
+@pytest.fixture
+def store(shared: tuple[ApiServer, Store], server: ApiServer) -> Store:
+    return shared[1]
+
+
+def client(server: ApiServer, who: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {TOKENS[who]}"} if who else {}
+    return httpx.Client(base_url=server.url, headers=headers, timeout=10)
+
+
+def submit(server: ApiServer, who: str, body: str = SPEC, **kw: object) -> httpx.Response:
+    with client(server, who) as c:
+        return c.post("/v1/jobs", content=body, headers={"Content-Type": "application/yaml"},
+                      **kw)
+
+
+def test_openapi_and_health(server: ApiServer) -> None:
+    with client(server, None) as c:
+        assert c.get("/healthz").json()["status"] == "ok"
+        paths = c.get("/openapi.json").json()["paths"]
+    for path in ("/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel",
+                 "/v1/jobs/{job_id}/logs", "/v1/capacity", "/v1/events", "/v1/agent/heartbeat",
+                 "/v1/chaos/preempt"):
+        assert path in paths
+
+
+def test_submit_list_get_cancel(server: ApiServer, store: Store) -> None:
+    r = submit(server, "ml")
+    assert r.status_code == 201, r.text
+    job = r.json()["job"]
+    assert job["team"] == "ml" and job["spec"]["team"] == "ml" and job["state"] == "queued"
+    assert job["spec"]["work_samples"] == 640 and r.json()["format"] == "fleet"
+    assert store.get_job(job["id"]).spec.gpus.max == 2  # type: ignore[union-attr]
+    with client(server, "ml") as c:
+        listed = c.get("/v1/jobs").json()
+        assert [j["id"] for j in listed["jobs"]] == [job["id"]] and listed["total"] == 1
+        assert c.get("/v1/jobs", params={"state": "running"}).json()["jobs"] == []
+        one = c.get(f"/v1/jobs/{job['id']}").json()
+        assert one["job"]["id"] == job["id"] and one["placements"] == [] and one["cost"] == 0
+        cancelled = c.post(f"/v1/jobs/{job['id']}/cancel").json()["job"]
+        assert cancelled["state"] == "cancelled"
+    assert store.get_job(job["id"]).state is JobState.CANCELLED  # type: ignore[union-attr]
+
+
+def test_teams_see_only_their_jobs_admin_sees_all(server: ApiServer, store: Store) -> None:
+    mine = submit(server, "ml").json()["job"]["id"]
+    theirs = submit(server, "vision").json()["job"]["id"]
+    with client(server, "ml") as c:
+        assert [j["id"] for j in c.get("/v1/jobs").json()["jobs"]] == [mine]
+        for path in (f"/v1/jobs/{theirs}", f"/v1/jobs/{theirs}/logs"):
+            r = c.get(path)
+            assert r.status_code == 404 and theirs in r.json()["error"]["message"]
+        assert c.post(f"/v1/jobs/{theirs}/cancel").status_code == 404
+        assert c.get("/v1/jobs", params={"team": "vision"}).status_code == 404
+        assert c.get("/v1/events", params={"job_id": theirs}).status_code == 404
+        seen = {e["job_id"] for e in c.get("/v1/events").json()["events"]}
+        assert seen == {mine}
+    assert store.get_job(theirs).state is JobState.QUEUED  # type: ignore[union-attr]
+    with client(server, "admin") as c:
+        assert {j["id"] for j in c.get("/v1/jobs").json()["jobs"]} == {mine, theirs}
+        assert [j["id"] for j in c.get("/v1/jobs", params={"team": "vision"}).json()["jobs"]] \
+            == [theirs]
+        assert c.get(f"/v1/jobs/{theirs}").status_code == 200
+        assert {e["job_id"] for e in c.get("/v1/events").json()["events"]} == {mine, theirs}
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/v1/jobs"), ("POST", "/v1/jobs"), ("GET", "/v1/jobs/x-1"),
+    ("POST", "/v1/jobs/x-1/cancel"), ("GET", "/v1/jobs/x-1/logs"), ("GET", "/v1/capacity"),
+    ("GET", "/v1/events"), ("POST", "/v1/agent/heartbeat"), ("POST", "/v1/chaos/preempt"),
+])
+def test_unauthenticated_is_401(server: ApiServer, store: Store, method: str,
+                                path: str) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"},
+                    {"Authorization": f"Basic {TOKENS['admin']}"}):
+        r = httpx.request(method, server.url + path, headers=headers, content=SPEC)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert "Authorization: Bearer" in r.json()["error"]["message"]
+    assert store.list_jobs() == []
+
+
+def test_roles(server: ApiServer, store: Store) -> None:
+    with client(server, "agent") as c:
+        assert c.get("/v1/jobs").status_code == 403
+    assert submit(server, "agent").status_code == 403
+    with client(server, "ml") as c:
+        assert c.post("/v1/chaos/preempt", json={"region": "east"}).status_code == 403
+        assert c.post("/v1/agent/heartbeat", json={"job_id": "a-1", "attempt": 1}
+                      ).status_code == 403
+    r = submit(server, "ml", SPEC + "team: vision\n")
+    assert r.status_code == 403 and r.json()["error"]["problems"][0]["field"] == "team"
+    assert store.list_jobs() == []
+    admin_job = submit(server, "admin", SPEC + "team: vision\n").json()["job"]
+    assert admin_job["team"] == "vision"
+
+
+BAD_SPECS = [
+    ("name: [oops", "line 1"),
+    (SPEC + "accelerators: [TPU]", "accelerators[0]"),
+    (SPEC.replace("gpus: 1:2", "gpus: -4"), "gpus.min"),
+    (SPEC.replace("gpus: 1:2", "gpus: 99999999999999999999"), "gpus.min"),
+    (SPEC.replace("{steps: 10}", "{samples: 100000000000000000000}"), "work"),
+    (SPEC.replace("name: digits", "name: ../../etc"), "name"),
+    (SPEC.replace("name: digits", "name: 'a\\\\b'"), "name"),
+    (json.dumps({"name": "bad\u0007name", "run": "x", "batch_size": 2,
+                 "work": {"samples": 1}}), "name"),
+    ("", "(file)"),
+    ('{"name": "x", "run": "y", "batch_size": 2, "work": {"samples": 1}, "deadline": Infinity}',
+     "deadline"),
+    ('{"name": "x", "run": "y", "batch_size": NaN, "work": {"samples": 1}}', "batch_size"),
+    ("run: x\nworkdir: .", "workdir"),
+    (SPEC + "gpu: 2", "gpu"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), BAD_SPECS)
+def test_bad_specs_are_422_naming_the_field_and_store_nothing(
+        server: ApiServer, store: Store, body: str, field: str) -> None:
+    r = submit(server, "ml", body)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["message"] == "invalid job spec"
+    assert any(p["field"].startswith(field) and p["message"] for p in err["problems"]), err
+    assert store.list_jobs() == [] and store.events() == []
+
+
+def test_request_limits_and_bad_parameters(server: ApiServer, store: Store) -> None:
+    big = SPEC + "setup: '" + "x" * 70_000 + "'\n"
+    assert submit(server, "ml", big).status_code == 413
+    with client(server, "ml") as c:
+        chunked = c.post("/v1/jobs", content=iter([big.encode()]),
+                         headers={"Content-Type": "application/yaml"})
+        assert chunked.status_code == 413
+        for path in ("/v1/agent/heartbeat", "/v1/chaos/preempt"):  # checked before auth
+            huge = httpx.post(server.url + path, content=iter([b"{" + b" " * 70_000]))
+            assert huge.status_code == 413 and "limit" in huge.json()["error"]["message"]
+        r = c.post("/v1/jobs", content=SPEC, headers={"Content-Type": "image/png"})
+        assert r.status_code == 415
+        r = c.post("/v1/jobs", content=SPEC, params={"gpus": "lots"},
+                   headers={"Content-Type": "text/yaml"})
+        assert r.status_code == 422 and r.json()["error"]["problems"][0]["field"] == "--gpus"
+        r = c.get("/v1/jobs", params={"limit": 0, "state": "sleeping"})
+        fields = {p["field"] for p in r.json()["error"]["problems"]}
+        assert r.status_code == 422 and fields == {"limit", "state.0"}
+        assert c.get("/v1/jobs/..%2Fetc/logs").status_code in (404, 422)
+        assert c.get("/v1/events", params={"since": "$"}).status_code == 422
+        assert c.get("/v1/jobs/x-1/logs", params={"offset": -1}).status_code == 422
+    assert store.list_jobs() == []
+
+
+def test_overrides_json_skypilot_and_idempotency(server: ApiServer, store: Store) -> None:
+    r = submit(server, "ml", params={"gpus": "2:4", "spot": "never"})
+    assert r.json()["job"]["spec"]["gpus"] == {"min": 2, "max": 4}
+    with client(server, "ml") as c:
+        as_json = c.post("/v1/jobs", json={"name": "j", "run": "x", "batch_size": 8,
+                                           "work": {"samples": 80}})
+        assert as_json.status_code == 201
+        assert as_json.json()["job"]["spec"]["batch_size"]["max"] == 8
+        keyed = [c.post("/v1/jobs", content=SPEC, headers={"Idempotency-Key": "launch-7",
+                                                           "Content-Type": "text/yaml"})
+                 for _ in range(2)]
+        assert keyed[0].json()["job"]["id"] == keyed[1].json()["job"]["id"]
+    sky = submit(server, "ml", (EXAMPLES / "skypilot-task.yaml").read_text()).json()
+    assert sky["format"] == "skypilot" and sky["warnings"]
+    assert sky["job"]["spec"]["gpus"] == {"min": 2, "max": 2}
+    assert len(store.list_jobs()) == 4
+
+
+def test_logs_capacity_and_events(server: ApiServer, store: Store) -> None:
+    store.set_pools(POOLS)
+    job_id = submit(server, "ml").json()["job"]["id"]
+    job = store.get_job(job_id)
+    assert job is not None
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, gpus=2, batch_size=64, pool=POOLS[0].id, attempt=1)
+    store.apply(plan)
+    store.append_log(job_id, [f"step {i}" for i in range(5)])
+    with client(server, "ml") as c:
+        first = c.get(f"/v1/jobs/{job_id}/logs", params={"limit": 3}).json()
+        assert first["lines"] == ["step 0", "step 1", "step 2"] and first["next_offset"] == 3
+        rest = c.get(f"/v1/jobs/{job_id}/logs", params={"offset": 3}).json()
+        assert rest["lines"] == ["step 3", "step 4"] and rest["terminal"] is False
+        cap = c.get("/v1/capacity").json()
+        east = next(p for p in cap["pools"] if p["region"] == "east")
+        assert (east["capacity"], east["used"], east["free"]) == (4, 2, 2)
+        assert cap["total"] == {"capacity": 8, "used": 2}
+        page = c.get("/v1/events", params={"job_id": job_id, "limit": 1}).json()
+        assert [e["type"] for e in page["events"]] == ["submitted"]
+        more = c.get("/v1/events", params={"job_id": job_id, "since": page["next"]}).json()
+        assert [e["type"] for e in more["events"]] == ["launching"]
+
+
+def test_agent_heartbeat(server: ApiServer, store: Store) -> None:
+    job_id = submit(server, "ml").json()["job"]["id"]
+    job = store.get_job(job_id)
+    assert job is not None
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, gpus=1, attempt=1)
+    store.apply(plan)
+    beat = {"job_id": job_id, "attempt": 1, "node_rank": 0, "state": "running", "step": 5,
+            "samples_done": 320, "samples_per_sec": 250.5, "world_size": 1,
+            "global_batch_size": 64, "checkpoint_step": 4}
+    with client(server, "agent") as c:
+        r = c.post("/v1/agent/heartbeat", json=beat)
+        assert r.status_code == 200 and r.json() == {"action": None}
+        got = store.get_job(job_id)
+        assert got is not None and got.samples_done == 320 and got.checkpoint_step == 4
+        warmup = c.post("/v1/agent/heartbeat", json={**beat, "samples_per_sec": 0.0,
+                                                     "global_batch_size": None})
+        assert warmup.json() == {"action": None}
+        got = store.get_job(job_id)
+        assert got is not None and got.samples_per_sec == 250.5  # 0 is not a measurement
+        assert c.post("/v1/agent/heartbeat", json={**beat, "attempt": 0}).json() == {
+            "action": "checkpoint-exit"}  # a stale attempt must stop
+        bad = c.post("/v1/agent/heartbeat", json={**beat, "samples_per_sec": -1,
+                                                  "world_size": 0})
+        assert bad.status_code == 422
+        assert {p["field"] for p in bad.json()["error"]["problems"]} == {
+            "samples_per_sec", "world_size"}
+        assert c.post("/v1/agent/heartbeat", json={**beat, "job_id": "nope-9"}
+                      ).status_code == 404
+    with client(server, "ml") as c:
+        c.post(f"/v1/jobs/{job_id}/cancel")
+    with client(server, "agent") as c:
+        assert c.post("/v1/agent/heartbeat", json=beat).json() == {"action": "checkpoint-exit"}
+
+
+def test_chaos_preempt(server: ApiServer, store: Store) -> None:
+    store.set_pools(POOLS)
+    with client(server, "admin") as c:
+        r = c.post("/v1/chaos/preempt", json={"region": "local:east"})
+        assert r.status_code == 202 and r.json()["pools"] == [POOLS[0].id]
+        assert store.pop_commands() == [{"kind": "preempt", "region": "east",
+                                         "duration_s": 60.0}]
+        miss = c.post("/v1/chaos/preempt", json={"region": "west"})  # on-demand only
+        assert miss.status_code == 404 and "local:east" in miss.json()["error"]["message"]
+        bad = c.post("/v1/chaos/preempt", json={"region": "east/../x", "extra": 1})
+        assert bad.status_code == 422
+    assert store.pop_commands() == []
+
+
+def test_store_down_is_503(tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    srv = ApiServer(build_app(Store.from_url(redis.url), api_config())).start()
+    try:
+        redis.stop()
+        with client(srv, "ml") as c:
+            r = c.get("/v1/jobs")
+        assert r.status_code == 503 and "redis" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20)
+    | st.floats(allow_nan=False, allow_infinity=False),  # JSON has no NaN or Infinity
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner,
+                                                                max_size=3),
+    max_leaves=12,
+)
+spec_keys = st.sampled_from(["name", "run", "gpus", "batch_size", "work", "spot", "regions",
+                             "accelerators", "team", "deadline", "resources", "num_nodes"])
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.dictionaries(spec_keys, json_values, max_size=7))
+def test_any_json_body_is_201_or_a_clear_4xx(server: ApiServer, store: Store,
+                                              body: dict) -> None:
+    before = len(store.list_jobs())
+    with client(server, "ml") as c:
+        r = c.post("/v1/jobs", json=body)
+    assert r.status_code in (201, 403, 422), r.text
+    if r.status_code == 201:
+        assert len(store.list_jobs()) == before + 1
+    else:
+        err = r.json()["error"]
+        assert err["problems"] and all(p["field"] and p["message"] for p in err["problems"])
+        assert len(store.list_jobs()) == before

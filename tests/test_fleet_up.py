@@ -1,0 +1,96 @@
+"""``fleet up`` as a user runs it: embedded redis-server with AOF under the state dir, the API,
+a job launched with the client CLI runs to completion, Ctrl-C stops everything; without
+redis-server on PATH it prints the install hint and exits 2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tests.redis_server import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+FLEET = """
+grace_period_s: 2
+regions:
+  - {cloud: local, region: here, market: on-demand, price_per_gpu_hour: 1.0, gpus: 1}
+"""
+SPEC = """
+name: hello
+run: echo hello from $FLEET_JOB_ID
+batch_size: {min: 8, max: 8}
+work_samples: 8
+"""
+
+
+def fleet(*args: str, env: dict[str, str], **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "broker", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60, **kw)  # type: ignore[call-overload]
+
+
+def test_fleet_up_serves_runs_and_stops(tmp_path: Path) -> None:
+    (tmp_path / "fleet.yaml").write_text(FLEET)
+    (tmp_path / "hello.yaml").write_text(SPEC)
+    env = {**os.environ, "FLEET_CONFIG": str(tmp_path / "client.yaml")}
+    env.pop("FLEET_URL", None)
+    env.pop("FLEET_TOKEN", None)
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "broker", "up", "--state-dir", str(tmp_path / "state"),
+         "--fleet", str(tmp_path / "fleet.yaml"), "--port", str(port)],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:  # up once the API answers and the client config is written
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200 \
+                        and (tmp_path / "client.yaml").exists() \
+                        and yaml.safe_load((tmp_path / "client.yaml").read_text()):
+                    break
+            except httpx.HTTPError:
+                pass
+            assert up.poll() is None and time.monotonic() < deadline, up.stdout and up.stdout.read()
+            time.sleep(0.2)
+        # `fleet up` saved the URL and admin token for the client commands.
+        saved = yaml.safe_load((tmp_path / "client.yaml").read_text())
+        assert saved["url"] == f"http://127.0.0.1:{port}"
+        launched = fleet("launch", str(tmp_path / "hello.yaml"), "--json", env=env)
+        assert launched.returncode == 0, launched.stderr
+        job_id = yaml.safe_load(launched.stdout)["id"]
+        deadline = time.monotonic() + 30
+        while True:
+            shown = fleet("job", job_id, "--json", env=env)
+            if yaml.safe_load(shown.stdout)["job"]["state"] == "completed":
+                break
+            assert time.monotonic() < deadline, shown.stdout
+            time.sleep(0.5)
+        logs = fleet("logs", job_id, env=env)
+        assert f"hello from {job_id}" in logs.stdout
+        assert (tmp_path / "state" / "redis" / "appendonlydir").is_dir()  # AOF on, in state dir
+    finally:
+        up.send_signal(signal.SIGINT)
+        out, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, out
+    assert "stopping" in out
+    # The embedded redis-server is gone with it.
+    redis_pids = subprocess.run(["pgrep", "-f", str(tmp_path / "state" / "redis")],
+                                capture_output=True, text=True).stdout.split()
+    assert redis_pids == []
+
+
+def test_fleet_up_without_redis_server_gives_the_install_hint(tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent),
+           "FLEET_CONFIG": str(tmp_path / "client.yaml")}
+    got = fleet("up", "--state-dir", str(tmp_path / "state"), "--port", str(free_port()),
+                env=env)
+    assert got.returncode == 2
+    err = " ".join(got.stderr.split())  # the console wraps long lines
+    assert "redis-server not found" in err and "apt-get install redis-server" in err
+    assert "Traceback" not in got.stderr

@@ -1,0 +1,122 @@
+"""Scheduling rounds against a real redis-server: launches, shrink on arrival, stop on cancel,
+admission drop, and a stale fence refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.models import IntentKind, JobState
+from broker.scheduler import Admission, Policy, Scheduler, SchedulerConfig, job_choices
+from broker.store import Plan, StaleFence, Store
+from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
+
+
+def spec(name: str, gmax: int = 4, **kw: object) -> JobSpec:
+    return JobSpec(name=name, run="true", gpus=GpuRange(min=1, max=gmax),
+                   batch_size=BatchRange(min=32, max=512), work_samples=1000, **kw)
+
+
+POOLS = [
+    Pool(cloud="aws", region="east", accelerator=Accelerator.T4, market=Market.SPOT, nodes=1,
+         gpus_per_node=4, price_per_gpu_hour=0.2),
+    Pool(cloud="aws", region="west", accelerator=Accelerator.T4, market=Market.ON_DEMAND,
+         nodes=1, gpus_per_node=2, price_per_gpu_hour=0.9),
+]
+
+
+def run_all(store: Store, fence: int) -> None:
+    """Stand in for the actuator: every launching job starts running."""
+    for job in store.list_jobs(states=["launching"]):
+        plan = Plan(intents_del=[i.id for i in store.intents() if i.job_id == job.id])
+        plan.change(job, JobState.RUNNING, launched_at=0.0)
+        store.apply(plan, fence=fence)
+
+
+def test_round_launches_fills_cheapest_pool_then_shrinks_for_newcomer(store: Store) -> None:
+    store.set_pools(POOLS)
+    fence = store.acquire_lease("t", ttl_s=30)
+    sched = Scheduler(store, SchedulerConfig(min_rescale_interval_s=0))
+    a = store.submit(spec("a"), team="t")
+    res = sched.run_round(fence)
+    assert res.launches == 1
+    job = store.get_job(a.id)
+    assert job is not None and job.state is JobState.LAUNCHING
+    assert job.pool == POOLS[0].id and job.gpus == 4 and job.attempt == 1
+    (intent,) = store.intents()
+    assert intent.kind is IntentKind.LAUNCH and intent.key == f"{a.id}:{fence}:1"
+    run_all(store, fence)
+    assert sched.run_round(fence).plan.empty()  # stable: nothing to change
+    others = [store.submit(spec(n), team="t") for n in ("b", "c", "d")]
+    sched.run_round(fence)
+    # Three newcomers and 6 GPUs: the 4-GPU job shrinks; the newcomers that fit in the free
+    # on-demand GPUs start now, the rest wait until the shrinking job has checkpointed.
+    assert store.get_job(a.id).state is JobState.SUSPENDING  # type: ignore[union-attr]
+    kinds = [i.kind for i in store.intents() if i.job_id == a.id]
+    assert kinds == [IntentKind.RESIZE]
+    launched = [j for j in (store.get_job(o.id) for o in others)
+                if j and j.state is JobState.LAUNCHING]
+    assert launched and all(j.pool == POOLS[1].id for j in launched)
+    assert sum(j.gpus for j in launched) <= 2
+
+
+def test_cancel_running_job_becomes_stop_intent(store: Store) -> None:
+    store.set_pools(POOLS)
+    fence = store.acquire_lease("t", ttl_s=30)
+    sched = Scheduler(store)
+    a = store.submit(spec("a"), team="t")
+    sched.run_round(fence)
+    run_all(store, fence)
+    store.request_cancel(a.id)
+    res = sched.run_round(fence)
+    assert res.stops == 1
+    assert [i.kind for i in store.intents()] == [IntentKind.STOP]
+
+
+def test_admission_drop_and_static_policy(store: Store) -> None:
+    store.set_pools(POOLS[1:])  # 2 GPUs
+    fence = store.acquire_lease("t", ttl_s=30)
+    sched = Scheduler(store, SchedulerConfig(policy=Policy.STATIC, admission=Admission.DROP))
+    jobs = [store.submit(spec(f"j{i}"), team="t") for i in range(3)]
+    sched.run_round(fence)
+    states = [store.get_job(j.id).state for j in jobs]  # type: ignore[union-attr]
+    assert states.count(JobState.LAUNCHING) == 2 and states.count(JobState.DROPPED) == 1
+
+
+def test_stale_fence_writes_nothing(store: Store) -> None:
+    store.set_pools(POOLS)
+    old = store.acquire_lease("old", ttl_s=30)
+    store.r.delete(store.p + "leader")
+    store.acquire_lease("new", ttl_s=30)
+    a = store.submit(spec("a"), team="t")
+    with pytest.raises(StaleFence):
+        Scheduler(store).run_round(old)
+    assert store.get_job(a.id).state is JobState.QUEUED  # type: ignore[union-attr]
+    assert store.intents() == []
+
+
+def test_choices_elastic_vs_fixed_batch() -> None:
+    from broker.models import JobRecord
+    job = JobRecord(id="x-1", spec=spec("x"), team="t")
+    elastic = job_choices(job, Policy.ELASTIC, 4)
+    fixed = job_choices(job, Policy.FIXED_BATCH, 4)
+    assert [c.gpus for c in elastic] == [1, 2, 3, 4]
+    assert {c.batch_size for c in fixed} == {32}
+    assert elastic[0].value == pytest.approx(1.0)
+    assert all(e.value >= f.value for e, f in zip(elastic, fixed, strict=True))
+
+
+def test_measured_throughput_replaces_the_model(store: Store) -> None:
+    """A job whose agent measured no gain from a second GPU is valued that way."""
+    job = store.submit(spec("slow", gmax=2, batch_mode="fixed"), team="t")
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, attempt=1)
+    store.apply(plan)
+    for gpus, sps in ((1, 100.0), (2, 101.0)):
+        store.record_heartbeat(job.id, 1, samples_done=10, samples_per_sec=sps,
+                               world_size=gpus, global_batch_size=32)
+    got = store.get_job(job.id)
+    assert got is not None and got.measured == {"1x32": 100.0, "2x32": 101.0}
+    one, two = job_choices(got, Policy.ELASTIC, 4)
+    assert one.value == pytest.approx(1.0) and two.value == pytest.approx(1.01)
+    modelled = job_choices(job, Policy.ELASTIC, 4)[1].value
+    assert modelled > 1.2  # the model alone expected a real speed-up

@@ -1,0 +1,197 @@
+"""The Redis store against a real redis-server: atomic submit, transitions with expected-state
+checks, the fenced leader lease, the intents outbox, events, logs and heartbeats."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from broker.models import Intent, IntentKind, JobState, Placement, check_transition
+from broker.store import CHECKPOINT_EXIT, CONTINUE, Conflict, Plan, StaleFence, Store
+from policies.models import Accelerator, BatchRange, JobSpec, Market, Pool
+from tests.redis_server import RedisServer
+
+
+def spec(name: str = "train", **kw: object) -> JobSpec:
+    return JobSpec(name=name, run="python train.py", batch_size=BatchRange(min=32, max=256),
+                   work_samples=10_000, **kw)
+
+
+def test_submit_is_readable_and_listed(store: Store) -> None:
+    a = store.submit(spec("a"), team="vision")
+    b = store.submit(spec("b"), team="nlp")
+    assert a.id != b.id and a.state is JobState.QUEUED and a.version == 1
+    assert store.get_job(a.id) == a
+    assert [j.id for j in store.list_jobs()] == [a.id, b.id]
+    assert [j.id for j in store.list_jobs(team="nlp")] == [b.id]
+    assert [j.id for j in store.list_jobs(states=["queued"])] == [a.id, b.id]
+    assert store.list_jobs(states=[JobState.RUNNING]) == []
+    assert store.get_job("nope-1") is None
+    assert [e.type for e in store.events(job_id=a.id)] == ["submitted"]
+
+
+def test_submit_with_request_key_is_idempotent(store: Store) -> None:
+    first = store.submit(spec(), team="t", request_key="abc")
+    again = store.submit(spec(), team="t", request_key="abc")
+    assert first.id == again.id and len(store.list_jobs()) == 1
+
+
+def test_concurrent_submissions_get_unique_ids(redis_server: RedisServer) -> None:
+    store = Store.from_url(redis_server.url)
+    ids: list[str] = []
+
+    def worker() -> None:
+        own = Store.from_url(redis_server.url)
+        ids.extend(own.submit(spec(), team="t").id for _ in range(25))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(ids)) == 100 and len(store.list_jobs()) == 100
+
+
+def test_transition_checks_expected_version_and_legality(store: Store) -> None:
+    job = store.submit(spec(), team="t")
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, gpus=2, attempt=1)
+    store.apply(plan)
+    moved = store.get_job(job.id)
+    assert moved is not None and moved.state is JobState.LAUNCHING and moved.gpus == 2
+    assert moved.version == job.version + 1
+    stale = Plan()
+    stale.change(job, JobState.CANCELLED)  # written against the old version
+    with pytest.raises(Conflict):
+        store.apply(stale)
+    assert store.get_job(job.id).state is JobState.LAUNCHING  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="illegal job transition queued -> running"):
+        check_transition(JobState.QUEUED, JobState.RUNNING)
+    assert [j.id for j in store.list_jobs(states=["launching"])] == [job.id]
+    assert store.list_jobs(states=["queued"]) == []
+
+
+def test_plan_is_all_or_nothing(store: Store) -> None:
+    a = store.submit(spec("a"), team="t")
+    b = store.submit(spec("b"), team="t")
+    store.request_cancel(b.id)
+    plan = Plan()
+    plan.change(a, JobState.LAUNCHING)
+    plan.change(b, JobState.LAUNCHING)  # b moved on: the whole plan must be refused
+    with pytest.raises(Conflict):
+        store.apply(plan)
+    assert store.get_job(a.id).state is JobState.QUEUED  # type: ignore[union-attr]
+
+
+def test_lease_fencing_refuses_a_stale_leader(store: Store) -> None:
+    f1 = store.acquire_lease("one", ttl_s=0.2)
+    assert f1 > 0
+    assert store.acquire_lease("two", ttl_s=5) == 0
+    assert store.acquire_lease("one", ttl_s=0.2) == f1  # renewal keeps the fence
+    job = store.submit(spec(), team="t")
+    store.r.delete(store.p + "leader")  # lease lapses
+    f2 = store.acquire_lease("two", ttl_s=5)
+    assert f2 > f1 and store.leader() == (f2, "two")
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING)
+    with pytest.raises(StaleFence):
+        store.apply(plan, fence=f1)
+    store.apply(plan, fence=f2)
+    store.release_lease(f1)  # not the holder: no effect
+    assert store.leader() == (f2, "two")
+    store.release_lease(f2)
+    assert store.leader() is None
+
+
+def test_intents_outbox_written_with_the_plan(store: Store) -> None:
+    job = store.submit(spec(), team="t")
+    fence = store.acquire_lease("me", ttl_s=5)
+    intent = Intent(kind=IntentKind.LAUNCH, job_id=job.id, fence=fence, attempt=1, gpus=2,
+                    batch_size=64, pool="local:r1:spot:T4")
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, attempt=1, launch_key=intent.key)
+    plan.add_intent(intent)
+    store.apply(plan, fence=fence)
+    snap = store.snapshot()
+    assert snap.intents == [intent] and intent.key == f"{job.id}:{fence}:1"
+    assert [j.id for j in snap.jobs] == [job.id]
+    done = Plan(intents_del=[intent.id])
+    store.apply(done, fence=fence)
+    assert store.intents() == []
+
+
+def test_cancel_of_queued_job_is_immediate_and_of_running_job_is_a_request(store: Store) -> None:
+    a = store.submit(spec("a"), team="t")
+    assert store.request_cancel(a.id).state is JobState.CANCELLED
+    b = store.submit(spec("b"), team="t")
+    plan = Plan()
+    plan.change(b, JobState.LAUNCHING, attempt=1)
+    store.apply(plan)
+    got = store.request_cancel(b.id)
+    assert got.state is JobState.LAUNCHING and got.cancel_requested
+    assert store.request_cancel(a.id).state is JobState.CANCELLED  # repeat: no change
+
+
+def test_heartbeat_progress_and_actions(store: Store) -> None:
+    job = store.submit(spec(), team="t")
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, attempt=1)
+    store.apply(plan)
+    assert store.record_heartbeat(job.id, 1, samples_done=500, samples_per_sec=40.0,
+                                  world_size=2, global_batch_size=64) == CONTINUE
+    got = store.get_job(job.id)
+    assert got is not None and got.samples_done == 500 and got.measured_gpus == 2
+    assert got.version == job.version + 1  # progress is telemetry: it does not bump the version
+    assert store.record_heartbeat(job.id, 0, samples_done=1) == CHECKPOINT_EXIT  # old attempt
+    assert store.get_job(job.id).samples_done == 500  # type: ignore[union-attr]
+    store.request_cancel(job.id)
+    assert store.record_heartbeat(job.id, 1, samples_done=600) == CHECKPOINT_EXIT
+
+
+def test_events_since_and_limit(store: Store) -> None:
+    ids = [store.submit(spec(), team="t").id for _ in range(5)]
+    first = store.events(limit=2)
+    assert [e.job_id for e in first] == ids[:2]
+    rest = store.events(since=first[-1].id)
+    assert [e.job_id for e in rest] == ids[2:]
+    assert store.last_event_id() == rest[-1].id
+
+
+def test_logs_append_read_and_trim(store: Store) -> None:
+    store.append_log("j-1", [f"line {i}" for i in range(5)])
+    lines, nxt = store.read_logs("j-1", 0, limit=3)
+    assert lines == ["line 0", "line 1", "line 2"] and nxt == 3
+    lines, nxt = store.read_logs("j-1", nxt)
+    assert lines == ["line 3", "line 4"] and nxt == 5
+    store.LOG_CAP = 4
+    store.append_log("j-1", ["line 5", "line 6"])
+    lines, nxt = store.read_logs("j-1", 0)
+    assert lines == ["line 3", "line 4", "line 5", "line 6"] and nxt == 7
+
+
+def test_pools_and_placements(store: Store) -> None:
+    pool = Pool(cloud="aws", region="us-east-1", accelerator=Accelerator.T4,
+                market=Market.SPOT, nodes=1, gpus_per_node=4, price_per_gpu_hour=0.2)
+    store.set_pools([pool])
+    assert store.pools() == [pool]
+    job = store.submit(spec(), team="t")
+    pl = Placement(job_id=job.id, attempt=1, start=100.0, pool=pool.id, cloud="aws",
+                   region="us-east-1", market=Market.SPOT, gpus=2, price_per_gpu_hour=0.2)
+    plan = Plan()
+    plan.open_placement(pl)
+    store.apply(plan)
+    closed = pl.model_copy(update={"end": 100.0 + 3600})
+    plan = Plan()
+    plan.close_placement(closed)
+    store.apply(plan)
+    (got,) = store.placements(job.id)
+    assert got.gpu_hours == pytest.approx(2.0) and got.cost == pytest.approx(0.4)
+
+
+def test_acknowledged_submissions_survive_redis_kill(redis_server: RedisServer) -> None:
+    store = Store.from_url(redis_server.url)
+    acked = [store.submit(spec(), team="t").id for _ in range(200)]
+    redis_server.restart(kill=True)  # kill -9, then reload the AOF
+    store = Store.from_url(redis_server.url)
+    assert {j.id for j in store.list_jobs()} == set(acked)
