@@ -2,6 +2,7 @@
 
 import broker.cli.prices  # noqa: F401  (fleet gpus, fleet prices)
 from broker.cli import jobs as _jobs  # noqa: F401  registers launch/jobs/job/logs/cancel/...
+from broker.cli import simulate as _simulate  # noqa: F401  registers simulate
 from broker.cli import up as _up  # noqa: F401  registers up/demo
 from broker.cli.app import app
 

@@ -20,6 +20,11 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
+
+@app.callback()
+def _root() -> None:
+    """Keeps ``fleet`` a command group even while only one subcommand is registered."""
+
 EXIT_USAGE = 2  # bad input: a spec, a flag or a file the user must fix
 
 

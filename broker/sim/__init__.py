@@ -1,0 +1,4 @@
+"""Trace-driven, deterministic cluster simulator.
+
+The same policies as the live broker (``policies/``), on a virtual clock.
+"""
