@@ -7,7 +7,6 @@ where ``ClientToken`` is not honoured (moto) or has expired.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
@@ -25,7 +24,7 @@ from providers.base import (
     ProviderError,
     QuotaError,
 )
-from providers.catalog import CatalogOffer, load_offers
+from providers.catalog import CatalogOffer, cheapest_type_for, load_offers, vcpus_per_gpu
 
 CAPACITY_CODES = {
     "InsufficientInstanceCapacity",
@@ -139,10 +138,10 @@ class AwsProvider(Provider):
                 if quota is None:
                     continue
                 free = max(quota - used.get((family, market), 0), 0)
-                for acc, vcpus_per_gpu in self._vcpus_per_gpu(region, family).items():
+                for acc, per_gpu in vcpus_per_gpu(self._offers, region, family).items():
                     pool = Pool(cloud="aws", region=region, accelerator=acc, market=market, nodes=0,
                                 gpus_per_node=1)  # fmt: skip
-                    out[pool.id] = out.get(pool.id, 0) + int(free // vcpus_per_gpu)
+                    out[pool.id] = out.get(pool.id, 0) + int(free // per_gpu)
         return out
 
     def _quota(self, region: str, code: str) -> float | None:
@@ -175,33 +174,10 @@ class AwsProvider(Provider):
             used[(family, market)] = used.get((family, market), 0) + vcpus
         return used
 
-    def _vcpus_per_gpu(self, region: str, family: str) -> dict[Accelerator, float]:
-        best: dict[Accelerator, float] = {}
-        for o in self._offers:
-            if o.region == region and o.instance_type.startswith(family) and o.vcpus:
-                ratio = o.vcpus / o.accelerator_count
-                best[o.accelerator] = min(best.get(o.accelerator, math.inf), ratio)
-        return best
-
     # --- launch, terminate, inventory -------------------------------------------------------
 
     def instance_type_for(self, request: LaunchRequest) -> str:
-        if request.instance_type:
-            return request.instance_type
-        fits = [
-            o
-            for o in self._offers
-            if o.region == request.region
-            and o.accelerator is request.accelerator
-            and o.accelerator_count == request.gpus_per_node
-            and o.hourly(request.market) is not None
-        ]
-        if not fits:
-            raise CapacityError(
-                f"aws {request.region}: no instance type with {request.gpus_per_node}x "
-                f"{request.accelerator.value} on {request.market.value} in the catalog"
-            )
-        return min(fits, key=lambda o: (o.hourly(request.market), o.instance_type)).instance_type
+        return cheapest_type_for(self._offers, request, "aws")
 
     def launch(self, request: LaunchRequest) -> list[Node]:
         existing = self._by_key(request.region, request.idempotency_key)

@@ -26,7 +26,7 @@ from providers.base import (
     ProviderError,
     QuotaError,
 )
-from providers.catalog import CatalogOffer, load_offers
+from providers.catalog import CatalogOffer, cheapest_type_for, load_offers, vcpus_per_gpu
 
 NOT_CONFIGURED = (
     "azure is not configured: set AZURE_SUBSCRIPTION_ID, FLEET_AZURE_RESOURCE_GROUP and "
@@ -137,39 +137,16 @@ class AzureProvider(Provider):
                 if metric not in usages:
                     continue
                 free = max(usages[metric].limit - usages[metric].current_value, 0)
-                for acc, vcpus_per_gpu in self._vcpus_per_gpu(region).items():
+                for acc, per_gpu in vcpus_per_gpu(self._offers, region).items():
                     pool = Pool(cloud="azure", region=region, accelerator=acc, market=market,
                                 nodes=0, gpus_per_node=1)  # fmt: skip
-                    out[pool.id] = int(free // vcpus_per_gpu)
+                    out[pool.id] = int(free // per_gpu)
         return out
-
-    def _vcpus_per_gpu(self, region: str) -> dict[Accelerator, float]:
-        best: dict[Accelerator, float] = {}
-        for o in self._offers:
-            if o.region == region and o.vcpus:
-                ratio = o.vcpus / o.accelerator_count
-                best[o.accelerator] = min(best.get(o.accelerator, ratio), ratio)
-        return best
 
     # --- launch, terminate, inventory -------------------------------------------------------
 
     def vm_size_for(self, request: LaunchRequest) -> str:
-        if request.instance_type:
-            return request.instance_type
-        fits = [
-            o
-            for o in self._offers
-            if o.region == request.region
-            and o.accelerator is request.accelerator
-            and o.accelerator_count == request.gpus_per_node
-            and o.hourly(request.market) is not None
-        ]
-        if not fits:
-            raise CapacityError(
-                f"azure {request.region}: no VM size with {request.gpus_per_node}x "
-                f"{request.accelerator.value} on {request.market.value} in the catalog"
-            )
-        return min(fits, key=lambda o: (o.hourly(request.market), o.instance_type)).instance_type
+        return cheapest_type_for(self._offers, request, "azure")
 
     def vm_names(self, request: LaunchRequest) -> list[str]:
         stem = f"fleet-{bootstrap.token(request.idempotency_key, 16)}"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policies.models import Accelerator, Market, Offer
+from providers.base import CapacityError, LaunchRequest
 
 DATA = Path(__file__).parent / "data"
 AWS_CSV = DATA / "aws-gpu-prices-skypilot-catalog" / "aws_gpu_prices_us_subset.csv"
@@ -311,6 +312,39 @@ def cheapest(
 # Midpoints of the Spot Advisor buckets (<5%, 5-10%, 10-15%, 15-20%, >20% reclaimed per month).
 BUCKET_RATE = (0.025, 0.075, 0.125, 0.175, 0.25)
 UNKNOWN_RATE = 0.15  # no advisor data (GCP, Azure, unlisted types): assume a middling bucket
+
+
+def cheapest_type_for(offers: Iterable[Offer], request: LaunchRequest, cloud: str) -> str:
+    """The cheapest instance type in the request's region with its accelerators and market."""
+    if request.instance_type:
+        return request.instance_type
+    fits = [
+        o
+        for o in offers
+        if o.region == request.region
+        and o.accelerator is request.accelerator
+        and o.accelerator_count == request.gpus_per_node
+        and o.hourly(request.market) is not None
+    ]
+    if not fits:
+        raise CapacityError(
+            f"{cloud} {request.region}: no instance type with {request.gpus_per_node}x "
+            f"{request.accelerator.value} on {request.market.value} in the catalog"
+        )
+    return min(fits, key=lambda o: (o.hourly(request.market), o.instance_type)).instance_type
+
+
+def vcpus_per_gpu(
+    offers: Iterable[Offer], region: str, family: str = ""
+) -> dict[Accelerator, float]:
+    """Fewest vCPUs per accelerator among a region's types (``family`` prefix): turns a vCPU
+    quota into GPUs."""
+    best: dict[Accelerator, float] = {}
+    for o in offers:
+        if o.region == region and o.instance_type.startswith(family) and o.vcpus:
+            ratio = o.vcpus / o.accelerator_count
+            best[o.accelerator] = min(best.get(o.accelerator, ratio), ratio)
+    return best
 
 
 def interruption_priors() -> dict[tuple[str, str], float]:

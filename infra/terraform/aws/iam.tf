@@ -1,4 +1,4 @@
-# The broker launches and terminates only instances it tagged itself (fleetbroker:owner).
+# The broker launches and terminates only instances tagged with its id (tag fleet-broker = name).
 data "aws_iam_policy_document" "assume" {
   statement {
     actions = ["sts:AssumeRole"]
@@ -25,7 +25,7 @@ data "aws_iam_policy_document" "broker" {
     resources = ["*"]
     condition {
       test     = "StringEquals"
-      variable = "aws:RequestTag/fleetbroker:owner"
+      variable = "aws:RequestTag/fleet-broker"
       values   = [var.name]
     }
   }
@@ -35,7 +35,7 @@ data "aws_iam_policy_document" "broker" {
     resources = ["*"]
     condition {
       test     = "StringEquals"
-      variable = "aws:ResourceTag/fleetbroker:owner"
+      variable = "aws:ResourceTag/fleet-broker"
       values   = [var.name]
     }
   }
