@@ -38,7 +38,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                 double v = values[c];
                 for (Py_ssize_t k = g; k < span; k++) {
                     double t = prev[k - g] + v;
-                    if (t > cur[k]) cur[k] = t;
+                    double c = cur[k];
+                    cur[k] = t > c ? t : c; /* unconditional store: vectorises */
                 }
             }
             for (Py_ssize_t k = span; k < width; k++) cur[k] = cur[reach];
