@@ -93,27 +93,26 @@ def allocate(jobs: Sequence[JobChoices], capacity: int) -> dict[str, Choice | No
     for invalid input (negative or zero GPUs, NaN or infinite values, duplicate job ids).
     """
     _validate(jobs, capacity)
-    frontier = [_frontier(job, capacity) for job in jobs]
+    f = _fold(jobs, capacity)
     result: dict[str, Choice | None] = {job.job_id: None for job in jobs}
 
-    needed = sum(f[0].gpus for job, f in zip(jobs, frontier, strict=True) if job.required and f)
-    unplaceable = [job.job_id for job, f in zip(jobs, frontier, strict=True)
-                   if job.required and not f]
+    sizes = np.diff(f.offsets)
+    placeable = sizes > 0
+    unplaceable = [jobs[i].job_id for i in np.flatnonzero(f.required & ~placeable)]
+    needed = int(f.gpus[f.offsets[:-1][f.required & placeable]].sum())
     if unplaceable or needed > capacity:
         required = unplaceable or [job.job_id for job in jobs if job.required]
         raise InfeasibleAllocation(required, capacity, max(needed, capacity + 1))
 
-    active = [i for i, f in enumerate(frontier) if f]
-    if not active or capacity == 0:
+    active = np.flatnonzero(placeable)
+    if not active.size or capacity == 0:
         return result
-    if all(_is_concave_run(frontier[i]) and not jobs[i].required for i in active):
-        picks = _greedy(frontier, active, capacity)
+    if f.concave[active].all() and not f.required[active].any():
+        picks = _greedy(f, capacity)
     else:
-        picks = _dynamic_programme(
-            [(frontier[i], jobs[i].required) for i in active], capacity, active
-        )
-    for i, choice in picks.items():
-        result[jobs[i].job_id] = choice
+        picks = _dynamic_programme(f, active, capacity)
+    for i, p in picks:
+        result[jobs[i].job_id] = jobs[i].choices[f.src[p]]
     return result
 
 
@@ -131,32 +130,72 @@ def _validate(jobs: Sequence[JobChoices], capacity: int) -> None:
             seen.add(job.job_id)
 
 
-def _frontier(job: JobChoices, capacity: int) -> list[Choice]:
-    """The job's undominated choices that fit, by increasing GPUs and strictly increasing value.
+@dataclass(frozen=True)
+class _Frontiers:
+    """Every job's undominated choices as flat arrays; job ``i`` owns ``offsets[i]:offsets[i+1]``.
 
-    For an optional job a choice worth <= 0 loses to not running it at all.
+    ``src`` is each entry's index in its job's ``choices``; ``concave`` marks jobs whose frontier
+    is GPU counts 1..m with non-increasing marginal value (greedy is then exact).
     """
-    best: dict[int, Choice] = {}
-    for c in job.choices:
+
+    offsets: np.ndarray
+    gpus: np.ndarray
+    values: np.ndarray
+    src: np.ndarray
+    required: np.ndarray
+    concave: np.ndarray
+
+
+def _fold(jobs: Sequence[JobChoices], capacity: int) -> _Frontiers:
+    """Each job's frontier (see ``_frontier``), by the C kernel when built (the same rule)."""
+    n = sum(len(job.choices) for job in jobs)
+    offsets = np.empty(len(jobs) + 1, dtype=np.int64)
+    gpus, src = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    values = np.empty(n)
+    required, concave = np.empty(len(jobs), dtype=bool), np.empty(len(jobs), dtype=bool)
+    if _maxplus is not None:
+        _maxplus.fold(jobs, int(capacity), gpus, values, src, offsets, required.view(np.uint8),
+                      concave.view(np.uint8))
+    else:
+        out = 0
+        for i, job in enumerate(jobs):
+            offsets[i] = out
+            frontier = _frontier(job, capacity)
+            for s, c in frontier:
+                gpus[out], values[out], src[out] = c.gpus, c.value, s
+                out += 1
+            required[i] = job.required
+            concave[i] = _is_concave_run([c for _, c in frontier])
+        offsets[-1] = out
+    end = offsets[-1]
+    return _Frontiers(offsets, gpus[:end], values[:end], src[:end], required, concave)
+
+
+def _frontier(job: JobChoices, capacity: int) -> list[tuple[int, Choice]]:
+    """The job's undominated choices that fit, by increasing GPUs and strictly increasing value,
+    each with its index in ``job.choices``. For an optional job a choice worth <= 0 loses to not
+    running it at all."""
+    best: dict[int, tuple[int, Choice]] = {}
+    for s, c in enumerate(job.choices):
         if c.gpus > capacity:
             continue
         held = best.get(c.gpus)
-        if held is None or c.value > held.value or (
-            c.value == held.value and c.batch_size < held.batch_size
+        if held is None or c.value > held[1].value or (
+            c.value == held[1].value and c.batch_size < held[1].batch_size
         ):
-            best[c.gpus] = c
-    frontier: list[Choice] = []
+            best[c.gpus] = (s, c)
+    frontier: list[tuple[int, Choice]] = []
     floor = -math.inf if job.required else 0.0
     for gpus in sorted(best):
-        c = best[gpus]
+        s, c = best[gpus]
         if c.value > floor:
-            frontier.append(c)
+            frontier.append((s, c))
             floor = c.value
     return frontier
 
 
 def _is_concave_run(frontier: list[Choice]) -> bool:
-    """GPU counts 1..m with non-increasing marginal value (greedy is then exact)."""
+    """GPU counts 1..m with non-increasing marginal value."""
     previous_gain = math.inf
     last = 0.0
     for expected, c in enumerate(frontier, start=1):
@@ -167,44 +206,47 @@ def _is_concave_run(frontier: list[Choice]) -> bool:
     return True
 
 
-def _greedy(frontier: list[list[Choice]], active: list[int], capacity: int) -> dict[int, Choice]:
-    gains = []
-    for i in active:
-        last = 0.0
-        for n, c in enumerate(frontier[i]):
-            gains.append((last - c.value, i, n))
-            last = c.value
+def _greedy(f: _Frontiers, capacity: int) -> list[tuple[int, int]]:
+    """(job, flat index) of the picks: the ``capacity`` largest marginal gains, taken in order."""
+    job_of = np.repeat(np.arange(len(f.offsets) - 1), np.diff(f.offsets))
+    first = np.zeros(len(f.values), dtype=bool)
+    first[f.offsets[:-1][np.diff(f.offsets) > 0]] = True
+    last = np.where(first, 0.0, np.roll(f.values, 1))
     # Concavity makes each job's gains arrive in order, so taking the largest ``capacity`` of them
-    # hands every job a prefix of its curve. Ties: earlier job, then fewer GPUs.
-    gains.sort()
-    held: dict[int, int] = {}
-    for neg_gain, i, n in gains[:capacity]:
-        if neg_gain >= 0:
-            break
-        held[i] = n
-    return {i: frontier[i][n] for i, n in held.items()}
+    # hands every job a prefix of its curve. Ties: earlier job, then fewer GPUs (flat order).
+    neg_gain = last - f.values
+    taken = np.argsort(neg_gain, kind="stable")[:capacity]
+    taken = np.sort(taken[neg_gain[taken] < 0])
+    # the last taken entry of each job is where its prefix ends
+    ends = taken[np.flatnonzero(np.append(job_of[taken][1:] != job_of[taken][:-1], True))]
+    return list(zip(job_of[ends].tolist(), ends.tolist(), strict=True))
 
 
-def _dynamic_programme(
-    options: Sequence[tuple[list[Choice], bool]], capacity: int, ids: Sequence[int]
-) -> dict[int, Choice]:
-    """Max-plus programme over ``options`` = (choices by increasing GPUs, must be placed)."""
-    rows = np.empty((len(options) + 1, capacity + 1))
+def _dynamic_programme(f: _Frontiers, active: np.ndarray, capacity: int) -> list[tuple[int, int]]:
+    """Max-plus programme over the active jobs' frontiers; (job, flat index) of the picks."""
+    offsets = np.append(f.offsets[active], f.offsets[-1])
+    required = f.required[active]
+    rows = np.empty((len(active) + 1, capacity + 1))
     rows[0] = 0.0
     if _maxplus is None:
-        _forward_numpy(options, rows)
-        return _backtrack(options, ids, rows, _fewest_optimal_gpus(rows))
-    flat = [c for choices, _ in options for c in choices]
-    offsets = np.zeros(len(options) + 1, dtype=np.int64)
-    np.cumsum([len(choices) for choices, _ in options], out=offsets[1:])
-    gpus = np.array([c.gpus for c in flat], dtype=np.int64)
-    values = np.array([c.value for c in flat], dtype=np.float64)
-    required = bytes(bool(req) for _, req in options)
-    picks = np.empty(len(options), dtype=np.int64)
-    _maxplus.forward(rows, capacity + 1, offsets, gpus, values, required)
+        _forward_numpy(offsets, f.gpus, f.values, required, rows)
+        picks = _backtrack(offsets, f.gpus, f.values, required, rows, _fewest_optimal_gpus(rows))
+    else:
+        picks = _solve_c(offsets, f.gpus, f.values, required, rows)
+    rows_picked = np.flatnonzero(picks >= 0)
+    return list(zip(active[rows_picked].tolist(), picks[rows_picked].tolist(), strict=True))
+
+
+def _solve_c(offsets: np.ndarray, gpus: np.ndarray, values: np.ndarray, required: np.ndarray,
+             rows: np.ndarray) -> np.ndarray:
+    """Forward pass and backtrack in C; ``picks[r]`` is row ``r``'s flat choice index, or -1."""
+    capacity = rows.shape[1] - 1
+    picks = np.empty(len(offsets) - 1, dtype=np.int64)
+    req = required.astype(np.uint8).tobytes()
+    _maxplus.forward(rows, capacity + 1, offsets, gpus, values, req)
     _maxplus.backtrack(rows, capacity + 1, _fewest_optimal_gpus(rows), offsets, gpus, values,
-                       required, picks)
-    return {ids[r]: flat[p] for r, p in enumerate(picks.tolist()) if p >= 0}
+                       req, picks)
+    return picks
 
 
 def _fewest_optimal_gpus(rows: np.ndarray) -> int:
@@ -212,43 +254,44 @@ def _fewest_optimal_gpus(rows: np.ndarray) -> int:
     return int(np.flatnonzero(final == final[-1])[0])
 
 
-def _forward_numpy(options: Sequence[tuple[list[Choice], bool]], rows: np.ndarray) -> None:
+def _forward_numpy(offsets: np.ndarray, gpus: np.ndarray, values: np.ndarray,
+                   required: np.ndarray, rows: np.ndarray) -> None:
     """The C kernel's forward pass with one numpy operation per choice (same arithmetic)."""
     capacity = rows.shape[1] - 1
     scratch = np.empty(capacity + 1)
     reach = 0  # beyond the GPUs all jobs so far could use, best[] is flat: skip that tail
-    for r, (choices, required) in enumerate(options, start=1):
+    for r in range(1, len(offsets)):
         prev, cur = rows[r - 1], rows[r]
-        reach = min(capacity, reach + choices[-1].gpus)
+        lo, hi = offsets[r - 1], offsets[r]
+        reach = min(capacity, reach + int(gpus[hi - 1]))
         span = reach + 1
-        if required:
+        if required[r - 1]:
             cur[:span] = -np.inf
         else:
             cur[:span] = prev[:span]
-        for c in choices:
-            n = span - c.gpus
+        for c in range(lo, hi):
+            n = span - int(gpus[c])
             if n <= 0:
                 break
-            np.add(prev[:n], c.value, out=scratch[:n])
-            np.maximum(cur[c.gpus:span], scratch[:n], out=cur[c.gpus:span])
+            np.add(prev[:n], values[c], out=scratch[:n])
+            np.maximum(cur[gpus[c]:span], scratch[:n], out=cur[gpus[c]:span])
         cur[span:] = cur[reach]
 
 
-def _backtrack(
-    options: Sequence[tuple[list[Choice], bool]], ids: Sequence[int], rows: np.ndarray, k: int
-) -> dict[int, Choice]:
-    """The C kernel's backtrack: later jobs yield on ties, then fewest GPUs (same rule)."""
-    picks: dict[int, Choice] = {}
-    for r in range(len(options), 0, -1):
-        choices, required = options[r - 1]
+def _backtrack(offsets: np.ndarray, gpus: np.ndarray, values: np.ndarray, required: np.ndarray,
+               rows: np.ndarray, k: int) -> np.ndarray:
+    """The C kernel's backtrack: later jobs yield on ties, then fewest GPUs (same rule).
+    ``picks[r]`` is row ``r``'s flat choice index, or -1."""
+    picks = np.full(len(offsets) - 1, -1, dtype=np.int64)
+    for r in range(len(offsets) - 1, 0, -1):
         prev, target = rows[r - 1], rows[r][k]
-        if not required and prev[k] == target:
+        if not required[r - 1] and prev[k] == target:
             continue
-        for c in choices:
-            if c.gpus <= k and prev[k - c.gpus] + c.value == target:
-                picks[ids[r - 1]] = c
-                k -= c.gpus
+        for c in range(offsets[r - 1], offsets[r]):
+            if gpus[c] <= k and prev[k - gpus[c]] + values[c] == target:
+                picks[r - 1] = c
+                k -= int(gpus[c])
                 break
         else:  # pragma: no cover - the forward pass guarantees a witness
-            raise AssertionError(f"no witness for job index {ids[r - 1]} at {k} GPUs")
+            raise AssertionError(f"no witness for job row {r} at {k} GPUs")
     return picks

@@ -18,7 +18,7 @@ app = typer.Typer(
 )
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # an error line stays one line in logs
 
 
 @app.callback()
