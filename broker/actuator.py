@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
 from broker.store import Conflict, Plan, Store
 from policies.models import Pool
@@ -148,6 +149,7 @@ class Actuator:
         plan.open_placement(Placement(
             job_id=job.id, attempt=intent.attempt, start=start, pool=pool.id, cloud=pool.cloud,
             region=pool.region, market=pool.market, gpus=intent.gpus,
-            batch_size=intent.batch_size, price_per_gpu_hour=pool.price_per_gpu_hour))
+            batch_size=intent.batch_size, price_per_gpu_hour=pool.price_per_gpu_hour,
+            ondemand_price_per_gpu_hour=ondemand_reference(pool, pools.values())))
         self.store.apply(plan, fence=fence)
         return 1

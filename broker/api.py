@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker import __version__
 from broker.auth import ApiConfig, Principal, Role
+from broker.costs import cost_report, job_cost
 from broker.models import JobRecord, JobState
 from broker.spec import Problem, SpecError, apply_overrides, parse_spec_text
 from broker.store import CHECKPOINT_EXIT, JobNotFound, Store
@@ -183,11 +184,12 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     def get_job(job_id: JobId, who: User) -> dict[str, Any]:
         job = visible_job(job_id, who)
         placements = store.placements(job_id)
+        total = job_cost(placements)
         return {"job": job_view(job),
                 "placements": [{**p.model_dump(mode="json"), "gpu_hours": p.gpu_hours,
                                 "cost": p.cost} for p in placements],
-                "gpu_hours": sum(p.gpu_hours for p in placements),
-                "cost": sum(p.cost for p in placements)}
+                "gpu_hours": total.gpu_hours, "cost": total.cost_usd,
+                "ondemand_cost": total.ondemand_cost_usd}
 
     @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"], summary="Cancel a job")
     def cancel(job_id: JobId, who: User) -> dict[str, Any]:
@@ -223,6 +225,20 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         return {"pools": pools,
                 "total": {"capacity": sum(p["capacity"] for p in pools),
                           "used": sum(p["used"] for p in pools)}}
+
+    @app.get("/v1/costs", tags=["fleet"],
+             summary="Cost per job and per team across recoveries, and the saving vs on-demand")
+    def costs(
+        who: User,
+        team: Annotated[str | None, Query(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")] = None,
+        state: Annotated[list[JobState] | None, Query()] = None,
+    ) -> dict[str, Any]:
+        if who.role is not Role.ADMIN:
+            if team is not None and team != who.team:
+                raise ApiError(404, f"no team {team!r} visible to this token")
+            team = who.team
+        jobs = store.list_jobs(team=team, states=state)
+        return cost_report(jobs, store.placements_of([j.id for j in jobs]))
 
     @app.get("/v1/events", tags=["fleet"], summary="Events after a stream id, oldest first")
     def events(who: User,

@@ -128,6 +128,13 @@ class BrokerClient:
     def capacity(self) -> dict[str, Any]:
         return self._call("GET", "/v1/capacity")
 
+    def costs(self, *, team: str | None = None, states: list[str] | None = None
+              ) -> dict[str, Any]:
+        params: dict[str, Any] = {"state": states or []}
+        if team:
+            params["team"] = team
+        return self._call("GET", "/v1/costs", params=params)
+
     def events(self, *, since: str = "0", job_id: str | None = None,
                limit: int = 100) -> dict[str, Any]:
         params: dict[str, Any] = {"since": since, "limit": limit}

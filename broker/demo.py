@@ -17,11 +17,12 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from broker.costs import job_cost
 from broker.models import JobRecord, JobState
 from broker.scheduler import SchedulerConfig
 from broker.server import REPO, BrokerConfig, Stack
 from broker.store import Store
-from policies.models import BatchMode, BatchRange, GpuRange, JobSpec, Market, SpotPolicy
+from policies.models import BatchMode, BatchRange, GpuRange, JobSpec, SpotPolicy
 
 DEMO_FLEET = REPO / "examples" / "fleets" / "demo.yaml"
 
@@ -75,7 +76,7 @@ def _where(job: JobRecord) -> str:
 
 
 def _cost(store: Store, job_id: str) -> float:
-    return sum(p.cost for p in store.placements(job_id))
+    return job_cost(store.placements(job_id)).cost_usd
 
 
 def render(store: Store, title: str, events: list[str]) -> Group:
@@ -101,15 +102,13 @@ def render(store: Store, title: str, events: list[str]) -> Group:
 def summarize(store: Store, started: float, phases: list[str],
               made_room: list[str]) -> DemoSummary:
     jobs = store.list_jobs()
-    placements = [p for j in jobs for p in store.placements(j.id)]
-    gpu_hours = sum(p.gpu_hours for p in placements)
-    od_price = max((p.price_per_gpu_hour for p in store.pools() if p.market is Market.ON_DEMAND),
-                   default=0.0)
+    total = job_cost([p for ps in store.placements_of([j.id for j in jobs]).values()
+                      for p in ps])
     return DemoSummary(
         finished=sum(j.state is JobState.COMPLETED for j in jobs), jobs=len(jobs),
         rescales=sum(j.rescales for j in jobs), migrations=sum(j.migrations for j in jobs),
-        preemptions=sum(j.preemptions for j in jobs), gpu_hours=gpu_hours,
-        cost=sum(p.cost for p in placements), on_demand_cost=gpu_hours * od_price,
+        preemptions=sum(j.preemptions for j in jobs), gpu_hours=total.gpu_hours,
+        cost=total.cost_usd, on_demand_cost=total.ondemand_cost_usd,
         elapsed_s=time.time() - started, phases=phases, made_room=made_room)
 
 

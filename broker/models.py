@@ -145,6 +145,9 @@ class Placement(BaseModel):
     gpus: int
     batch_size: int | None = None
     price_per_gpu_hour: float
+    # What the same GPUs cost on on-demand when the interval opened (broker.costs); None in
+    # records written before it was kept, which then count at their own price.
+    ondemand_price_per_gpu_hour: float | None = None
 
     @property
     def gpu_hours(self) -> float:

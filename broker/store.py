@@ -291,8 +291,15 @@ class Store:
         return lines, start + len(lines)
 
     def placements(self, job_id: str) -> list[Placement]:
-        return [Placement.model_validate_json(x)
-                for x in self.r.lrange(f"{self.p}placements:{job_id}", 0, -1)]
+        return self.placements_of([job_id])[job_id]
+
+    def placements_of(self, job_ids: Sequence[str]) -> dict[str, list[Placement]]:
+        """Every placement interval of each job, in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.lrange(f"{self.p}placements:{job_id}", 0, -1)
+        return {job_id: [Placement.model_validate_json(x) for x in raw]
+                for job_id, raw in zip(job_ids, pipe.execute(), strict=True)}
 
     # ---- pools and operator commands ------------------------------------------------------------
 

@@ -150,7 +150,8 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
         + (f", checkpoint step {j['checkpoint_step']}" if j.get("checkpoint_step") is not None
            else ""),
         f"rescales {j['rescales']}  migrations {j['migrations']}  preemptions "
-        f"{j['preemptions']}  GPU-hours {out['gpu_hours']:.4f}  cost ${out['cost']:.4f}",
+        f"{j['preemptions']}  GPU-hours {out['gpu_hours']:.4f}  cost ${out['cost']:.4f} "
+        f"(on-demand ${out['ondemand_cost']:.4f})",
     ]
     for line in lines:
         console.print(line, highlight=False)
