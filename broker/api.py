@@ -132,6 +132,15 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
             raise ApiError(404, f"no job {job_id!r} (fleet jobs lists yours)")
         return job
 
+    def visible_jobs(who: Principal, team: str | None,
+                     states: list[JobState] | None) -> list[JobRecord]:
+        """A team token sees its own team's jobs; an admin any team's, or all."""
+        if who.role is not Role.ADMIN:
+            if team is not None and team != who.team:
+                raise ApiError(404, f"no team {team!r} visible to this token")
+            team = who.team
+        return store.list_jobs(team=team, states=states)
+
     @app.get("/healthz", tags=["meta"], summary="Liveness (no token needed)")
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
@@ -172,11 +181,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         team: Annotated[str | None, Query(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")] = None,
         limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
     ) -> dict[str, Any]:
-        if who.role is not Role.ADMIN:
-            if team is not None and team != who.team:
-                raise ApiError(404, f"no team {team!r} visible to this token")
-            team = who.team
-        jobs = store.list_jobs(team=team, states=state)
+        jobs = visible_jobs(who, team, state)
         shown = jobs[-min(limit, config.max_list):]
         return {"jobs": [job_view(j) for j in shown], "total": len(jobs)}
 
@@ -233,11 +238,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         team: Annotated[str | None, Query(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")] = None,
         state: Annotated[list[JobState] | None, Query()] = None,
     ) -> dict[str, Any]:
-        if who.role is not Role.ADMIN:
-            if team is not None and team != who.team:
-                raise ApiError(404, f"no team {team!r} visible to this token")
-            team = who.team
-        jobs = store.list_jobs(team=team, states=state)
+        jobs = visible_jobs(who, team, state)
         return cost_report(jobs, store.placements_of([j.id for j in jobs]))
 
     @app.get("/v1/events", tags=["fleet"], summary="Events after a stream id, oldest first")
