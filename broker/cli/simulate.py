@@ -49,8 +49,8 @@ def simulate(
         "and regions are used; auto: fleet when the cluster has spot or trace pools, else the "
         "classic simulation (no markets, no costs)"),
     checkpoint_interval: float = typer.Option(
-        600.0, help="spot simulation: seconds of progress between checkpoints (a preemption "
-        "loses the work since the last one)"),
+        100.0, help="spot simulation: seconds of progress between checkpoints (a preemption "
+        "loses the work since the last one); 100 is the job spec's default"),
     seed: int = typer.Option(0, help="recorded; the simulator itself draws no random numbers"),
     workers: int = typer.Option(
         1, help="processes simulating workloads in parallel (classic simulation only)"),

@@ -55,7 +55,7 @@ from policies.schedulers import (
 from policies.spot import DeadlineJob, choose_market
 from providers.catalog import UNKNOWN_RATE
 
-DEFAULT_CHECKPOINT_S = 600.0
+DEFAULT_CHECKPOINT_S = 100.0  # the job spec's default (policies.models.CheckpointSpec)
 
 
 class MarketPolicy(StrEnum):
