@@ -103,6 +103,9 @@ def test_a_preemption_evicts_and_loses_the_work_since_the_checkpoint(tmp_path: P
     assert hit.preemptions == 1 and calm.preemptions == 0
     assert hit.lost_work_gpu_h == pytest.approx(4 * 180 / 3600)
     assert hit.migrations == 0  # it came back in the region it was preempted from
+    noticed = simulate_spot([_job()], pools, cfg, SpotConfig(MarketPolicy.FAILOVER, 300, True))
+    assert noticed.preemptions == 1 and noticed.lost_work_gpu_h == 0
+    assert noticed.result.records[0].jct < hit.result.records[0].jct
     # it waited for the pool to come back (600 s), lost 180 s and paid one more restart
     assert hit.result.records[0].jct >= calm.result.records[0].jct + 600 + 180 + 30 - 60
 

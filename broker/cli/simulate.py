@@ -51,6 +51,9 @@ def simulate(
     checkpoint_interval: float = typer.Option(
         100.0, help="spot simulation: seconds of progress between checkpoints (a preemption "
         "loses the work since the last one); 100 is the job spec's default"),
+    checkpoint_on_notice: bool = typer.Option(
+        False, help="spot simulation: jobs checkpoint on the preemption notice (FleetBroker's "
+        "agent does; SkyPilot polls), so a preemption loses no work"),
     seed: int = typer.Option(0, help="recorded; the simulator itself draws no random numbers"),
     workers: int = typer.Option(
         1, help="processes simulating workloads in parallel (classic simulation only)"),
@@ -102,7 +105,7 @@ def simulate(
             market = MarketPolicy.FLEET
         if market is not None:
             pools = sim_pools(specs)
-            spot = SpotConfig(market, checkpoint_interval)
+            spot = SpotConfig(market, checkpoint_interval, checkpoint_on_notice)
     except (ValueError, ClusterError) as e:
         fail(str(e))
     paths = _expand(workloads)
@@ -114,7 +117,8 @@ def simulate(
     try:
         loaded = [read_workload(p) for p in paths]  # validate every file before simulating
         if market is not None:
-            settings.update(spot_policy=market.value, checkpoint_interval=checkpoint_interval)
+            settings.update(spot_policy=market.value, checkpoint_interval=checkpoint_interval,
+                            checkpoint_on_notice=checkpoint_on_notice)
             spot_results = [(str(p), simulate_spot(jobs, pools, cfg, spot))
                             for p, jobs in zip(paths, loaded, strict=True)]
             results = [(name, r.result) for name, r in spot_results]

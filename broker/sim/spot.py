@@ -2,24 +2,32 @@
 
 Every round (Pollux's conventions, as ``engine.py``): running jobs advance and pay for the GPUs they
 hold; then pools whose trace dropped below what runs there evict jobs (the most recently placed
-first), which lose their progress since the last periodic checkpoint; then the market policy picks
-each job's market, the same elastic allocator (``policies.schedulers``) shares each (type, market)'s
-available GPUs, and a placement step puts each job's whole gang in ONE pool (one region):
+first); then the market policy picks each job's market, the same elastic allocator
+(``policies.schedulers``, each count capped at the largest pool's free GPUs) shares each
+(type, market)'s available GPUs, and a placement step puts each job's whole gang in ONE pool (one
+region); jobs that fragmentation leaves out are re-allocated over what is left. Running jobs keep
+their pool while it holds their new size; the others are placed, largest gang first:
 
 - ``ondemand``: on-demand pools only, cheapest first.
 - ``skypilot-failover``: spot only, cheapest first; a preempted job is relaunched in the region it
   was preempted from first, then anywhere, cheapest first (SkyPilot's FAILOVER).
 - ``skypilot-eager``: spot only; a preempted job tries the other regions first in price order and
   its own region last (SkyPilot's EAGER_NEXT_REGION). Neither looks at deadlines.
-- ``fleet``: per job, Can't Be Late's market rule (``policies.spot.choose_market``); spot pools are
-  ranked by ``policies.region_score`` (price, observed preemption rate, stickiness) without the
-  locations SpotHedge's blocklist (``policies.migration``) marks as recently preempted; a job on the
-  on-demand fallback runs at least at the GPU count it asked for, the count its pace refers to.
+- ``fleet``: per job, Can't Be Late's market rule (``policies.spot.choose_market``), where "spot
+  is available" means the allocator found the job spot GPUs this round; its pace is the job's
+  work at its requested GPUs and batch, and its safety slack covers what one preemption costs (a
+  round, a restart, the work since the last checkpoint). Pools are ranked by
+  ``policies.region_score`` (price, observed preemption rate, the move's restart, stickiness)
+  without the locations SpotHedge's blocklist (``policies.migration``) marks as recently
+  preempted; running jobs move into room left in cheaper pools when the saving beats the
+  stickiness margin. The on-demand fallback runs a job at the GPU count its pace refers to.
 
 A job checkpoints every ``checkpoint_s`` seconds of progress, and before every move the broker makes
-itself (rescale, market switch, suspension), so only preemptions lose work. Cost is the GPU time
+itself (rescale, market switch, suspension, move to a cheaper pool), so only preemptions lose work:
+the work since the last checkpoint, or nothing with ``checkpoint_on_notice``. Cost is the GPU time
 held (restarts included) times the pool's price; ``ondemand_cost_usd`` prices the same GPU time at
-each pool's on-demand reference price (``SimPool.ondemand_price``).
+each pool's on-demand reference price (``SimPool.ondemand_price``). A job misses its deadline when
+it completes later than ``deadline`` seconds after its submission, or not at all.
 """
 
 from __future__ import annotations
@@ -121,6 +129,10 @@ def has_spot(specs: Sequence[PoolSpec]) -> bool:
 class SpotConfig:
     market: MarketPolicy = MarketPolicy.FLEET
     checkpoint_s: float = DEFAULT_CHECKPOINT_S
+    # FleetBroker's agent checkpoints when the cloud announces a preemption (AWS 2 min, GCP and
+    # Azure 30 s ahead), so a preemption loses no work; SkyPilot finds preemptions by polling
+    # (FACTS.md section 4) and loses the work since the last periodic checkpoint.
+    checkpoint_on_notice: bool = False
     blocklist_decay_s: float = DEFAULT_DECAY_S
 
     def __post_init__(self) -> None:
@@ -343,10 +355,11 @@ class _SpotSim:
     def _evict(self, job: _Job, now: float) -> None:
         a, pool = job.state.current, job.pool
         assert a is not None and pool is not None
-        self.out.lost_work_gpu_h += a.gpus * job.since_checkpoint / 3600
         self.out.preemptions += 1
-        job.state.progress = job.checkpoint
-        job.since_checkpoint = 0.0
+        if not self.spot.checkpoint_on_notice:
+            self.out.lost_work_gpu_h += a.gpus * job.since_checkpoint / 3600
+            job.state.progress = job.checkpoint
+        job.checkpoint, job.since_checkpoint = job.state.progress, 0.0
         job.state.current, job.pool, job.sim.restart_left = None, None, 0.0
         job.preempted_from = pool.region
         self.preempted[pool.pool.id] = self.preempted.get(pool.pool.id, 0) + 1
@@ -392,10 +405,17 @@ class _SpotSim:
         return DeadlineJob(
             total_h=total, progress_h=progress, elapsed_h=(now - job.state.submitted) / 3600,
             deadline_h=None if job.deadline is None else job.deadline / 3600,
-            # one preemption costs a restart and the work since the last checkpoint: at most a
-            # checkpoint interval, and never more than the work the job has left to do
-            restart_h=job.restart_h + min(self.spot.checkpoint_s / 3600, total - progress),
+            # what one preemption can cost: the round until the broker reacts, the restart and
+            # the work lost since the last checkpoint
+            restart_h=self.cfg.interval / 3600 + job.restart_h + self._loss_h(total - progress),
             current=None if pool is None else pool.pool.market)
+
+    def _loss_h(self, remaining_h: float) -> float:
+        """Work one preemption can lose: none with a checkpoint on notice, else up to a
+        checkpoint interval, and never more than the work the job has left to do."""
+        if self.spot.checkpoint_on_notice:
+            return 0.0
+        return min(self.spot.checkpoint_s / 3600, remaining_h)
 
     def _allocate(self, group: list[_Job], market: Market, now: float,
                   sizes: dict[str, int] | None = None,
@@ -436,13 +456,24 @@ class _SpotSim:
 
     def _place(self, jobs: list[_Job], assigned: dict[str, Assignment], pools: list[SimPool],
                free: dict[str, int], now: float) -> dict[str, tuple[Assignment, SimPool]]:
-        """Running jobs first (they may keep their pool), then the largest gangs first."""
+        """Running jobs keep their pool while it holds their new size; the others go, largest
+        gang first, where the spot policy says; then fleet moves running jobs into the room
+        left elsewhere when that beats region_score's stickiness margin (no job is displaced)."""
         out: dict[str, tuple[Assignment, SimPool]] = {}
-        todo = [j for j in jobs if j.state.id in assigned]
-        todo.sort(key=lambda j: (j.pool is None or j.pool.pool.id not in free,
-                                 -assigned[j.state.id].gpus, j.state.submitted, j.state.id))
+        todo = sorted((j for j in jobs if j.state.id in assigned),
+                      key=lambda j: (-assigned[j.state.id].gpus, j.state.submitted, j.state.id))
         for j in todo:
             a = assigned[j.state.id]
+            if j.pool is not None and j.pool.pool.id in free and \
+                    j.pool.pool.accelerator is a.accelerator and free[j.pool.pool.id] >= a.gpus:
+                free[j.pool.pool.id] -= a.gpus
+                out[j.state.id] = (a, j.pool)
+        for j in todo:
+            a = assigned[j.state.id]
+            if j.state.id in out:
+                if self.spot.market is not MarketPolicy.FLEET:
+                    continue
+                free[j.pool.pool.id] += a.gpus  # its own GPUs count as room where it is
             fits = [p for p in pools if p.pool.accelerator is a.accelerator
                     and free[p.pool.id] >= a.gpus]
             pool = self._pick(j, a, fits, now)
@@ -471,7 +502,8 @@ class _SpotSim:
         needs = JobNeeds(
             gpus=a.gpus, remaining_h=job.pace.hours(job.state.app.efficiency.target)
             - job.pace.hours(job.state.progress), restart_h=job.restart_h,
-            checkpoint_interval_h=self.spot.checkpoint_s / 3600,
+            checkpoint_interval_h=0.0 if self.spot.checkpoint_on_notice
+            else self.spot.checkpoint_s / 3600,
             current_pool=None if job.pool is None else job.pool.pool.id)
         candidates = [Candidate(pool=p.pool, prior_monthly_rate=UNKNOWN_RATE,
                                 preemptions_seen=self.preempted.get(p.pool.id, 0),
