@@ -67,6 +67,8 @@ DEFAULT_CHECKPOINT_S = 100.0  # the job spec's default (policies.models.Checkpoi
 
 
 class MarketPolicy(StrEnum):
+    """How markets and regions are used (``--spot-policy``); see the module docstring."""
+
     ONDEMAND = "ondemand"
     FAILOVER = "skypilot-failover"
     EAGER = "skypilot-eager"
@@ -106,12 +108,16 @@ def sim_pools(specs: Sequence[PoolSpec]) -> list[SimPool]:
                     f"{pool.region}; add price_per_gpu_hour to the pool")
             pool = pool.model_copy(update={"price_per_gpu_hour": price})
         priced.append((s, pool))
+    ondemand = {(p.cloud, p.region, p.accelerator): p.price_per_gpu_hour
+                for _, p in reversed(priced) if p.market is Market.ON_DEMAND}
     out = []
     for s, pool in priced:
-        ref = pool.price_per_gpu_hour if pool.market is Market.ON_DEMAND else next(
-            (p.price_per_gpu_hour for _, p in priced if p.market is Market.ON_DEMAND
-             and (p.cloud, p.region, p.accelerator) == (pool.cloud, pool.region, pool.accelerator)),
-            None) or catalog_price(pool, Market.ON_DEMAND)
+        if pool.market is Market.ON_DEMAND:
+            ref = pool.price_per_gpu_hour
+        else:
+            ref = ondemand.get((pool.cloud, pool.region, pool.accelerator))
+            if ref is None:
+                ref = catalog_price(pool, Market.ON_DEMAND)
         if ref is None:
             raise ClusterError(
                 f"{s.where}: no on-demand reference price for this spot pool (ondemand_cost_usd "
@@ -122,11 +128,14 @@ def sim_pools(specs: Sequence[PoolSpec]) -> list[SimPool]:
 
 
 def has_spot(specs: Sequence[PoolSpec]) -> bool:
+    """Does the cluster have a spot or trace pool (``--spot-policy auto`` then runs fleet)?"""
     return any(s.pool.market is Market.SPOT or s.trace is not None for s in specs)
 
 
 @dataclass(frozen=True)
 class SpotConfig:
+    """The spot simulation's own settings (the allocator's are ``SimConfig``)."""
+
     market: MarketPolicy = MarketPolicy.FLEET
     checkpoint_s: float = DEFAULT_CHECKPOINT_S
     # FleetBroker's agent checkpoints when the cloud announces a preemption (AWS 2 min, GCP and
@@ -142,6 +151,8 @@ class SpotConfig:
 
 @dataclass
 class SpotResult:
+    """The classic result plus costs (USD), GPU-hours by market and the spot counters."""
+
     result: SimResult
     cost_usd: float = 0.0
     ondemand_cost_usd: float = 0.0
@@ -157,7 +168,7 @@ class SpotResult:
 class _Job:
     sim: _SimJob
     deadline: float | None
-    pace: _Pace
+    pace: Pace
     pool: SimPool | None = None
     placed_at: float = 0.0
     checkpoint: float = 0.0  # progress at the last checkpoint
@@ -174,14 +185,13 @@ class _Job:
 
 
 @dataclass
-class _Pace:
+class Pace:
     """Hours of work at the job's requested configuration, as a function of progress: the yardstick
     of Can't Be Late's pace (the elastic allocator may run the job faster or slower)."""
 
-    bounds: list[float]
-    seconds_per_unit: list[float]
-    gpus: int
-    accelerator: Accelerator
+    bounds: list[float]  # progress at the start of each epoch, and the target
+    seconds_per_unit: list[float]  # per epoch, at the requested configuration
+    gpus: int  # the requested GPU count (capped at the type's GPUs)
 
     def hours(self, progress: float) -> float:
         done = 0.0
@@ -191,10 +201,10 @@ class _Pace:
         return done / 3600
 
 
-def isolated_pace(state: JobState, types: Sequence[TypeCapacity]) -> _Pace:
+def isolated_pace(state: JobState, types: Sequence[TypeCapacity]) -> Pace:
     """The job alone at its requested GPUs and batch on its fastest type of the cluster."""
     eff = state.app.efficiency
-    best: _Pace | None = None
+    best: Pace | None = None
     for cap in types:
         if cap.accelerator not in state.app.throughput:
             continue
@@ -204,7 +214,7 @@ def isolated_pace(state: JobState, types: Sequence[TypeCapacity]) -> _Pace:
         for e in range(eff.max_epochs):
             rate, _ = state.app.rate(cap.accelerator, placement, state.workload_batch, e)
             per.append(state.slowdown / rate if rate > 0 else math.inf)
-        pace = _Pace([float(b) for b in eff.boundaries], per, gpus, cap.accelerator)
+        pace = Pace([float(b) for b in eff.boundaries], per, gpus)
         if best is None or pace.hours(eff.target) < best.hours(eff.target):
             best = pace
     if best is None or not math.isfinite(best.hours(eff.target)):
