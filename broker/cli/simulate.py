@@ -44,15 +44,27 @@ def simulate(
         True, help="let elastic/fixed-batch jobs accumulate gradients past the per-GPU limit"),
     migrate: bool = typer.Option(
         False, help="let a running job move to a type where it runs 3x faster (a restart)"),
+    spot_policy: str = typer.Option(
+        "auto", help="ondemand | skypilot-failover | skypilot-eager | fleet: how spot markets "
+        "and regions are used; auto: fleet when the cluster has spot or trace pools, else the "
+        "classic simulation (no markets, no costs)"),
+    checkpoint_interval: float = typer.Option(
+        100.0, help="spot simulation: seconds of progress between checkpoints (a preemption "
+        "loses the work since the last one); 100 is the job spec's default"),
+    checkpoint_on_notice: bool = typer.Option(
+        False, help="spot simulation: jobs checkpoint on the preemption notice (FleetBroker's "
+        "agent does; SkyPilot polls), so a preemption loses no work"),
     seed: int = typer.Option(0, help="recorded; the simulator itself draws no random numbers"),
-    workers: int = typer.Option(1, help="processes simulating workloads in parallel"),
+    workers: int = typer.Option(
+        1, help="processes simulating workloads in parallel (classic simulation only)"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object, no progress"),
     jobs_out: Path | None = typer.Option(None, help="write one CSV row per job here"),
 ) -> None:
     """Simulate WORKLOAD.csv files on CLUSTER with POLICY and report job completion times."""
-    from broker.sim.cluster import ClusterError, fleet_capacity, parse_cluster
+    from broker.sim.cluster import ClusterError, fleet_capacity, read_pool_specs
     from broker.sim.engine import SimConfig, SimulationError
-    from broker.sim.report import summary, write_jobs
+    from broker.sim.report import spot_summary, summary, write_jobs
+    from broker.sim.spot import MarketPolicy, SpotConfig, has_spot, sim_pools, simulate_spot
     from broker.sim.workload import WorkloadError, read_workload
     from policies.choices import ValueConfig, ValueFunction
     from policies.goodput import EfficiencyModel
@@ -80,27 +92,43 @@ def simulate(
             fail(f"--restart-penalty {restart_penalty!r} must be seconds (e.g. 30) or per-model")
     if workers < 1:
         fail(f"--workers must be at least 1, got {workers}")
+    market = None
+    if spot_policy != "auto":
+        market = choice("spot-policy", spot_policy, MarketPolicy)
     try:
         cfg = SimConfig(pol, adm, interval, penalty, eff, slowdown == "sia",
                         ValueConfig(val, fairness, restart_horizon), accumulation=accumulation,
                         migrate=migrate)
-        fleet = fleet_capacity(parse_cluster(cluster))
+        specs = read_pool_specs(cluster)
+        fleet = fleet_capacity([s.pool for s in specs])
+        if market is None and has_spot(specs):
+            market = MarketPolicy.FLEET
+        if market is not None:
+            pools = sim_pools(specs)
+            spot = SpotConfig(market, checkpoint_interval, checkpoint_on_notice)
     except (ValueError, ClusterError) as e:
         fail(str(e))
     paths = _expand(workloads)
-    try:
-        for p in paths:  # validate every file before spending time on any simulation
-            read_workload(p)
-        show = not json_out and sys.stderr.isatty()
-        results = _simulate_all(paths, fleet, cfg, workers, show)
-    except (WorkloadError, SimulationError) as e:
-        fail(str(e))
     settings = {"policy": pol.value, "cluster": cluster, "admission": adm.value,
                 "interval": interval, "restart_penalty": restart_penalty,
                 "efficiency": eff.value, "slowdown": slowdown, "value": val.value,
                 "fairness": fairness, "restart_horizon": restart_horizon,
                 "accumulation": accumulation, "migrate": migrate, "seed": seed}
-    out = summary(results, settings)
+    try:
+        loaded = [read_workload(p) for p in paths]  # validate every file before simulating
+        if market is not None:
+            settings.update(spot_policy=market.value, checkpoint_interval=checkpoint_interval,
+                            checkpoint_on_notice=checkpoint_on_notice)
+            spot_results = [(str(p), simulate_spot(jobs, pools, cfg, spot))
+                            for p, jobs in zip(paths, loaded, strict=True)]
+            results = [(name, r.result) for name, r in spot_results]
+            out = spot_summary(spot_results, settings)
+        else:
+            show = not json_out and sys.stderr.isatty()
+            results = _simulate_all(paths, fleet, cfg, workers, show)
+            out = summary(results, settings)
+    except (WorkloadError, SimulationError) as e:
+        fail(str(e))
     if jobs_out:
         write_jobs(jobs_out, results)
     if json_out:
@@ -138,9 +166,14 @@ def _print_table(out: dict[str, Any]) -> None:
 
     from broker.cli.app import console
 
-    table = Table(title=f"policy {out['policy']} on {out['cluster']} ({out['admission']})")
+    title = f"policy {out['policy']} on {out['cluster']} ({out['admission']})"
     cols = ["workload", "jobs", "completed", "dropped", "avg_jct_h", "p99_jct_h", "makespan_h",
             "gpu_hours_per_job", "rescales"]
+    if "spot_policy" in out:
+        title += f", spot policy {out['spot_policy']}"
+        cols = [*cols[:2], "completed", "avg_jct_h", "cost_usd", "ondemand_cost_usd",
+                "saving_pct", "deadline_misses", "migrations", "lost_work_gpu_h"]
+    table = Table(title=title)
     for c in cols:
         table.add_column(c, justify="left" if c == "workload" else "right")
     for p in out["per_workload"]:

@@ -1,24 +1,33 @@
 """Cluster specs: ``t4:16x4``, ``t4:6x4,2080ti:3x8,a100:2x8`` or a YAML file of pools.
 
-YAML form (every key of ``policies.models.Pool``; cloud/region default to ``sim``)::
+YAML form (every key of ``policies.models.Pool``; cloud/region default to ``sim``), plus an
+optional ``trace:`` per pool, a spot availability file (path relative to the YAML file, format in
+``broker/sim/traces.py``)::
 
     pools:
       - {accelerator: T4, nodes: 6, gpus_per_node: 4}
-      - {accelerator: A100, nodes: 2, gpus_per_node: 8, cloud: aws, region: us-east-1,
-         market: spot, price_per_gpu_hour: 1.2}
+      - {accelerator: V100, nodes: 4, gpus_per_node: 8, cloud: aws, region: us-east-2,
+         market: spot, trace: traces/us-east-2a_v100_1.json}
+
+``price_per_gpu_hour`` left out means the catalog's price (``catalog_price``) in the spot
+simulation, and 0 in the classic one (which never looks at prices).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
+from broker.sim.traces import SpotTrace, TraceError, read_trace
 from policies.apps import ACCELERATOR_TRACES
 from policies.choices import TypeCapacity
-from policies.models import Accelerator, Pool
+from policies.models import Accelerator, Market, Pool
+from providers.catalog import CLOUDS, CatalogOffer, load_offers
 
 
 class ClusterError(ValueError):
@@ -28,8 +37,23 @@ class ClusterError(ValueError):
 _ITEM = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*:\s*(\d+)\s*x\s*(\d+)\s*$")
 
 
+@dataclass(frozen=True)
+class PoolSpec:
+    """A pool as the cluster file gave it: its spot trace, and whether it named a price."""
+
+    pool: Pool
+    trace: SpotTrace | None = None
+    priced: bool = False
+    where: str = ""
+
+
 def parse_cluster(spec: str) -> list[Pool]:
     """Pools from a compact spec or a YAML file path."""
+    return [s.pool for s in read_pool_specs(spec)]
+
+
+def read_pool_specs(spec: str) -> list[PoolSpec]:
+    """Like ``parse_cluster``, keeping each pool's trace and whether its price was given."""
     path = Path(spec)
     if spec.endswith((".yaml", ".yml")) or path.is_file():
         return _from_yaml(path)
@@ -42,8 +66,9 @@ def parse_cluster(spec: str) -> list[Pool]:
                 "nor a YAML file"
             )
         acc = _accelerator(m.group(1))
-        pools.append(_pool({"accelerator": acc, "nodes": int(m.group(2)),
-                            "gpus_per_node": int(m.group(3))}, item.strip()))
+        pools.append(PoolSpec(_pool({"accelerator": acc, "nodes": int(m.group(2)),
+                                     "gpus_per_node": int(m.group(3))}, item.strip()),
+                              where=item.strip()))
     return pools
 
 
@@ -64,7 +89,7 @@ def _pool(fields: dict, where: str) -> Pool:
         raise ClusterError(f"{where}: field {loc!r}: {err['msg']}") from None
 
 
-def _from_yaml(path: Path) -> list[Pool]:
+def _from_yaml(path: Path) -> list[PoolSpec]:
     try:
         doc = yaml.safe_load(path.read_text())
     except FileNotFoundError:
@@ -78,15 +103,45 @@ def _from_yaml(path: Path) -> list[Pool]:
         where = f"{path} pools[{i}]"
         if not isinstance(raw, dict):
             raise ClusterError(f"{where}: each pool is a mapping of fields")
-        unknown = set(raw) - set(Pool.model_fields)
+        known = {*Pool.model_fields, "trace"}
+        unknown = set(raw) - known
         if unknown:
             raise ClusterError(f"{where}: unknown field(s) {sorted(unknown)}; "
-                               f"known: {sorted(Pool.model_fields)}")
+                               f"known: {sorted(known)}")
         fields = dict(raw)
+        trace_name = fields.pop("trace", None)
         if "accelerator" in fields:
             fields["accelerator"] = _accelerator(str(fields["accelerator"]))
-        pools.append(_pool(fields, where))
+        pool = _pool(fields, where)
+        where = f"{where} ({pool.id})"
+        trace = None
+        if trace_name is not None:
+            try:
+                trace = read_trace(path.parent / str(trace_name))
+            except TraceError as e:
+                raise ClusterError(f"{where}: field 'trace': {e}") from None
+        pools.append(PoolSpec(pool, trace, "price_per_gpu_hour" in fields, where))
     return pools
+
+
+@cache
+def _offers(cloud: str) -> tuple[CatalogOffer, ...]:
+    return tuple(load_offers([cloud]))
+
+
+def catalog_price(pool: Pool, market: Market) -> float | None:
+    """The catalog's USD per GPU-hour for the pool's (cloud, region, accelerator, GPUs per node)
+    in ``market``: the cheapest matching instance type, in the pool's zone when the catalog
+    names that zone, else the cheapest zone of the region (as SkyPilot's optimizer would pick);
+    None when the catalog has no such offer (or does not know the cloud)."""
+    if pool.cloud not in CLOUDS:
+        return None
+    fits = [o for o in _offers(pool.cloud)
+            if o.region == pool.region and o.accelerator is pool.accelerator
+            and o.accelerator_count == pool.gpus_per_node and o.per_gpu(market) is not None]
+    in_zone = [o for o in fits if pool.zone and o.zone == pool.zone]
+    prices = [o.per_gpu(market) for o in in_zone or fits]
+    return min(p for p in prices if p is not None) if prices else None
 
 
 def fleet_capacity(pools: list[Pool]) -> list[TypeCapacity]:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from broker.sim.engine import JobRecord, SimResult
+from broker.sim.spot import SpotResult
 
 
 def _hours(x: float) -> float:
@@ -61,6 +62,34 @@ def summary(results: Sequence[tuple[str, SimResult]], settings: dict[str, Any]) 
         "rescales": sum(p["rescales"] for p in per),
         "per_workload": per,
     }
+
+
+def spot_fields(results: Sequence[SpotResult]) -> dict[str, Any]:
+    """Cost and spot counters summed over workloads; ``saving_pct`` is against
+    ``ondemand_cost_usd`` (the same GPU time at on-demand prices)."""
+    cost = sum(r.cost_usd for r in results)
+    ondemand = sum(r.ondemand_cost_usd for r in results)
+    return {
+        "cost_usd": round(cost, 2),
+        "ondemand_cost_usd": round(ondemand, 2),
+        "saving_pct": round(100 * (1 - cost / ondemand), 1) if ondemand else 0.0,
+        "deadline_misses": sum(r.deadline_misses for r in results),
+        "migrations": sum(r.migrations for r in results),
+        "preemptions": sum(r.preemptions for r in results),
+        "lost_work_gpu_h": round(sum(r.lost_work_gpu_h for r in results), 3),
+        "spot_gpu_h": round(sum(r.spot_gpu_h for r in results), 3),
+        "ondemand_gpu_h": round(sum(r.ondemand_gpu_h for r in results), 3),
+    }
+
+
+def spot_summary(results: Sequence[tuple[str, SpotResult]],
+                 settings: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` plus the spot fields, overall and per workload."""
+    out = summary([(name, r.result) for name, r in results], settings)
+    out.update(spot_fields([r for _, r in results]))
+    for per, (_, r) in zip(out["per_workload"], results, strict=True):
+        per.update(spot_fields([r]))
+    return out
 
 
 def write_jobs(path: Path, results: Sequence[tuple[str, SimResult]]) -> None:

@@ -1,4 +1,8 @@
-"""Reads workload traces in the public format ``name,time,application,num_replicas,batch_size``."""
+"""Reads workload traces in the public format ``name,time,application,num_replicas,batch_size``.
+
+An optional ``deadline`` column gives each job a deadline in seconds after its submission (an
+empty cell: no deadline); only the spot simulation acts on it.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ class WorkloadJob:
     application: str
     num_replicas: int
     batch_size: int
+    deadline: float | None = None  # seconds after submission
 
 
 def read_workload(path: Path) -> list[WorkloadJob]:
@@ -70,9 +75,16 @@ def read_workload(path: Path) -> list[WorkloadJob]:
         if app not in APP_SPECS:
             raise WorkloadError(f"{path} line {line}, column 'application': unknown application "
                                 f"{app!r}; known: {', '.join(sorted(APP_SPECS))}")
+        deadline = None
+        if "deadline" in header and row[header.index("deadline")].strip():
+            cell["deadline"] = row[header.index("deadline")].strip()
+            deadline = number("deadline", float, 0)
+            if not 0 < deadline < float("inf"):
+                raise WorkloadError(f"{path} line {line}, column 'deadline': {deadline} must be "
+                                    "a positive number of seconds after submission")
         jobs.append(WorkloadJob(name, number("time", float, 0), app,
                                 int(number("num_replicas", int, 1)),
-                                int(number("batch_size", int, 1))))
+                                int(number("batch_size", int, 1)), deadline))
     if not jobs:
         raise WorkloadError(f"{path}: no jobs after the header")
     return jobs
