@@ -30,10 +30,11 @@ class ActuatorConfig(BaseModel):
     max_failures: int = 3
 
 
-def launch_request(job: JobRecord, intent: Intent, pool: Pool,
-                   config: ActuatorConfig) -> LaunchRequest:
+def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorConfig, *,
+                   backend_starts_agent: bool = False) -> LaunchRequest:
     """The provider request for a launch intent: the job's command under the runtime agent with
-    the assigned world size, batch size and checkpoint location in its environment."""
+    the assigned world size, batch size and checkpoint location in its environment. Where the
+    backend's start script runs the agent itself (cloud VMs) the command is not wrapped again."""
     spec = job.spec
     checkpoint = spec.checkpoint.uri or str((config.checkpoint_root / job.id).resolve())
     env = {
@@ -57,11 +58,12 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool,
         env["FLEET_AGENT_TOKEN"] = config.agent_token
     run = '"$FLEET_RUN"'
     main = (f"{shlex.quote(sys.executable)} -m broker.runtime.agent -- sh -c {run}"
-            if config.use_agent else f"sh -c {run}")
+            if config.use_agent and not backend_starts_agent else f"sh -c {run}")
     script = (f"{spec.setup}\n" if spec.setup else "") + f"exec {main}"
-    return LaunchRequest(idempotency_key=intent.key, job_id=job.id, region=pool.region,
-                         zone=pool.zone, accelerator=pool.accelerator, gpus_per_node=intent.gpus,
-                         market=pool.market, env=env, command=["sh", "-c", script])
+    return LaunchRequest(idempotency_key=intent.key, job_id=job.id, cloud=pool.cloud,
+                         region=pool.region, zone=pool.zone, accelerator=pool.accelerator,
+                         gpus_per_node=intent.gpus, market=pool.market, env=env,
+                         command=["sh", "-c", script])
 
 
 class Actuator:
@@ -126,7 +128,9 @@ class Actuator:
         if self.store.leader() is None or self.store.leader()[0] != fence:  # type: ignore[index]
             return 0  # lost the lease: leave the intent to the next leader
         try:
-            nodes = self.provider.launch(launch_request(job, intent, pool, self.config))
+            starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
+            nodes = self.provider.launch(launch_request(
+                job, intent, pool, self.config, backend_starts_agent=starts_agent))
         except CapacityError as exc:
             plan.change(job, JobState.SUSPENDED, reason=f"no capacity: {exc}", fence=fence)
             self.store.apply(plan, fence=fence)
