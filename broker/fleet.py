@@ -86,13 +86,15 @@ class FleetFile(LocalFleet):
 def cloud_pools(cloud: str, config: CloudConfig, offers: list[Offer],
                 capacity: dict[str, int]) -> list[Pool]:
     """One pool per (region, accelerator, market) that the provider's offers price: the
-    cheapest per-GPU price there, ``max_gpus`` GPUs (fewer when the quota headroom is known)."""
+    cheapest per-GPU price among instance types of at most ``max_gpus`` GPUs there, and
+    ``max_gpus`` GPUs (fewer when the quota headroom is known)."""
     pools = []
     for region in config.regions:
         for acc in config.accelerators:
             for market in config.markets:
                 prices = [h / o.accelerator_count for o in offers
                           if o.region == region and o.accelerator is acc
+                          and o.accelerator_count <= config.max_gpus  # a node it may hold
                           and (h := o.hourly(market)) is not None]
                 if not prices:
                     log.info("%s %s: no %s %s offer in the catalog; no pool", cloud, region,
