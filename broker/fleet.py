@@ -2,7 +2,9 @@
 providers a fleet file declares (``clouds:``), each call routed by the pool's cloud.
 
 A declared cloud without credentials is skipped with one log line naming the cloud and the fix
-(``providers.registry.build_providers``); the broker keeps using the others.
+(``providers.registry.build_providers``); the broker keeps using the others. A backend that
+fails while running (API down, network) is reported by ``unreachable()`` so the reconciler
+leaves its jobs as they are, and the other backends go on.
 """
 
 from __future__ import annotations
@@ -126,8 +128,9 @@ class FleetProvider(Provider):
         self.pool_ttl_s = pool_ttl_s
         self._owner: dict[str, Provider] = {}  # node id -> backend, from launches and listings
         self._lock = threading.Lock()
-        self._cloud_pools: tuple[float, list[Pool]] | None = None
+        self._cloud_pools: tuple[float, dict[str, list[Pool]]] | None = None
         self._local_clouds = {r.cloud for r in local.fleet.regions} if local else set()
+        self._down: dict[str, str] = {}  # backend name -> why its last listing failed
 
     @property
     def backends(self) -> list[Provider]:
@@ -148,11 +151,19 @@ class FleetProvider(Provider):
         (recomputed every ``pool_ttl_s``: prices and quotas move slowly)."""
         now = time.monotonic()
         if self._cloud_pools is None or now - self._cloud_pools[0] >= self.pool_ttl_s:
-            found = [p for name, provider in self.clouds.items()
-                     for p in cloud_pools(name, self.configs[name], provider.offers(),
-                                          provider.capacity())]
+            last = self._cloud_pools[1] if self._cloud_pools else {}
+            found: dict[str, list[Pool]] = {}
+            for name, provider in self.clouds.items():
+                try:
+                    found[name] = cloud_pools(name, self.configs[name], provider.offers(),
+                                              provider.capacity())
+                except Exception as exc:  # keep what it last offered; the others go on
+                    log.warning("%s: cannot read offers/capacity (%s); keeping its last pools",
+                                name, exc)
+                    found[name] = last.get(name, [])
             self._cloud_pools = (now, found)
-        return (self.local.pools() if self.local else []) + self._cloud_pools[1]
+        cloud = [p for pools in self._cloud_pools[1].values() for p in pools]
+        return (self.local.pools() if self.local else []) + cloud
 
     def offers(self) -> list[Offer]:
         return [o for b in self.backends for o in b.offers()]
@@ -177,20 +188,49 @@ class FleetProvider(Provider):
             backend = self.backends[0]
         else:
             backend = self.for_cloud(request.cloud)
-        nodes = backend.launch(request)
+        try:
+            nodes = backend.launch(request)
+        except ProviderError:
+            raise
+        except Exception as exc:  # e.g. the cloud's endpoint unreachable: a failed launch
+            raise ProviderError(f"{backend.name} launch {request.idempotency_key}: {exc}") \
+                from exc
         self._remember(backend, nodes)
         return nodes
 
     def nodes(self) -> list[Node]:
+        """Every backend's nodes; a backend that fails is left out and named by
+        ``unreachable()`` until a listing succeeds again."""
         out = []
         for backend in self.backends:
-            found = backend.nodes()
+            try:
+                found = backend.nodes()
+            except Exception as exc:  # one cloud's outage must not stop the others
+                if backend.name not in self._down:
+                    log.warning("%s: cannot list nodes (%s); its jobs wait until it answers",
+                                backend.name, exc)
+                self._down[backend.name] = str(exc)
+                continue
+            self._down.pop(backend.name, None)
             self._remember(backend, found)
             out += found
         return out
 
+    def unreachable(self) -> frozenset[str]:
+        down = set()
+        for backend in self.backends:
+            if backend.name in self._down:
+                down |= self._local_clouds if backend is self.local else {backend.name}
+        return frozenset(down)
+
     def notices(self) -> list[PreemptionNotice]:
-        return [n for b in self.backends for n in b.notices()]
+        out = []
+        for backend in self.backends:
+            try:
+                out += backend.notices()
+            except Exception as exc:  # the agents' reports still arrive through the API
+                log.warning("%s: cannot read preemption notices (%s)", backend.name, exc)
+        return out
 
     def terminate(self, node_id: str) -> None:
         backend = self._backend(node_id)

@@ -49,8 +49,11 @@ class Reconciler:
                                             JobState.SUSPENDING])
         noticed = {n.node_id for n in self.provider.notices()}
         reports = self.store.agent_reports(j for j in jobs if j.state is not JobState.LAUNCHING)
+        down = self.provider.unreachable()
         claimed: set[str] = set()
         for job in jobs:
+            if job.pool and job.pool.split(":", 1)[0] in down:
+                continue  # its nodes are unknown right now, not gone
             mine = [n for n in nodes.values() if n.idempotency_key == job.launch_key]
             claimed |= {n.node_id for n in mine}
             if job.state is JobState.LAUNCHING:

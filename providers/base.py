@@ -127,6 +127,11 @@ class Provider(abc.ABC):
         """The backend that serves ``cloud``'s pools (itself, for a single backend)."""
         return self
 
+    def unreachable(self) -> frozenset[str]:
+        """Clouds whose inventory the last ``nodes()`` could not read (their nodes are missing
+        from it, not gone); a single backend raises instead and returns none."""
+        return frozenset()
+
     def outlives_agent(self, node: Node) -> bool:
         """Whether ``node`` keeps running after its agent exited (a cloud VM does), so the
         broker must terminate it once the agent reported how the job ended."""

@@ -14,6 +14,7 @@ from moto import mock_aws
 
 from broker.actuator import Actuator, ActuatorConfig
 from broker.fleet import FleetFile, FleetProvider, build_fleet_provider
+from broker.models import JobState
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig, blocked_pools
 from broker.store import Conflict, Plan, Store
@@ -112,6 +113,13 @@ def test_fleet_file_with_clouds_and_local_regions(tmp_path: Path) -> None:
      "clouds: {aws: {regions: [us-east-1]}}", "regions.0.cloud: 'aws' is also declared"),
     ("name: empty", "declare local pretend regions under `regions:` or real clouds"),
 ])
+def test_example_fleet_files_load() -> None:
+    examples = sorted((Path(__file__).parent.parent / "examples" / "fleets").glob("*.yaml"))
+    loaded = {p.name: FleetFile.load(p) for p in examples}
+    assert sorted(loaded["clouds.yaml"].clouds) == ["aws", "gcp"]
+    assert loaded["local.yaml"].local_fleet() is not None and not loaded["local.yaml"].clouds
+
+
 def test_bad_fleet_files_name_the_field(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message) as err:
         FleetFile.load(fleet_file(tmp_path, text))
@@ -186,6 +194,35 @@ def test_launch_routes_by_cloud_and_the_rest_by_owner(mixed: FleetProvider) -> N
         mixed.launch(request("c:1:1", "azure", "eastus"))
     with pytest.raises(ValueError, match="local pretend regions only"):
         FleetProvider(None, mixed.clouds, mixed.configs).reclaim("us-east-1")
+
+
+def test_a_cloud_that_stops_answering_leaves_its_jobs_alone(
+        mixed: FleetProvider, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Store.from_url(redis_server.url)
+    fence = store.acquire_lease("me", 60)
+    store.set_pools(mixed.pools())
+    job = store.submit(spec("on-aws").model_copy(update={"accelerators": [Accelerator.V100]}),
+                       team="t")
+    Scheduler(store).run_round(fence)
+    Actuator(store, mixed, ActuatorConfig(use_agent=False)).run(fence)
+    running = store.get_job(job.id)
+    assert running is not None and running.pool == "aws:us-east-1:spot:V100"
+    reconciler = Reconciler(store, mixed)
+
+    def outage(self: AwsProvider) -> list:
+        raise ProviderError("aws describe_instances in us-east-1: endpoint unreachable")
+
+    with monkeypatch.context() as m:
+        m.setattr(AwsProvider, "nodes", outage)
+        assert [n.provider for n in mixed.nodes()] == []  # the local region has no nodes
+        assert mixed.unreachable() == {"aws"}
+        reconciler.run(fence)
+        assert store.get_job(job.id).state is JobState.RUNNING  # type: ignore[union-attr]
+    mixed.for_cloud("aws").terminate(running.node_ids[0])  # gone while nobody could see
+    reconciler.run(fence)
+    assert mixed.unreachable() == frozenset()
+    lost = store.get_job(job.id)
+    assert lost is not None and lost.state is JobState.SUSPENDED and lost.reason == "node lost"
 
 
 # ---- the blocklist ----------------------------------------------------------------------------
