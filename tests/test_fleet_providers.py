@@ -104,6 +104,13 @@ def test_fleet_file_with_clouds_and_local_regions(tmp_path: Path) -> None:
     assert FleetFile.load(fleet_file(tmp_path, CLOUDS)).local_fleet() is None
 
 
+def test_example_fleet_files_load() -> None:
+    examples = sorted((Path(__file__).parent.parent / "examples" / "fleets").glob("*.yaml"))
+    loaded = {p.name: FleetFile.load(p) for p in examples}
+    assert sorted(loaded["clouds.yaml"].clouds) == ["aws", "gcp"]
+    assert loaded["local.yaml"].local_fleet() is not None and not loaded["local.yaml"].clouds
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("clouds: {ibm: {regions: [x]}}", "clouds: .*unknown cloud 'ibm'; use one of: aws, gcp"),
     ("clouds: {aws: {regions: []}}", "clouds.aws.regions: List should have at least 1 item"),
@@ -113,13 +120,6 @@ def test_fleet_file_with_clouds_and_local_regions(tmp_path: Path) -> None:
      "clouds: {aws: {regions: [us-east-1]}}", "regions.0.cloud: 'aws' is also declared"),
     ("name: empty", "declare local pretend regions under `regions:` or real clouds"),
 ])
-def test_example_fleet_files_load() -> None:
-    examples = sorted((Path(__file__).parent.parent / "examples" / "fleets").glob("*.yaml"))
-    loaded = {p.name: FleetFile.load(p) for p in examples}
-    assert sorted(loaded["clouds.yaml"].clouds) == ["aws", "gcp"]
-    assert loaded["local.yaml"].local_fleet() is not None and not loaded["local.yaml"].clouds
-
-
 def test_bad_fleet_files_name_the_field(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message) as err:
         FleetFile.load(fleet_file(tmp_path, text))
