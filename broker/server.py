@@ -78,7 +78,9 @@ class EmbeddedRedis:
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
              "--dir", str(self.dir.resolve()), "--appendonly", "yes",
              "--appendfsync", "everysec", "--save", "", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # its own session: a terminal's Ctrl-C reaches the broker, which drains the jobs
+            # and then stops Redis, rather than killing Redis under the draining broker
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 15
         try:
