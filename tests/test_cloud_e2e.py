@@ -206,11 +206,13 @@ def test_spot_notice_on_moto_migrates_the_job_to_another_region(
         script = user_data(ec2, first)
         assert f"{METADATA_IP}{NOTICE_PATH}" in script  # the agent polls the real address
         instances.append(Instance(first, script, metadata, moto_url, tmp_path))
+        phases = {"first launch": time.monotonic() - started}
 
         # 2. It trains and checkpoints; then EC2 gives the two-minute notice.
         wait_for(lambda: (store.get_job(job.id).checkpoint_step or 0) >= 30,  # type: ignore
                  "the first checkpoints", timeout=60)
         metadata.notify(first["InstanceId"])
+        phases["notice"] = time.monotonic() - started
 
         # 3. The agent checkpoints and exits 75; the broker blocks us-east-1, terminates the
         # instance and launches in us-west-2.
@@ -220,6 +222,7 @@ def test_spot_notice_on_moto_migrates_the_job_to_another_region(
                                       if i["InstanceId"] != first["InstanceId"]],
                              "the second launch")  # type: ignore[misc]
         assert not job_instances(ec2, job.id, ["pending", "running"])[1:]  # never two at once
+        phases["second launch"] = time.monotonic() - started
         assert second["Placement"]["AvailabilityZone"].startswith("us-west-2")
         instances.append(Instance(second, user_data(ec2, second), metadata, moto_url, tmp_path))
 
@@ -257,7 +260,8 @@ def test_spot_notice_on_moto_migrates_the_job_to_another_region(
         preempted = next(e for e in events if e.type == "preempted")
         assert "instance-action terminate" in preempted.data["notice"]
         print(f"\ne2e: notice at checkpoint step {noticed_at}, resumed from step {resumed}, "
-              f"completed in {elapsed:.1f} s")
+              f"completed in {elapsed:.1f} s; " + ", ".join(
+                  f"{k} at {v:.1f} s" for k, v in phases.items()))
     finally:
         for inst in instances:  # shown when the test fails
             print(f"--- instance {inst.id} ({inst.region}) console:\n{inst.output()[-4000:]}")
