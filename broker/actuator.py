@@ -145,6 +145,9 @@ class Actuator:
             return 1
         now = time.time()
         start = min((n.launched_at.timestamp() for n in nodes if n.launched_at), default=now)
+        if job.attempt > 1:  # EC2's LaunchTime has whole seconds: never before the last end
+            ends = [p.end for p in self.store.placements(job.id) if p.end is not None]
+            start = max([start, *ends])
         plan.change(job, JobState.RUNNING, event_data={"pool": pool.id, "gpus": intent.gpus,
                                                        "batch_size": intent.batch_size},
                     node_ids=[n.node_id for n in nodes], launched_at=start,

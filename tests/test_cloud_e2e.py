@@ -248,7 +248,7 @@ def test_spot_notice_on_moto_migrates_the_job_to_another_region(
 
         one, two = store.placements(job.id)
         assert (one.cloud, one.region, two.region) == ("aws", "us-east-1", "us-west-2")
-        assert one.end is not None and one.end <= two.start + 0.5
+        assert one.end is not None and one.end <= two.start  # intervals never overlap
         assert one.price_per_gpu_hour < two.price_per_gpu_hour  # it left the cheaper region
 
         blocklist = Blocklist.model_validate_json(store.r.get(f"{store.p}{BLOCKLIST_KEY}"))
@@ -256,7 +256,10 @@ def test_spot_notice_on_moto_migrates_the_job_to_another_region(
         assert set(blocklist.active(time.time())) == {"aws:us-west-2", "local:lab"}
         events = store.events(job_id=job.id, limit=1000)
         kinds = [e.type for e in events]
-        assert kinds.index("preempted") < kinds.index("location-blocked") < len(kinds)
+        after = kinds[kinds.index("preempted"):]
+        assert after[:2] == ["preempted", "location-blocked"]
+        assert [k for k in after if k in ("suspended", "launching", "running", "completed")] == [
+            "suspended", "launching", "running", "completed"]
         preempted = next(e for e in events if e.type == "preempted")
         assert "instance-action terminate" in preempted.data["notice"]
         print(f"\ne2e: notice at checkpoint step {noticed_at}, resumed from step {resumed}, "

@@ -17,7 +17,7 @@ from broker.fleet import FleetFile, FleetProvider, build_fleet_provider
 from broker.models import JobState
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig, blocked_pools
-from broker.store import Conflict, Plan, Store
+from broker.store import AgentReport, Conflict, Plan, Store
 from policies.migration import Blocklist, mark_preempted
 from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool, SpotPolicy
 from policies.placement import PlacementRequest, PlacementResult, place
@@ -263,6 +263,17 @@ def test_blocklist_is_kept_in_redis_and_written_only_over_what_was_read(
     redis_server.restart(kill=False)  # a broker restart (and a Redis restart) keep it
     again, _ = Store.from_url(redis_server.url).blocklist()
     assert again == marked and again.is_blocked("x:1", time.time())
+
+
+def test_agent_reports_belong_to_one_attempt(store: Store) -> None:
+    job = store.submit(spec("reported"), team="t")
+    store.record_heartbeat(job.id, 0, samples_done=5, notice="aws spot instance-action")
+    store.record_heartbeat(job.id, 0, exit_code=75)
+    store.record_heartbeat(job.id, 3, exit_code=0)  # a stale attempt writes nothing
+    assert store.agent_reports([job]) == {job.id: AgentReport(exit_code=75,
+                                                              notice="aws spot instance-action")}
+    relaunched = job.model_copy(update={"attempt": 1})
+    assert store.agent_reports([relaunched]) == {}  # the next attempt starts with no report
 
 
 def test_notice_blocks_the_spot_location_and_the_job_resumes_elsewhere(
