@@ -31,10 +31,11 @@ class ActuatorConfig(BaseModel):
     max_failures: int = 3
 
 
-def launch_request(job: JobRecord, intent: Intent, pool: Pool,
-                   config: ActuatorConfig) -> LaunchRequest:
+def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorConfig, *,
+                   backend_starts_agent: bool = False) -> LaunchRequest:
     """The provider request for a launch intent: the job's command under the runtime agent with
-    the assigned world size, batch size and checkpoint location in its environment."""
+    the assigned world size, batch size and checkpoint location in its environment. Where the
+    backend's start script runs the agent itself (cloud VMs) the command is not wrapped again."""
     spec = job.spec
     checkpoint = spec.checkpoint.uri or str((config.checkpoint_root / job.id).resolve())
     env = {
@@ -58,11 +59,12 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool,
         env["FLEET_AGENT_TOKEN"] = config.agent_token
     run = '"$FLEET_RUN"'
     main = (f"{shlex.quote(sys.executable)} -m broker.runtime.agent -- sh -c {run}"
-            if config.use_agent else f"sh -c {run}")
+            if config.use_agent and not backend_starts_agent else f"sh -c {run}")
     script = (f"{spec.setup}\n" if spec.setup else "") + f"exec {main}"
-    return LaunchRequest(idempotency_key=intent.key, job_id=job.id, region=pool.region,
-                         zone=pool.zone, accelerator=pool.accelerator, gpus_per_node=intent.gpus,
-                         market=pool.market, env=env, command=["sh", "-c", script])
+    return LaunchRequest(idempotency_key=intent.key, job_id=job.id, cloud=pool.cloud,
+                         region=pool.region, zone=pool.zone, accelerator=pool.accelerator,
+                         gpus_per_node=intent.gpus, market=pool.market, env=env,
+                         command=["sh", "-c", script])
 
 
 class Actuator:
@@ -127,7 +129,9 @@ class Actuator:
         if self.store.leader() is None or self.store.leader()[0] != fence:  # type: ignore[index]
             return 0  # lost the lease: leave the intent to the next leader
         try:
-            nodes = self.provider.launch(launch_request(job, intent, pool, self.config))
+            starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
+            nodes = self.provider.launch(launch_request(
+                job, intent, pool, self.config, backend_starts_agent=starts_agent))
         except CapacityError as exc:
             plan.change(job, JobState.SUSPENDED, reason=f"no capacity: {exc}", fence=fence)
             self.store.apply(plan, fence=fence)
@@ -142,6 +146,9 @@ class Actuator:
             return 1
         now = time.time()
         start = min((n.launched_at.timestamp() for n in nodes if n.launched_at), default=now)
+        if job.attempt > 1:  # EC2's LaunchTime has whole seconds: never before the last end
+            ends = [p.end for p in self.store.placements(job.id) if p.end is not None]
+            start = max([start, *ends])
         plan.change(job, JobState.RUNNING, event_data={"pool": pool.id, "gpus": intent.gpus,
                                                        "batch_size": intent.batch_size},
                     node_ids=[n.node_id for n in nodes], launched_at=start,

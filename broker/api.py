@@ -62,6 +62,10 @@ class Heartbeat(BaseModel):
     world_size: int | None = Field(default=None, ge=1, le=4096)
     global_batch_size: int | None = Field(default=None, ge=1, le=10**7)
     checkpoint_step: int | None = Field(default=None, ge=0, le=10**15)
+    exit_code: int | None = Field(default=None, ge=-255, le=255,
+                                  description="the command's exit code, in the last report")
+    notice: str | None = Field(default=None, max_length=500,
+                               description="the node's preemption notice, once it came")
 
     @field_validator("samples_per_sec")
     @classmethod

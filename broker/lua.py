@@ -61,7 +61,9 @@ return id
 #   sets: [{job, state?: s, fields?: {name: text}}],   -- bumps version by one
 #   intents_add: [{id, json}], intents_del: [id],
 #   placement_open: [{job, json}], placement_close: [{job, json}],
-#   events: [{type, job?, data?}], wake?: true }
+#   events: [{type, job?, data?}], wake?: true,
+#   kv: [{key, value, expect}] }  -- a plain string key set only if it still holds `expect`
+#                                    ('' = absent): leader state such as the blocklist
 APPLY = _FENCE_CHECK + """
 local p, fence, now = ARGV[1], ARGV[2], ARGV[3]
 local err = check_fence(p, fence)
@@ -81,6 +83,11 @@ for _, c in ipairs(ops.checks or {}) do
   end
   if c.attempt and tonumber(redis.call('HGET', key, 'attempt')) ~= c.attempt then
     return redis.error_reply('CONFLICT ' .. c.job .. ' is on another attempt')
+  end
+end
+for _, kv in ipairs(ops.kv or {}) do
+  if (redis.call('GET', p .. kv.key) or '') ~= kv.expect then
+    return redis.error_reply('CONFLICT ' .. kv.key .. ' changed')
   end
 end
 local versions = {}
@@ -107,6 +114,7 @@ for _, pl in ipairs(ops.placement_close or {}) do
     redis.call('LSET', p .. 'placements:' .. pl.job, -1, pl.json)
   end
 end
+for _, kv in ipairs(ops.kv or {}) do redis.call('SET', p .. kv.key, kv.value) end
 for _, e in ipairs(ops.events or {}) do event(p, now, e.type, e.job, e.data) end
 if ops.wake then wake(p) end
 return versions

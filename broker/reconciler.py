@@ -1,9 +1,12 @@
 """The reconciler: compares the provider's inventory with Redis and repairs both sides.
 
 Nodes that ended settle their job (exit 0 -> completed, 75 -> suspended to resume from its
-checkpoint, else a counted failure), closing the placement interval; preemption notices move
-running jobs to suspending; nodes no active job claims (stale attempts, jobs lost with Redis
-data) are terminated; nodes' output is copied into the job logs.
+checkpoint, else a counted failure; where the provider cannot tell, the exit code the agent
+reported), closing the placement interval; preemption notices (the provider's, or the agent's
+report from the node's metadata service) move running jobs to suspending and block the reclaimed
+spot location in the Redis-kept SpotHedge blocklist; a VM whose agent has exited is terminated;
+nodes no active job claims (stale attempts, jobs lost with Redis data) are terminated; nodes'
+output is copied into the job logs.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import time
 from dataclasses import dataclass
 
 from broker.models import JobRecord, JobState
-from broker.store import Conflict, Plan, Store
+from broker.store import AgentReport, Conflict, Plan, Store
+from policies.migration import DEFAULT_DECAY_S, expire, location_keys, mark_preempted, register
+from policies.models import Market, Pool
 from providers.base import Node, NodeState, Provider
 
 log = logging.getLogger(__name__)
@@ -30,10 +35,12 @@ class ReconcileResult:
 
 
 class Reconciler:
-    def __init__(self, store: Store, provider: Provider, *, max_failures: int = 3) -> None:
+    def __init__(self, store: Store, provider: Provider, *, max_failures: int = 3,
+                 blocklist_decay_s: float = DEFAULT_DECAY_S) -> None:
         self.store = store
         self.provider = provider
         self.max_failures = max_failures
+        self.blocklist_decay_s = blocklist_decay_s
 
     def run(self, fence: int) -> ReconcileResult:
         res = ReconcileResult()
@@ -41,22 +48,32 @@ class Reconciler:
         jobs = self.store.list_jobs(states=[JobState.LAUNCHING, JobState.RUNNING,
                                             JobState.SUSPENDING])
         noticed = {n.node_id for n in self.provider.notices()}
+        reports = self.store.agent_reports(j for j in jobs if j.state is not JobState.LAUNCHING)
+        down = self.provider.unreachable()
         claimed: set[str] = set()
         for job in jobs:
+            if job.pool and job.pool.split(":", 1)[0] in down:
+                continue  # its nodes are unknown right now, not gone
             mine = [n for n in nodes.values() if n.idempotency_key == job.launch_key]
             claimed |= {n.node_id for n in mine}
             if job.state is JobState.LAUNCHING:
                 continue  # the actuator owns it until the launch is recorded
             self._copy_logs(job, mine)
+            report = reports.get(job.id, AgentReport())
             try:
-                preempted = bool(noticed & set(job.node_ids))
-                if self._settle(job, [nodes.get(i) for i in job.node_ids], fence, preempted):
+                preempted = bool(noticed & set(job.node_ids)) or report.notice is not None
+                if report.exit_code is not None:
+                    self._release_vms(job, nodes)
+                if self._settle(job, [nodes.get(i) for i in job.node_ids], fence, preempted,
+                                report):
                     res.settled += 1
                 elif job.state is JobState.RUNNING and preempted:
                     plan = Plan()
                     plan.change(job, JobState.SUSPENDING, event="preempted",
+                                event_data={"notice": report.notice} if report.notice else None,
                                 reason="spot capacity reclaimed", preemptions=job.preemptions + 1,
                                 fence=fence)
+                    self._block(plan, job)
                     self.store.apply(plan, fence=fence)
                     res.preempted += 1
             except Conflict as exc:
@@ -72,12 +89,42 @@ class Reconciler:
                 res.orphans += 1
         return res
 
+    def _release_vms(self, job: JobRecord, nodes: dict[str, Node]) -> None:
+        """The agent reported its exit: a VM that outlives it is no longer needed."""
+        for node_id in job.node_ids:
+            node = nodes.get(node_id)
+            if node is not None and node.state is not NodeState.TERMINATED and \
+                    self.provider.outlives_agent(node):
+                log.info("job %s: agent exited; terminating %s", job.id, node_id)
+                self.provider.terminate(node_id)
+
+    def _block(self, plan: Plan, job: JobRecord) -> None:
+        """Mark the job's spot location preempted in the stored blocklist (SpotHedge), in the
+        same atomic step as the job's change."""
+        pools = {p.id: p for p in self.store.pools()}
+        pool = pools.get(job.pool or "")
+        if pool is None or pool.market is not Market.SPOT:
+            return
+        now = time.time()
+        blocklist, read = self.store.blocklist(self.blocklist_decay_s)
+        spot = [location(p) for p in pools.values() if p.market is Market.SPOT]
+        where = location(pool)
+        blocklist = mark_preempted(expire(register(blocklist, spot), now), where, now)
+        plan.set_blocklist(blocklist, read=read)
+        # "blocked" is False when SpotHedge's rule reset every mark (fewer than two active)
+        plan.event("location-blocked", job.id, {
+            "location": where, "blocked": where in blocklist.preempted,
+            "decay_s": blocklist.decay_s, "active": blocklist.active(now)})
+
     def _settle(self, job: JobRecord, nodes: list[Node | None], fence: int,
-                preempted: bool) -> bool:
+                preempted: bool, report: AgentReport) -> bool:
         """If every node of the job is gone, record how it ended. True when settled."""
         if any(n is not None and n.state is not NodeState.TERMINATED for n in nodes):
             return False
-        codes = [n.exit_code for n in nodes if n is not None]
+        # A VM does not tell how the command ended; its agent did (``report.exit_code``).
+        agent = report.exit_code
+        codes = [agent if n is None or n.exit_code is None else n.exit_code
+                 for n in nodes if n is not None or agent is not None]
         ended = max((n.ended_at.timestamp() for n in nodes if n and n.ended_at),
                     default=time.time())
         plan = Plan()
@@ -90,6 +137,7 @@ class Reconciler:
         elif preempted and job.state is JobState.RUNNING:  # ended before we saw the notice
             state, reason, event = JobState.SUSPENDED, "spot capacity reclaimed", "preempted"
             fields["preemptions"] = job.preemptions + 1
+            self._block(plan, job)
         elif (codes and all(c == EXIT_CHECKPOINTED for c in codes)) or \
                 job.state is JobState.SUSPENDING:
             state, reason = JobState.SUSPENDED, job.reason or "checkpointed"
@@ -117,3 +165,8 @@ class Reconciler:
             if lines:
                 self.store.append_log(job.id, lines)
                 self.store.r.set(key, new, ex=7 * 86400)
+
+
+def location(pool: Pool) -> str:
+    """The blocklist key of a pool: its zone when it has one, else its region."""
+    return location_keys(pool)[-1]

@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field
 from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.store import Plan, Snapshot, Store
 from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
-from policies.models import Accelerator, Pool
+from policies.migration import Blocklist, location_keys
+from policies.models import Accelerator, Market, Pool
 from policies.placement import PlacementRequest, place
 from policies.throughput import ThroughputModel, batch_candidates
 
@@ -109,12 +110,22 @@ def _accelerator(job: JobRecord, pools_by_id: dict[str, Pool],
     return next((a for a in job.spec.accelerators if a in available), None)
 
 
+def blocked_pools(pools: list[Pool], blocklist: Blocklist | None, now: float) -> frozenset[str]:
+    """Spot pools in a location the blocklist holds (a reclaim says nothing about on-demand)."""
+    if blocklist is None:
+        return frozenset()
+    return frozenset(p.id for p in pools if p.market is Market.SPOT and
+                     any(blocklist.is_blocked(k, now) for k in location_keys(p)))
+
+
 def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
-               now: float | None = None) -> RoundResult:
-    """Decide the round's changes from one snapshot; pure apart from reading the clock."""
+               now: float | None = None, *, blocklist: Blocklist | None = None) -> RoundResult:
+    """Decide the round's changes from one snapshot; pure apart from reading the clock. Jobs
+    are not placed in spot locations ``blocklist`` holds (they may stay where they run)."""
     now = time.time() if now is None else now
     res = RoundResult(plan=Plan(wake=False))
     pools_by_id = {p.id: p for p in snap.pools}
+    blocked = blocked_pools(snap.pools, blocklist, now)
     available = {p.accelerator for p in snap.pools if p.capacity > 0}
     used: dict[str, int] = defaultdict(int)  # GPUs held by jobs this round does not move
     by_accel: dict[Accelerator, list[JobRecord]] = defaultdict(list)
@@ -154,7 +165,7 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             requests.append(PlacementRequest(
                 job.id, c.gpus, fallbacks,
                 job.pool if job.state is JobState.RUNNING else None,
-                job.spec.spot, job.spec.regions.allow, job.spec.regions.deny))
+                job.spec.spot, job.spec.regions.allow, job.spec.regions.deny, blocked))
         placed = place(requests, pools, used)
         # GPUs free right now: running jobs hold theirs until they have checkpointed, so a
         # launch into GPUs a resizing job still holds waits for a later round.
@@ -272,7 +283,8 @@ class Scheduler:
     def run_round(self, fence: int) -> RoundResult:
         """Snapshot, plan, apply atomically. A conflict (a job changed meanwhile) leaves
         everything as it was; the next round re-plans from fresh state."""
-        res = plan_round(self.store.snapshot(), fence, self.config)
+        res = plan_round(self.store.snapshot(), fence, self.config,
+                         blocklist=self.store.blocklist()[0])
         if not res.plan.empty():
             self.store.apply(res.plan, fence=fence)
         return res

@@ -23,10 +23,11 @@ import redis
 from pydantic import BaseModel, Field
 
 from broker.actuator import Actuator, ActuatorConfig
+from broker.fleet import FleetProvider, build_fleet_provider
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.store import Plan, StaleFence, Store
-from providers.local import LocalFleet, LocalProvider
+from policies.migration import DEFAULT_DECAY_S
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ class BrokerConfig(BaseModel):
     broker_url: str | None = None
     agent_token: str | None = None
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    blocklist_decay_s: float = Field(default=DEFAULT_DECAY_S, gt=0,
+                                     description="how long a reclaimed spot location stays "
+                                     "blocked (SpotHedge's reset may free it earlier)")
 
 
 class EmbeddedRedis:
@@ -74,7 +78,9 @@ class EmbeddedRedis:
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
              "--dir", str(self.dir.resolve()), "--appendonly", "yes",
              "--appendfsync", "everysec", "--save", "", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # its own session: a terminal's Ctrl-C reaches the broker, which drains the jobs
+            # and then stops Redis, rather than killing Redis under the draining broker
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 15
         try:
@@ -113,18 +119,20 @@ def free_port() -> int:
 class Broker:
     """The leader loop over a store and a provider."""
 
-    def __init__(self, config: BrokerConfig, store: Store, provider: LocalProvider) -> None:
+    def __init__(self, config: BrokerConfig, store: Store, provider: FleetProvider,
+                 skipped: dict[str, str] | None = None) -> None:
         self.config = config
         self.store = store
         self.provider = provider
+        self.skipped = skipped or {}  # declared clouds without credentials -> why
         self.scheduler = Scheduler(store, config.scheduler)
         self.actuator = Actuator(store, provider, ActuatorConfig(
             checkpoint_root=config.state_dir / "checkpoints", broker_url=config.broker_url,
             agent_token=config.agent_token, use_agent=config.use_agent,
             heartbeat_interval_s=config.heartbeat_interval_s,
             max_failures=config.scheduler.max_failures))
-        self.reconciler = Reconciler(store, provider,
-                                     max_failures=config.scheduler.max_failures)
+        self.reconciler = Reconciler(store, provider, max_failures=config.scheduler.max_failures,
+                                     blocklist_decay_s=config.blocklist_decay_s)
         self.fence = 0
         self.rounds = 0
         self._stop = threading.Event()
@@ -187,23 +195,23 @@ class Broker:
 
 
 def build_broker(config: BrokerConfig, *, redis_url: str | None = None) -> Broker:
-    """A broker over ``redis_url`` (or ``config.redis_url``) with the local fleet provider."""
+    """A broker over ``redis_url`` (or ``config.redis_url``) with the fleet file's providers:
+    its local pretend regions and the declared clouds that have credentials."""
     url = redis_url or config.redis_url
     if url is None:
         raise ValueError("build_broker needs a redis URL; run_server starts an embedded one")
-    fleet = LocalFleet.load(config.fleet)
-    provider = LocalProvider(fleet, config.state_dir / "provider", workdir=REPO)
-    return Broker(config, Store.from_url(url), provider)
+    provider, skipped = build_fleet_provider(config.fleet, config.state_dir, REPO)
+    return Broker(config, Store.from_url(url), provider, skipped)
 
 
-def drain(provider: LocalProvider) -> None:
+def drain(provider: FleetProvider) -> None:
     """Ask every node to checkpoint and exit, and wait (killing after the grace period): a
     later broker resumes those jobs from their checkpoints."""
     from providers.base import NodeState
 
     for node in provider.nodes():
         provider.terminate(node.node_id)
-    deadline = time.monotonic() + provider.fleet.grace_period_s + 5
+    deadline = time.monotonic() + provider.grace_period_s + 5
     while time.monotonic() < deadline and any(
             n.state is not NodeState.TERMINATED for n in provider.nodes()):
         time.sleep(0.2)
@@ -261,7 +269,11 @@ class Stack:
                       .with_token(self.tokens["agent"], Role.AGENT))
         config = self.config.model_copy(update={
             "redis_url": url, "broker_url": self.url, "agent_token": self.tokens["agent"]})
-        self.broker = build_broker(config)
+        try:
+            self.broker = build_broker(config)
+        except Exception:
+            self.stop()  # no embedded redis-server left behind
+            raise
         app = build_app(self.broker.store, api_config)
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=self.host, port=self.port, log_level="warning", access_log=False,

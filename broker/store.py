@@ -23,6 +23,7 @@ from broker.models import (
     Placement,
     check_transition,
 )
+from policies.migration import Blocklist
 from policies.models import JobSpec, Pool
 
 _PROGRESS_FIELDS = (
@@ -31,6 +32,16 @@ _PROGRESS_FIELDS = (
 ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
 CHECKPOINT_EXIT = "checkpoint-exit"
 CONTINUE = "continue"
+BLOCKLIST_KEY = "blocklist"  # the reclaimed spot locations (policies.migration.Blocklist JSON)
+
+
+@dataclass(frozen=True)
+class AgentReport:
+    """What a job's agent said about one attempt beyond progress: how its command ended
+    (a cloud VM does not tell) and whether its node got a preemption notice."""
+
+    exit_code: int | None = None
+    notice: str | None = None
 
 
 class StoreError(Exception):
@@ -101,6 +112,7 @@ class Plan:
     placement_open: list[dict[str, str]] = field(default_factory=list)
     placement_close: list[dict[str, str]] = field(default_factory=list)
     events: list[dict[str, str]] = field(default_factory=list)
+    kv: list[dict[str, str]] = field(default_factory=list)
     wake: bool = False
 
     def change(
@@ -141,9 +153,18 @@ class Plan:
     def close_placement(self, placement: Placement) -> None:
         self.placement_close.append({"job": placement.job_id, "json": placement.model_dump_json()})
 
+    def put(self, key: str, value: str, *, expect: str | None) -> None:
+        """Set plain key ``key`` (under the store prefix) if it still holds ``expect`` (None:
+        absent); otherwise the whole plan is refused with ``Conflict``."""
+        self.kv.append({"key": key, "value": value, "expect": expect or ""})
+
+    def set_blocklist(self, blocklist: Blocklist, *, read: str | None) -> None:
+        """Store ``blocklist``, which was derived from the stored text ``read``."""
+        self.put(BLOCKLIST_KEY, blocklist.model_dump_json(), expect=read)
+
     def empty(self) -> bool:
         return not (self.sets or self.intents_add or self.intents_del or self.events
-                    or self.placement_open or self.placement_close)
+                    or self.placement_open or self.placement_close or self.kv)
 
     def ops(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if v and k != "wake"}
@@ -238,9 +259,11 @@ class Store:
     def record_heartbeat(self, job_id: str, attempt: int, *, samples_done: int | None = None,
                          samples_per_sec: float | None = None, world_size: int | None = None,
                          global_batch_size: int | None = None,
-                         checkpoint_step: int | None = None, **_: Any) -> str:
-        """Record an agent's progress; returns the action for the agent: ``continue`` or
-        ``checkpoint-exit`` (stale attempt, cancel requested, or the job is being stopped)."""
+                         checkpoint_step: int | None = None, exit_code: int | None = None,
+                         notice: str | None = None, **_: Any) -> str:
+        """Record an agent's progress (and, per attempt, its exit code and any preemption
+        notice); returns the action for the agent: ``continue`` or ``checkpoint-exit``
+        (stale attempt, cancel requested, or the job is being stopped)."""
         values: dict[str, Any] = {}
         if samples_done is not None:
             values["samples_done"] = int(samples_done)
@@ -250,6 +273,10 @@ class Store:
             values["measured_batch_size"] = global_batch_size
         if checkpoint_step is not None:
             values["checkpoint_step"] = int(checkpoint_step)
+        if exit_code is not None:
+            values[f"exit:{int(attempt)}"] = int(exit_code)
+        if notice:
+            values[f"notice:{int(attempt)}"] = notice[:500]
         flat = [x for k, v in values.items() for x in (k, json.dumps(v))]
         if samples_per_sec and world_size and global_batch_size:
             # per-configuration history: the scheduler's throughput curve uses it
@@ -339,6 +366,29 @@ class Store:
         pipe.delete(f"{self.p}commands")
         raw, _ = pipe.execute()
         return [json.loads(x) for x in raw]
+
+    def agent_reports(self, jobs: Iterable[JobRecord]) -> dict[str, AgentReport]:
+        """Each job's agent report for its current attempt (jobs without one are left out)."""
+        jobs = list(jobs)
+        pipe = self.r.pipeline(transaction=False)
+        for job in jobs:
+            pipe.hmget(f"{self.p}progress:{job.id}", f"exit:{job.attempt}",
+                       f"notice:{job.attempt}")
+        out = {}
+        for job, (code, notice) in zip(jobs, pipe.execute(), strict=True):
+            if code is not None or notice is not None:
+                out[job.id] = AgentReport(
+                    exit_code=None if code is None else int(json.loads(code)),
+                    notice=None if notice is None else json.loads(notice))
+        return out
+
+    def blocklist(self, decay_s: float | None = None) -> tuple[Blocklist, str | None]:
+        """The stored blocklist and its stored text (pass it to ``Plan.set_blocklist``); a new
+        one with ``decay_s`` when none is stored yet."""
+        raw = self.r.get(f"{self.p}{BLOCKLIST_KEY}")
+        if raw is not None:
+            return Blocklist.model_validate_json(raw), raw
+        return (Blocklist() if decay_s is None else Blocklist(decay_s=decay_s)), None
 
     # ---- leader side: lease, snapshot, plans, intents ------------------------------------------
 

@@ -3,8 +3,9 @@
 A job's GPUs stay in one pool. Jobs that already run keep their pool when it still has room (no
 churn); others go to the cheapest eligible pool (spot first for ``preferred``, on-demand only
 for ``never``; at equal price on-demand before spot, as it carries no preemption risk).
-Allowed/denied regions are ``cloud:region`` globs. When fragmentation leaves no pool with room
-for a job's GPU count, the job is repaired to the largest smaller count that fits.
+Allowed/denied regions are ``cloud:region`` globs; ``blocked`` pools (spot locations just
+reclaimed, from ``policies.migration``) take no new jobs. When fragmentation leaves no pool with
+room for a job's GPU count, the job is repaired to the largest smaller count that fits.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class PlacementRequest:
     spot: SpotPolicy = SpotPolicy.ALLOWED
     allow: Sequence[str] = ("*",)
     deny: Sequence[str] = ()
+    blocked: frozenset[str] = frozenset()  # pool ids to avoid (reclaimed spot), unless current
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ def region_allowed(pool: Pool, allow: Sequence[str], deny: Sequence[str]) -> boo
 
 def eligible(pool: Pool, req: PlacementRequest) -> bool:
     if req.spot is SpotPolicy.NEVER and pool.market is Market.SPOT:
+        return False
+    if pool.id in req.blocked and pool.id != req.current_pool:
         return False
     return region_allowed(pool, req.allow, req.deny)
 

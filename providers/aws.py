@@ -92,6 +92,7 @@ class AwsProvider(Provider):
     """EC2 in a set of regions; nodes are ``<region>/<instance-id>``."""
 
     name = "aws"
+    starts_agent = True  # the user data / startup script runs the agent
 
     def __init__(
         self,

@@ -81,6 +81,7 @@ class AzureProvider(Provider):
     """Azure VMs in one resource group; nodes are VM names."""
 
     name = "azure"
+    starts_agent = True  # the user data / startup script runs the agent
 
     def __init__(
         self,

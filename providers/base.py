@@ -47,6 +47,7 @@ class LaunchRequest(BaseModel):
 
     idempotency_key: str = Field(min_length=1, max_length=128)
     job_id: str
+    cloud: str | None = None  # the pool's cloud: a provider serving several routes by it
     region: str
     zone: str | None = None
     accelerator: Accelerator
@@ -89,6 +90,9 @@ class Provider(abc.ABC):
     """One capacity backend. Implementations must be safe to call again after any failure."""
 
     name: str
+    # Whether the backend's start script runs ``broker.runtime.agent`` around
+    # ``LaunchRequest.command`` (cloud VMs); when False the caller wraps the command itself.
+    starts_agent: bool = False
 
     @abc.abstractmethod
     def offers(self) -> list[Offer]:
@@ -118,6 +122,20 @@ class Provider(abc.ABC):
         """Drop a TERMINATED node from the inventory once the broker recorded its outcome;
         backends whose inventory forgets ended nodes by themselves keep this default."""
         return None
+
+    def for_cloud(self, cloud: str) -> Provider:
+        """The backend that serves ``cloud``'s pools (itself, for a single backend)."""
+        return self
+
+    def unreachable(self) -> frozenset[str]:
+        """Clouds whose inventory the last ``nodes()`` could not read (their nodes are missing
+        from it, not gone); a single backend raises instead and returns none."""
+        return frozenset()
+
+    def outlives_agent(self, node: Node) -> bool:
+        """Whether ``node`` keeps running after its agent exited (a cloud VM does), so the
+        broker must terminate it once the agent reported how the job ended."""
+        return self.starts_agent
 
     def read_log(self, node_id: str, offset: int = 0) -> tuple[list[str], int]:
         """Complete output lines of a node from byte ``offset``; backends without logs: none."""

@@ -7,6 +7,7 @@ import re
 import shlex
 import uuid
 
+from policies.models import Market
 from providers.base import LaunchRequest
 
 BROKER_TAG = "fleet-broker"  # value: the broker's id, so several brokers can share an account
@@ -19,6 +20,15 @@ GPUS_TAG = "fleet-gpus"
 # UUIDv5 namespace for request ids derived from idempotency keys (fixed forever: changing it
 # would make retried launches after an upgrade look new).
 REQUEST_NAMESPACE = uuid.UUID("6f1c2b8e-3f4a-5d6e-8a9b-0c1d2e3f4a5b")
+
+# Where the agent on a spot VM polls for the preemption notice (each cloud's metadata service).
+NOTICE_URLS = {
+    "aws": ("FLEET_NOTICE_AWS_URL", "http://169.254.169.254/latest/meta-data/spot/instance-action"),
+    "gcp": ("FLEET_NOTICE_GCP_URL",
+            "http://metadata.google.internal/computeMetadata/v1/instance/preempted"),
+    "azure": ("FLEET_NOTICE_AZURE_URL",
+              "http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01"),
+}
 
 
 def request_uuid(key: str) -> str:
@@ -50,11 +60,14 @@ def tags(request: LaunchRequest, broker_id: str) -> dict[str, str]:
 
 
 def agent_env(request: LaunchRequest, cloud: str) -> dict[str, str]:
-    """The FLEET_* environment of the agent: the request's own env plus where it runs."""
+    """The FLEET_* environment of the agent: the request's own env plus where it runs, and on
+    spot the cloud's metadata URL for preemption notices."""
     bad = [k for k in request.env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
     if bad:
         raise ValueError(f"env: {bad} are not valid variable names (use letters, digits, '_')")
+    notice = NOTICE_URLS.get(cloud) if request.market is Market.SPOT else None
     return {
+        **(dict([notice]) if notice else {}),  # the request's env may point elsewhere
         **request.env,
         "FLEET_JOB_ID": request.job_id,
         "FLEET_IDEMPOTENCY_KEY": request.idempotency_key,

@@ -115,6 +115,7 @@ class GcpProvider(Provider):
     """Compute Engine in one project; nodes are ``<zone>/<instance-name>``."""
 
     name = "gcp"
+    starts_agent = True  # the user data / startup script runs the agent
 
     def __init__(
         self,

@@ -149,6 +149,7 @@ class SkyPilotProvider(Provider):
     """Launch through SkyPilot on one of its clouds; nodes are ``<cluster>#<rank>``."""
 
     name = "skypilot"
+    starts_agent = True  # the user data / startup script runs the agent
 
     def __init__(
         self,

@@ -17,7 +17,8 @@ def up(
     state_dir: Path = typer.Option(Path(".state"), help="Where Redis data, node state and "
                                    "checkpoints live"),
     redis_url: str | None = typer.Option(None, help="Use this Redis instead of starting one"),
-    fleet: Path | None = typer.Option(None, help="Local fleet file (examples/fleets/*.yaml)"),
+    fleet: Path | None = typer.Option(None, help="Fleet file: local pretend regions and/or "
+                                      "clouds (examples/fleets/*.yaml)"),
     host: str = typer.Option("127.0.0.1", help="API listen address"),
     port: int = typer.Option(8470, help="API port"),
     config: Path | None = typer.Option(None, help="Broker config YAML (api tokens)"),
@@ -27,9 +28,9 @@ def up(
     """Run the broker in the foreground until Ctrl-C."""
     from broker.auth import ConfigError
     from broker.client import write_client_config
+    from broker.fleet import FleetFile
     from broker.scheduler import Admission, Policy, SchedulerConfig
     from broker.server import DEFAULT_FLEET, BrokerConfig, Stack
-    from providers.local import LocalFleet
 
     try:
         sched = SchedulerConfig(policy=Policy(policy), admission=Admission(admission))
@@ -38,14 +39,14 @@ def up(
              f"(got {policy!r}, {admission!r})")
     fleet = fleet or DEFAULT_FLEET
     try:
-        LocalFleet.load(fleet)
+        FleetFile.load(fleet)
     except ValueError as exc:
         fail(str(exc))
     stack = Stack(BrokerConfig(state_dir=state_dir, redis_url=redis_url, fleet=fleet,
                                scheduler=sched), host=host, port=port, api_config_path=config)
     try:
         stack.start()
-    except (RuntimeError, ConfigError) as exc:
+    except (RuntimeError, ConfigError, ValueError) as exc:
         fail(str(exc))
     saved = write_client_config(stack.url, stack.tokens["admin"])
     console.print(f"FleetBroker up at [bold]{stack.url}[/] (Redis "

@@ -54,8 +54,10 @@ Rank 0 writes there, as JSON, ``{step, samples_done, samples_per_sec,
 global_batch_size, world_size, checkpoint_step}``. Every FLEET_HEARTBEAT_INTERVAL the agent sends
 ``{job_id, attempt, node_rank, state, step, samples_done, samples_per_sec, world_size,
 global_batch_size, checkpoint_step}`` where state is ``running`` or ``stopping`` (a last heartbeat
-says ``finished``, ``stopped`` or ``failed``). A response ``{"action": "checkpoint-exit"}``
-stops the job.
+says ``finished``, ``stopped`` or ``failed`` and carries ``exit_code``: a cloud VM does not tell
+the broker how the command ended). Once the node has a preemption notice every heartbeat carries
+it as ``notice`` (the first is sent at once), so the broker blocks the location. A response
+``{"action": "checkpoint-exit"}`` stops the job.
 
 A stop (SIGTERM or SIGINT to the agent, a preemption notice, or the broker's ``checkpoint-exit``)
 sends SIGTERM to every worker; the library checkpoints at the next step boundary and exits with 75.

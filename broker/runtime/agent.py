@@ -137,6 +137,7 @@ class Agent:
         self.progress_file = Path(env.get("FLEET_PROGRESS_FILE") or self.workdir / "progress.json")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stop_reason: str | None = None
+        self.notice: str | None = None  # the node's preemption notice, once it came
         self._stop = threading.Event()
         self._done = threading.Event()
         self._out_lock = threading.Lock()
@@ -215,7 +216,7 @@ class Agent:
         except (OSError, ValueError):
             return {}
 
-    def heartbeat(self, state: str) -> dict[str, Any]:
+    def heartbeat(self, state: str, exit_code: int | None = None) -> dict[str, Any]:
         c = self.config
         p = self.progress()
         body = {
@@ -230,6 +231,10 @@ class Agent:
             "global_batch_size": p.get("global_batch_size"),
             "checkpoint_step": p.get("checkpoint_step"),
         }
+        if self.notice:
+            body["notice"] = self.notice
+        if exit_code is not None:
+            body["exit_code"] = exit_code
         headers = {"Content-Type": "application/json"}
         if c.token:
             headers["Authorization"] = f"Bearer {c.token}"
@@ -259,8 +264,11 @@ class Agent:
     def _poll_notices(self, checks: list[Callable[[], str | None]]) -> None:
         for check in checks:
             reason = check()
-            if reason:
+            if reason and self.notice is None:
+                self.notice = reason
                 self.request_stop(f"preemption notice: {reason}")
+                if self.config.broker_url:  # tell the broker now: it blocks the location
+                    self._beat()
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self) -> int:
@@ -302,7 +310,7 @@ class Agent:
             t.join(timeout=5)
         self.state = {EXIT_FINISHED: "finished", EXIT_STOPPED: "stopped"}.get(code, "failed")
         if c.broker_url:
-            self.heartbeat(self.state)
+            self.heartbeat(self.state, exit_code=code)
         log(f"{self.state} (exit {code})" + (f": {self.stop_reason}" if self.stop_reason else ""))
         shutil.rmtree(self.workdir, ignore_errors=True)
         return code

@@ -1,0 +1,284 @@
+"""The broker's one provider over the whole fleet: the local pretend regions and the cloud
+providers a fleet file declares (``clouds:``), each call routed by the pool's cloud.
+
+A declared cloud without credentials is skipped with one log line naming the cloud and the fix
+(``providers.registry.build_providers``); the broker keeps using the others. A backend that
+fails while running (API down, network) is reported by ``unreachable()`` so the reconciler
+leaves its jobs as they are, and the other backends go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from policies.models import Accelerator, Market, Offer, Pool
+from providers.base import LaunchRequest, Node, PreemptionNotice, Provider, ProviderError
+from providers.local import LocalFleet, LocalProvider, LocalRegion
+from providers.registry import build_providers
+
+log = logging.getLogger(__name__)
+
+CLOUDS = ("aws", "gcp", "azure")
+
+
+class CloudConfig(BaseModel):
+    """One cloud of the fleet: where the broker may buy which GPUs, and at most how many."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    regions: list[str] = Field(min_length=1)
+    accelerators: list[Accelerator] = Field(default_factory=lambda: [Accelerator.T4],
+                                            min_length=1)
+    markets: list[Market] = Field(default_factory=lambda: [Market.SPOT, Market.ON_DEMAND],
+                                  min_length=1)
+    max_gpus: int = Field(default=8, ge=1, le=4096,
+                          description="GPUs the broker may hold per pool (a budget cap; the "
+                          "provider's quota headroom lowers it when known)")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra provider arguments (image_id, broker_id, endpoint_url); never "
+        "credentials: those come from the cloud's standard chain")
+
+    @model_validator(mode="after")
+    def _no_credentials(self) -> CloudConfig:
+        words = ("secret", "password", "key_id", "token", "credential")
+        bad = [k for k in self.options if any(w in k.lower() for w in words)]
+        if bad:
+            raise ValueError(f"options: {bad} look like credentials; remove them and use the "
+                             "cloud's standard credential chain (AWS_PROFILE, gcloud auth "
+                             "application-default login, az login)")
+        return self
+
+
+class FleetFile(LocalFleet):
+    """A fleet file: local pretend ``regions`` (optional once ``clouds`` are declared) and
+    ``clouds: {aws: {regions: [...], ...}}``."""
+
+    regions: list[LocalRegion] = Field(default_factory=list)  # type: ignore[assignment]
+    clouds: dict[str, CloudConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _routable(self) -> FleetFile:
+        unknown = sorted(set(self.clouds) - set(CLOUDS))
+        if unknown:
+            raise ValueError(f"clouds: unknown cloud {unknown[0]!r}; use one of: "
+                             f"{', '.join(CLOUDS)}")
+        if not self.regions and not self.clouds:
+            raise ValueError("declare local pretend regions under `regions:` or real clouds "
+                             "under `clouds:` (or both)")
+        for i, r in enumerate(self.regions):
+            if r.cloud in self.clouds:
+                raise ValueError(f"regions.{i}.cloud: {r.cloud!r} is also declared under "
+                                 f"clouds:; give pretend regions another cloud name (e.g. "
+                                 f"local) so launches route unambiguously")
+        return self
+
+    def local_fleet(self) -> LocalFleet | None:
+        if not self.regions:
+            return None
+        return LocalFleet.model_validate(self.model_dump(exclude={"clouds"}))
+
+
+def cloud_pools(cloud: str, config: CloudConfig, offers: list[Offer],
+                capacity: dict[str, int]) -> list[Pool]:
+    """One pool per (region, accelerator, market) that the provider's offers price: the
+    cheapest per-GPU price among instance types of at most ``max_gpus`` GPUs there, and
+    ``max_gpus`` GPUs (fewer when the quota headroom is known)."""
+    pools = []
+    for region in config.regions:
+        for acc in config.accelerators:
+            for market in config.markets:
+                prices = [h / o.accelerator_count for o in offers
+                          if o.region == region and o.accelerator is acc
+                          and o.accelerator_count <= config.max_gpus  # a node it may hold
+                          and (h := o.hourly(market)) is not None]
+                if not prices:
+                    log.info("%s %s: no %s %s offer in the catalog; no pool", cloud, region,
+                             acc.value, market.value)
+                    continue
+                pool_id = Pool(cloud=cloud, region=region, accelerator=acc, market=market,
+                               nodes=0, gpus_per_node=1).id
+                gpus = min(config.max_gpus, capacity.get(pool_id, config.max_gpus))
+                pool = Pool(cloud=cloud, region=region, accelerator=acc, market=market,
+                            nodes=int(gpus > 0), gpus_per_node=max(gpus, 1),
+                            price_per_gpu_hour=round(min(prices), 6))
+                pools.append(pool)
+    return pools
+
+
+class FleetProvider(Provider):
+    """Routes every call to the backend of the pool's cloud (launch by ``request.cloud``, the
+    rest by which backend owns the node), so the actuator and reconciler see one provider."""
+
+    name = "fleet"
+
+    def __init__(self, local: LocalProvider | None, clouds: dict[str, Provider],
+                 configs: dict[str, CloudConfig], *, grace_period_s: float = 10.0,
+                 pool_ttl_s: float = 30.0) -> None:
+        self.local = local
+        self.clouds = clouds
+        self.configs = configs
+        self.grace_period_s = grace_period_s
+        self.pool_ttl_s = pool_ttl_s
+        self._owner: dict[str, Provider] = {}  # node id -> backend, from launches and listings
+        self._lock = threading.Lock()
+        self._cloud_pools: tuple[float, dict[str, list[Pool]]] | None = None
+        self._local_clouds = {r.cloud for r in local.fleet.regions} if local else set()
+        self._down: dict[str, str] = {}  # backend name -> why its last listing failed
+
+    @property
+    def backends(self) -> list[Provider]:
+        return ([self.local] if self.local else []) + list(self.clouds.values())
+
+    def for_cloud(self, cloud: str) -> Provider:
+        if self.local is not None and cloud in self._local_clouds:
+            return self.local
+        if cloud in self.clouds:
+            return self.clouds[cloud]
+        raise ProviderError(f"no provider serves cloud {cloud!r} (declared: "
+                            f"{', '.join(sorted(self._local_clouds | set(self.clouds)))})")
+
+    # ---- pools, offers, capacity ----------------------------------------------------------
+
+    def pools(self) -> list[Pool]:
+        """The local regions' pools (live: reclaims change them) and the clouds' pools
+        (recomputed every ``pool_ttl_s``: prices and quotas move slowly)."""
+        now = time.monotonic()
+        if self._cloud_pools is None or now - self._cloud_pools[0] >= self.pool_ttl_s:
+            last = self._cloud_pools[1] if self._cloud_pools else {}
+            found: dict[str, list[Pool]] = {}
+            for name, provider in self.clouds.items():
+                try:
+                    found[name] = cloud_pools(name, self.configs[name], provider.offers(),
+                                              provider.capacity())
+                except Exception as exc:  # keep what it last offered; the others go on
+                    log.warning("%s: cannot read offers/capacity (%s); keeping its last pools",
+                                name, exc)
+                    found[name] = last.get(name, [])
+            self._cloud_pools = (now, found)
+        cloud = [p for pools in self._cloud_pools[1].values() for p in pools]
+        return (self.local.pools() if self.local else []) + cloud
+
+    def offers(self) -> list[Offer]:
+        return [o for b in self.backends for o in b.offers()]
+
+    def capacity(self) -> dict[str, int]:
+        return {k: v for b in self.backends for k, v in b.capacity().items()}
+
+    def reclaim(self, region: str, duration_s: float = 60.0) -> int:
+        """Chaos: reclaim a local pretend spot region (real clouds reclaim on their own)."""
+        if self.local is None:
+            raise ValueError(f"cannot reclaim {region!r}: chaos reclaims act on local pretend "
+                             "regions only, and this fleet has none")
+        return self.local.reclaim(region, duration_s)
+
+    # ---- nodes ------------------------------------------------------------------------------
+
+    def launch(self, request: LaunchRequest) -> list[Node]:
+        if request.cloud is None:
+            if len(self.backends) != 1:
+                raise ProviderError(f"launch {request.idempotency_key}: the request names no "
+                                    "cloud and the fleet has several providers")
+            backend = self.backends[0]
+        else:
+            backend = self.for_cloud(request.cloud)
+        try:
+            nodes = backend.launch(request)
+        except ProviderError:
+            raise
+        except Exception as exc:  # e.g. the cloud's endpoint unreachable: a failed launch
+            raise ProviderError(f"{backend.name} launch {request.idempotency_key}: {exc}") \
+                from exc
+        self._remember(backend, nodes)
+        return nodes
+
+    def nodes(self) -> list[Node]:
+        """Every backend's nodes; a backend that fails is left out and named by
+        ``unreachable()`` until a listing succeeds again."""
+        out = []
+        for backend in self.backends:
+            try:
+                found = backend.nodes()
+            except Exception as exc:  # one cloud's outage must not stop the others
+                if backend.name not in self._down:
+                    log.warning("%s: cannot list nodes (%s); its jobs wait until it answers",
+                                backend.name, exc)
+                self._down[backend.name] = str(exc)
+                continue
+            self._down.pop(backend.name, None)
+            self._remember(backend, found)
+            out += found
+        return out
+
+    def unreachable(self) -> frozenset[str]:
+        down = set()
+        for backend in self.backends:
+            if backend.name in self._down:
+                down |= self._local_clouds if backend is self.local else {backend.name}
+        return frozenset(down)
+
+    def notices(self) -> list[PreemptionNotice]:
+        out = []
+        for backend in self.backends:
+            try:
+                out += backend.notices()
+            except Exception as exc:  # the agents' reports still arrive through the API
+                log.warning("%s: cannot read preemption notices (%s)", backend.name, exc)
+        return out
+
+    def terminate(self, node_id: str) -> None:
+        backend = self._backend(node_id)
+        if backend is not None:  # unknown everywhere: already gone
+            backend.terminate(node_id)
+
+    def forget(self, node_id: str) -> None:
+        backend = self._backend(node_id)
+        if backend is not None:
+            backend.forget(node_id)
+
+    def read_log(self, node_id: str, offset: int = 0) -> tuple[list[str], int]:
+        backend = self._backend(node_id)
+        return backend.read_log(node_id, offset) if backend else ([], offset)
+
+    def outlives_agent(self, node: Node) -> bool:
+        backend = self._backend(node.node_id)
+        return backend is not None and backend.outlives_agent(node)
+
+    def _remember(self, backend: Provider, nodes: list[Node]) -> None:
+        with self._lock:
+            self._owner.update({n.node_id: backend for n in nodes})
+
+    def _backend(self, node_id: str) -> Provider | None:
+        with self._lock:
+            known = self._owner.get(node_id)
+        if known is None:  # e.g. a restarted broker asked before its first listing
+            self.nodes()
+            with self._lock:
+                known = self._owner.get(node_id)
+        return known
+
+
+def build_fleet_provider(path: Path, state_dir: Path, workdir: Path) -> tuple[
+        FleetProvider, dict[str, str]]:
+    """The fleet file's providers: ``(provider, skipped clouds -> why)``. Raises ``ValueError``
+    naming the file and field for a bad file."""
+    fleet = FleetFile.load(path)
+    local_fleet = fleet.local_fleet()
+    local = LocalProvider(local_fleet, state_dir / "provider", workdir=workdir) \
+        if local_fleet else None
+    options = {name: {"regions": c.regions, **c.options} for name, c in fleet.clouds.items()}
+    try:
+        clouds, skipped = build_providers(list(fleet.clouds), options)
+    except TypeError as exc:  # an option the provider does not take
+        raise ValueError(f"{path}: clouds: options: {exc}") from None
+    if fleet.clouds and not clouds and local is None:
+        log.warning("no cloud of %s is configured and it has no local regions: the broker has "
+                    "no capacity until one is", path)
+    provider = FleetProvider(local, clouds, fleet.clouds, grace_period_s=fleet.grace_period_s)
+    return provider, skipped

@@ -1,0 +1,336 @@
+"""The fleet's one provider: fleet files that declare clouds, routing by the pool's cloud (local
+pretend regions and AWS on moto), skipping an unconfigured cloud with one clear log line and no
+credentials in any log, and the Redis-kept blocklist steering the scheduler and the reconciler."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from moto import mock_aws
+
+from broker.actuator import Actuator, ActuatorConfig
+from broker.fleet import FleetFile, FleetProvider, build_fleet_provider
+from broker.models import JobState
+from broker.reconciler import Reconciler
+from broker.scheduler import Scheduler, SchedulerConfig, blocked_pools
+from broker.store import AgentReport, Conflict, Plan, Store
+from policies.migration import Blocklist, mark_preempted
+from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool, SpotPolicy
+from policies.placement import PlacementRequest, PlacementResult, place
+from providers.aws import AwsProvider
+from providers.base import LaunchRequest, NodeState, ProviderError
+from providers.local import LocalProvider
+from tests.redis_server import RedisServer
+
+SECRET = "wJalrXUtnFEMI-not-a-real-secret"
+IMAGE = "ami-12c6146b"
+LOCAL = """
+grace_period_s: 1
+regions:
+  - {cloud: local, region: lab, market: spot, accelerator: V100, price_per_gpu_hour: 3.0, gpus: 2}
+"""
+CLOUDS = """
+clouds:
+  aws:
+    regions: [us-east-1, us-west-2]
+    accelerators: [V100]
+    markets: [spot, on-demand]
+    max_gpus: 2
+    options: {image_id: ami-12c6146b, broker_id: unit}
+  gcp:
+    regions: [us-central1]
+"""
+
+
+@pytest.fixture(autouse=True)
+def cloud_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AWS keys only where a test sets them; no GCP or Azure configuration at all."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN",
+                "GOOGLE_CLOUD_PROJECT", "AZURE_SUBSCRIPTION_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))
+    monkeypatch.setenv("NO_GCE_CHECK", "true")
+    monkeypatch.setenv("FLEET_CONFIG_DIR", str(tmp_path / "config"))
+
+
+def aws_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAFLEETUNIT")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+
+
+def fleet_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def mixed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FleetProvider]:
+    """Local pretend region 'lab' plus AWS (moto, in process); gcp declared but unconfigured."""
+    aws_keys(monkeypatch)
+    with mock_aws():
+        provider, _ = build_fleet_provider(fleet_file(tmp_path, LOCAL + CLOUDS),
+                                           tmp_path / "state", tmp_path)
+        yield provider
+        for node in provider.nodes():
+            provider.terminate(node.node_id)
+
+
+def request(key: str, cloud: str, region: str, market: Market = Market.SPOT) -> LaunchRequest:
+    return LaunchRequest(idempotency_key=key, job_id=key.split(":")[0], cloud=cloud,
+                         region=region, accelerator=Accelerator.V100, gpus_per_node=1,
+                         market=market, command=["sh", "-c", "sleep 30"])
+
+
+# ---- fleet files ----------------------------------------------------------------------------
+
+
+def test_fleet_file_with_clouds_and_local_regions(tmp_path: Path) -> None:
+    fleet = FleetFile.load(fleet_file(tmp_path, LOCAL + CLOUDS))
+    assert sorted(fleet.clouds) == ["aws", "gcp"]
+    assert fleet.clouds["aws"].regions == ["us-east-1", "us-west-2"]
+    assert fleet.clouds["gcp"].accelerators == [Accelerator.T4]  # the defaults
+    local = fleet.local_fleet()
+    assert local is not None and [r.region for r in local.regions] == ["lab"]
+    assert FleetFile.load(fleet_file(tmp_path, CLOUDS)).local_fleet() is None
+
+
+def test_example_fleet_files_load() -> None:
+    examples = sorted((Path(__file__).parent.parent / "examples" / "fleets").glob("*.yaml"))
+    loaded = {p.name: FleetFile.load(p) for p in examples}
+    assert sorted(loaded["clouds.yaml"].clouds) == ["aws", "gcp"]
+    assert loaded["local.yaml"].local_fleet() is not None and not loaded["local.yaml"].clouds
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("clouds: {ibm: {regions: [x]}}", "clouds: .*unknown cloud 'ibm'; use one of: aws, gcp"),
+    ("clouds: {aws: {regions: []}}", "clouds.aws.regions: List should have at least 1 item"),
+    ("clouds: {aws: {regions: [a], options: {aws_secret_access_key: x}}}",
+     "look like credentials; remove them and use the cloud's standard credential chain"),
+    ("regions:\n  - {cloud: aws, region: r, price_per_gpu_hour: 1, gpus: 1}\n"
+     "clouds: {aws: {regions: [us-east-1]}}", "regions.0.cloud: 'aws' is also declared"),
+    ("name: empty", "declare local pretend regions under `regions:` or real clouds"),
+])
+def test_bad_fleet_files_name_the_field(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as err:
+        FleetFile.load(fleet_file(tmp_path, text))
+    assert str(err.value).startswith(str(tmp_path / "fleet.yaml"))
+
+
+def test_an_option_the_provider_does_not_take_is_a_clear_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    aws_keys(monkeypatch)
+    path = fleet_file(tmp_path, "clouds: {aws: {regions: [us-east-1], options: {imageid: x}}}")
+    with pytest.raises(ValueError, match=r"clouds: options: .*unexpected keyword .*imageid"):
+        build_fleet_provider(path, tmp_path, tmp_path)
+
+
+# ---- skipping unconfigured clouds -------------------------------------------------------------
+
+
+def test_unconfigured_cloud_is_skipped_with_one_line_and_the_others_are_used(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    aws_keys(monkeypatch)
+    with caplog.at_level(logging.DEBUG):  # the real credential chain: no moto in between
+        provider, skipped = build_fleet_provider(fleet_file(tmp_path, LOCAL + CLOUDS),
+                                                 tmp_path / "state", tmp_path)
+    with mock_aws():
+        pools = {p.id: p for p in provider.pools()}
+    assert list(skipped) == ["gcp"] and "gcp is not configured" in skipped["gcp"]
+    lines = [r.getMessage() for r in caplog.records if "gcp" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("skipping gcp: gcp is not configured")
+    assert "gcloud auth application-default login" in lines[0]  # the fix
+    assert SECRET not in caplog.text and "AKIAFLEETUNIT" not in caplog.text
+    assert sorted(provider.clouds) == ["aws"] and provider.local is not None
+    # pools: the local region, and AWS's priced from its catalog, capped at max_gpus
+    assert pools["local:lab:spot:V100"].capacity == 2
+    east = pools["aws:us-east-1:spot:V100"]
+    assert (east.capacity, east.price_per_gpu_hour) == (2, 0.5197)  # cheapest 1x V100 spot
+    assert pools["aws:us-west-2:spot:V100"].price_per_gpu_hour == 0.9362
+    assert pools["aws:us-east-1:on-demand:V100"].price_per_gpu_hour == 3.06
+    assert not any(p.cloud == "gcp" for p in pools.values())
+
+
+def test_every_cloud_unconfigured_leaves_the_local_regions(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        provider, skipped = build_fleet_provider(fleet_file(tmp_path, LOCAL + CLOUDS),
+                                                 tmp_path / "state", tmp_path)
+    assert sorted(skipped) == ["aws", "gcp"]
+    assert [p.id for p in provider.pools()] == ["local:lab:spot:V100"]
+    assert any(r.getMessage().startswith("skipping aws: aws is not configured: boto3 found no "
+                                         "credentials") for r in caplog.records)
+
+
+# ---- routing ----------------------------------------------------------------------------------
+
+
+def test_launch_routes_by_cloud_and_the_rest_by_owner(mixed: FleetProvider) -> None:
+    (vm,) = mixed.launch(request("a:1:1", "aws", "us-west-2"))
+    (proc,) = mixed.launch(request("b:1:1", "local", "lab"))
+    assert vm.provider == "aws" and vm.node_id.startswith("us-west-2/i-")
+    assert proc.provider == "local" and proc.region == "lab"
+    assert {n.node_id for n in mixed.nodes()} == {vm.node_id, proc.node_id}
+    assert mixed.outlives_agent(vm) and not mixed.outlives_agent(proc)
+    assert mixed.for_cloud("aws").starts_agent and not mixed.for_cloud("local").starts_agent
+    assert isinstance(mixed.for_cloud("aws"), AwsProvider)
+    assert isinstance(mixed.for_cloud("local"), LocalProvider)
+    # a fresh composite over the same backends (a restarted broker) still finds the owner
+    fresh = FleetProvider(mixed.local, mixed.clouds, mixed.configs)
+    fresh.terminate(vm.node_id)
+    states = {n.node_id: n.state for n in mixed.nodes()}
+    assert states.get(vm.node_id, NodeState.TERMINATED) is NodeState.TERMINATED
+    fresh.terminate("us-east-1/i-00000000000000000")  # unknown everywhere: already gone
+    with pytest.raises(ProviderError, match="no provider serves cloud 'azure'"):
+        mixed.launch(request("c:1:1", "azure", "eastus"))
+    with pytest.raises(ValueError, match="local pretend regions only"):
+        FleetProvider(None, mixed.clouds, mixed.configs).reclaim("us-east-1")
+
+
+def test_a_cloud_that_stops_answering_leaves_its_jobs_alone(
+        mixed: FleetProvider, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Store.from_url(redis_server.url)
+    fence = store.acquire_lease("me", 60)
+    store.set_pools(mixed.pools())
+    job = store.submit(spec("on-aws").model_copy(update={"accelerators": [Accelerator.V100]}),
+                       team="t")
+    Scheduler(store).run_round(fence)
+    Actuator(store, mixed, ActuatorConfig(use_agent=False)).run(fence)
+    running = store.get_job(job.id)
+    assert running is not None and running.pool == "aws:us-east-1:spot:V100"
+    reconciler = Reconciler(store, mixed)
+
+    def outage(self: AwsProvider) -> list:
+        raise ProviderError("aws describe_instances in us-east-1: endpoint unreachable")
+
+    with monkeypatch.context() as m:
+        m.setattr(AwsProvider, "nodes", outage)
+        assert [n.provider for n in mixed.nodes()] == []  # the local region has no nodes
+        assert mixed.unreachable() == {"aws"}
+        reconciler.run(fence)
+        assert store.get_job(job.id).state is JobState.RUNNING  # type: ignore[union-attr]
+    mixed.for_cloud("aws").terminate(running.node_ids[0])  # gone while nobody could see
+    reconciler.run(fence)
+    assert mixed.unreachable() == frozenset()
+    lost = store.get_job(job.id)
+    assert lost is not None and lost.state is JobState.SUSPENDED and lost.reason == "node lost"
+
+
+# ---- the blocklist ----------------------------------------------------------------------------
+
+
+def spot_fleet(tmp_path: Path) -> Path:
+    return fleet_file(tmp_path, """
+grace_period_s: 1
+regions:
+  - {cloud: local, region: a, market: spot, price_per_gpu_hour: 0.1, gpus: 1}
+  - {cloud: local, region: b, market: spot, price_per_gpu_hour: 0.2, gpus: 1}
+  - {cloud: local, region: c, market: spot, price_per_gpu_hour: 0.3, gpus: 1}
+  - {cloud: local, region: d, market: on-demand, price_per_gpu_hour: 1.0, gpus: 1}
+""")
+
+
+def spec(name: str, spot: SpotPolicy = SpotPolicy.PREFERRED) -> JobSpec:
+    return JobSpec(name=name, run="trap 'exit 75' TERM; sleep 30 & wait", spot=spot,
+                   gpus=GpuRange(min=1, max=1), batch_size=BatchRange(min=8, max=8),
+                   work_samples=100)
+
+
+def test_blocklist_is_kept_in_redis_and_written_only_over_what_was_read(
+        redis_server: RedisServer) -> None:
+    store = Store.from_url(redis_server.url)
+    fence = store.acquire_lease("me", 30)
+    empty, read = store.blocklist(decay_s=600)
+    assert read is None and empty.decay_s == 600
+    marked = mark_preempted(empty.model_copy(update={"locations": ["x:1", "x:2", "x:3"]}),
+                            "x:1", time.time())
+    plan = Plan()
+    plan.set_blocklist(marked, read=read)
+    store.apply(plan, fence=fence)
+    stale = Plan()
+    stale.set_blocklist(empty, read=None)  # derived from a read that is no longer current
+    with pytest.raises(Conflict):
+        store.apply(stale, fence=fence)
+    redis_server.restart(kill=False)  # a broker restart (and a Redis restart) keep it
+    again, _ = Store.from_url(redis_server.url).blocklist()
+    assert again == marked and again.is_blocked("x:1", time.time())
+
+
+def test_agent_reports_belong_to_one_attempt(store: Store) -> None:
+    job = store.submit(spec("reported"), team="t")
+    store.record_heartbeat(job.id, 0, samples_done=5, notice="aws spot instance-action")
+    store.record_heartbeat(job.id, 0, exit_code=75)
+    store.record_heartbeat(job.id, 3, exit_code=0)  # a stale attempt writes nothing
+    assert store.agent_reports([job]) == {job.id: AgentReport(exit_code=75,
+                                                              notice="aws spot instance-action")}
+    relaunched = job.model_copy(update={"attempt": 1})
+    assert store.agent_reports([relaunched]) == {}  # the next attempt starts with no report
+
+
+def test_notice_blocks_the_spot_location_and_the_job_resumes_elsewhere(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    provider, _ = build_fleet_provider(spot_fleet(tmp_path), tmp_path / "state", tmp_path)
+    store = Store.from_url(redis_server.url)
+    actuator = Actuator(store, provider, ActuatorConfig(use_agent=False))
+    scheduler = Scheduler(store, SchedulerConfig())
+    reconciler = Reconciler(store, provider, blocklist_decay_s=900)
+    fence = store.acquire_lease("me", 60)
+
+    def step() -> None:
+        store.set_pools(provider.pools())
+        reconciler.run(fence)
+        scheduler.run_round(fence)
+        actuator.run(fence)
+
+    try:
+        job = store.submit(spec("mover"), team="t")
+        step()
+        first = store.get_job(job.id)
+        assert first is not None and first.pool == "local:a:spot:T4"
+        provider.reclaim("a", duration_s=0.5)  # the notice; capacity is back in 0.5 s
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and store.get_job(job.id).attempt < 2:  # type: ignore
+            step()
+            time.sleep(0.1)
+        time.sleep(0.6)
+        step()
+        moved = store.get_job(job.id)
+        assert moved is not None and moved.pool == "local:b:spot:T4"  # not back to a
+        assert moved.preemptions == 1 and moved.migrations == 1
+        blocklist, _ = store.blocklist()
+        assert blocklist.decay_s == 900 and blocklist.is_blocked("local:a", time.time())
+        assert set(blocklist.active(time.time())) == {"local:b", "local:c"}
+        blocked = [e for e in store.events(job_id=job.id) if e.type == "location-blocked"]
+        assert blocked[0].data["location"] == "local:a" and blocked[0].data["blocked"]
+        # a newcomer does not go to the blocked location either, though it is cheapest again
+        other = store.submit(spec("newcomer"), team="t")
+        step()
+        assert store.get_job(other.id).pool == "local:c:spot:T4"  # type: ignore[union-attr]
+    finally:
+        for node in provider.nodes():
+            provider.terminate(node.node_id)
+
+
+def test_blocked_spot_locations_leave_on_demand_and_running_jobs_alone() -> None:
+    pools = [Pool(cloud="aws", region=r, market=m, accelerator=Accelerator.T4, nodes=1,
+                  gpus_per_node=1, price_per_gpu_hour=price)
+             for r, m, price in (("r", Market.SPOT, 0.1), ("r", Market.ON_DEMAND, 0.5),
+                                 ("s", Market.SPOT, 0.2))]
+    blocklist = Blocklist(locations=["aws:r", "aws:s", "aws:t"], preempted={"aws:r": 100.0})
+    blocked = blocked_pools(pools, blocklist, now=200.0)
+    assert blocked == {"aws:r:spot:T4"}  # a reclaim says nothing about on-demand
+    assert blocked_pools(pools, blocklist, now=100.0 + blocklist.decay_s) == frozenset()
+    assert blocked_pools(pools, None, now=0.0) == frozenset()
+    placed = place([PlacementRequest("runs", 1, current_pool="aws:r:spot:T4", blocked=blocked),
+                    PlacementRequest("new", 1, blocked=blocked)], pools)
+    assert placed["runs"] == PlacementResult("aws:r:spot:T4", 1)  # stays where it runs
+    assert placed["new"] == PlacementResult("aws:s:spot:T4", 1)  # not the cheaper blocked one
