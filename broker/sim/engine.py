@@ -62,7 +62,9 @@ class JobRecord:
 
 
 @dataclass
-class _SimJob:
+class SimJob:
+    """One job in a simulation: the policy's view of it, its record, its restart countdown."""
+
     state: JobState
     record: JobRecord
     restart_left: float = 0.0
@@ -86,16 +88,16 @@ def simulate(workload: Sequence[WorkloadJob], fleet: Sequence[TypeCapacity],
 
     policy = make_policy(cfg.policy, fleet, cfg.admission, cfg.value, tables, cfg.accumulation,
                          cfg.migrate)
-    jobs = [_make_job(w, cfg) for w in sorted(workload, key=lambda w: (w.time, w.name))]
+    jobs = [make_job(w, cfg) for w in sorted(workload, key=lambda w: (w.time, w.name))]
     _check_runnable(jobs, fleet, cfg.policy)
     rate_cache: dict[tuple, float] = {}
     now, rounds, nxt = 0.0, 0, 0
-    active: list[_SimJob] = []
+    active: list[SimJob] = []
     solve_s: list[float] = []
     limit = cfg.max_hours * 3600
     while (nxt < len(jobs) or active) and now < limit:
         for job in active:
-            _advance(job, now, cfg.interval, rate_cache)
+            advance(job, now, cfg.interval, rate_cache)
         now += cfg.interval
         rounds += 1
         active = [j for j in active if j.record.completed is None]
@@ -117,16 +119,17 @@ def simulate(workload: Sequence[WorkloadJob], fleet: Sequence[TypeCapacity],
     return SimResult([j.record for j in jobs], now, rounds, unfinished, solve_s)
 
 
-def _make_job(w: WorkloadJob, cfg: SimConfig) -> _SimJob:
+def make_job(w: WorkloadJob, cfg: SimConfig) -> SimJob:
+    """A workload row as a job, with its application's measured model and restart cost."""
     app = load_application(w.application, cfg.efficiency)
     spec = APP_SPECS[w.application]
     restart = spec.restart_s if cfg.restart_penalty is None else cfg.restart_penalty
     state = JobState(w.name, app, w.time, w.num_replicas, w.batch_size, restart_s=restart,
                      slowdown=spec.sia_slowdown if cfg.sia_slowdown else 1.0)
-    return _SimJob(state, JobRecord(w.name, w.application, w.time))
+    return SimJob(state, JobRecord(w.name, w.application, w.time))
 
 
-def _check_runnable(jobs: list[_SimJob], fleet: Sequence[TypeCapacity],
+def _check_runnable(jobs: list[SimJob], fleet: Sequence[TypeCapacity],
                     policy: PolicyName) -> None:
     rigid = policy in (PolicyName.STATIC, PolicyName.TIRESIAS)
     for j in jobs:
@@ -142,7 +145,8 @@ def _check_runnable(jobs: list[_SimJob], fleet: Sequence[TypeCapacity],
             )
 
 
-def _advance(job: _SimJob, start: float, seconds: float, cache: dict[tuple, float]) -> None:
+def advance(job: SimJob, start: float, seconds: float, cache: dict[tuple, float]) -> None:
+    """Run ``job`` for ``seconds`` from ``start`` on its current assignment (restart first)."""
     s, rec, a = job.state, job.record, job.state.current
     if a is None:
         return
@@ -176,7 +180,7 @@ def _advance(job: _SimJob, start: float, seconds: float, cache: dict[tuple, floa
             return
 
 
-def _apply(active: list[_SimJob], plan: dict[str, Assignment | None], cfg: SimConfig) -> None:
+def _apply(active: list[SimJob], plan: dict[str, Assignment | None], cfg: SimConfig) -> None:
     for job in active:
         s = job.state
         new = plan.get(s.id)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from broker.sim.cluster import ClusterError, PoolSpec, catalog_price, fleet_capacity
-from broker.sim.engine import SimConfig, SimResult, SimulationError, _advance, _make_job, _SimJob
+from broker.sim.engine import SimConfig, SimJob, SimResult, SimulationError, advance, make_job
 from broker.sim.traces import SpotTrace
 from broker.sim.workload import WorkloadJob
 from policies.choices import ChoiceTables, ConfigTable, TypeCapacity, placement_for
@@ -166,7 +166,7 @@ class SpotResult:
 
 @dataclass
 class _Job:
-    sim: _SimJob
+    sim: SimJob
     deadline: float | None
     pace: Pace
     pool: SimPool | None = None
@@ -295,7 +295,7 @@ class _SpotSim:
         self.node_hours: dict[str, float] = {}
 
     def _job(self, w: WorkloadJob) -> _Job:
-        sim = _make_job(w, self.cfg)
+        sim = make_job(w, self.cfg)
         return _Job(sim, w.deadline, isolated_pace(sim.state, self.types))
 
     def run(self) -> SpotResult:
@@ -333,7 +333,7 @@ class _SpotSim:
         if a is None or pool is None:
             return
         held0, restart0 = job.sim.record.gpu_seconds, job.sim.restart_left
-        _advance(job.sim, now, self.cfg.interval, cache)
+        advance(job.sim, now, self.cfg.interval, cache)
         gpu_h = (job.sim.record.gpu_seconds - held0) / 3600
         self.out.cost_usd += gpu_h * pool.pool.price_per_gpu_hour
         self.out.ondemand_cost_usd += gpu_h * pool.ondemand_price
