@@ -156,11 +156,18 @@ _STEPS = re.compile(r"\s*(\d+)\s*steps?\s*")
 def checkpoint_interval_s(spec: JobSpec, batch: int, samples_per_s: float) -> float:
     """Seconds between the job's checkpoints: the spec's time, or its step count at the
     expected step rate (global ``batch`` samples a step)."""
-    text = spec.checkpoint.interval
+    every, in_steps = _interval(spec.checkpoint.interval)
+    return every * batch / samples_per_s if in_steps else every
+
+
+@functools.lru_cache(maxsize=1024)
+def _interval(text: str) -> tuple[float, bool]:
+    """``(n, True)`` for ``<n>steps``, else ``(seconds, False)``; the spec's default when the
+    text is neither (the spec parser refuses such text; a record made in code may hold it)."""
     if m := _STEPS.fullmatch(text):
-        return int(m.group(1)) * batch / samples_per_s
+        return int(m.group(1)), True
     secs = parse_duration(text)
-    return DEFAULT_CHECKPOINT_INTERVAL_S if secs is None else secs
+    return (DEFAULT_CHECKPOINT_INTERVAL_S if secs is None else secs), False
 
 
 def _location(pool_id: str, pools_by_id: Mapping[str, Pool]) -> tuple[str, str]:

@@ -14,7 +14,7 @@ room for a job's GPU count, the job is repaired to the largest smaller count tha
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from fnmatch import fnmatchcase
 
 from policies.models import Market, Pool, SpotPolicy
@@ -80,8 +80,19 @@ class PlacementResult:
 
 @dataclass
 class _Free:
+    """A pool's GPUs still free in this call, and what ranks it: its candidate for the expected
+    cost, then at equal cost (price, hazard, 1 for spot, id)."""
+
     pool: Pool
-    free: int = field(default=0)
+    free: int
+    candidate: Candidate
+    tie: tuple[float, float, int, str]
+
+
+def _free(pool: Pool, used: int, risk: PoolRisk) -> _Free:
+    c = Candidate(pool=pool, **asdict(risk))
+    tie = (pool.price_per_gpu_hour, hazard_per_hour(c), int(pool.market is Market.SPOT), pool.id)
+    return _Free(pool, pool.capacity - used, c, tie)
 
 
 def region_allowed(pool: Pool, allow: Sequence[str], deny: Sequence[str]) -> bool:
@@ -98,15 +109,6 @@ def eligible(pool: Pool, req: PlacementRequest) -> bool:
     return region_allowed(pool, req.allow, req.deny)
 
 
-def _cost_key(c: Candidate, spot: SpotPolicy, needs: JobNeeds,
-              egress: Egress) -> tuple[int, float, float, float, int, str]:
-    pool = c.pool
-    spot_rank = 0 if (spot is SpotPolicy.PREFERRED and pool.market is Market.SPOT) else 1
-    risk = 1 if pool.market is Market.SPOT else 0
-    return (spot_rank, expected_cost(needs, c, egress), pool.price_per_gpu_hour,
-            hazard_per_hour(c), risk, pool.id)
-
-
 def place(requests: Sequence[PlacementRequest], pools: Sequence[Pool],
           used: dict[str, int] | None = None, risk: Mapping[str, PoolRisk] | None = None,
           egress: Egress | None = None) -> dict[str, PlacementResult | None]:
@@ -117,16 +119,14 @@ def place(requests: Sequence[PlacementRequest], pools: Sequence[Pool],
     Order: jobs staying in their current pool first, then larger jobs first (first-fit
     decreasing keeps big gangs placeable).
     """
-    risk = risk or {}
-    egress = egress or Egress()
-    free = {p.id: _Free(p, p.capacity - (used or {}).get(p.id, 0)) for p in pools}
-    cands = {p.id: Candidate(pool=p, **asdict(risk.get(p.id, PoolRisk()))) for p in pools}
+    risk, used, egress = risk or {}, used or {}, egress or Egress()
+    free = {p.id: _free(p, used.get(p.id, 0), risk.get(p.id, PoolRisk())) for p in pools}
     order = sorted(requests, key=lambda r: (r.current_pool not in free, -r.gpus, r.job_id))
     out: dict[str, PlacementResult | None] = {}
     for req in order:
         out[req.job_id] = None
         for gpus in (req.gpus, *req.fallbacks):
-            pool = _pick(req, gpus, free, cands, egress)
+            pool = _pick(req, gpus, free, egress)
             if pool is not None:
                 free[pool].free -= gpus
                 out[req.job_id] = PlacementResult(pool, gpus)
@@ -135,12 +135,15 @@ def place(requests: Sequence[PlacementRequest], pools: Sequence[Pool],
 
 
 def _pick(req: PlacementRequest, gpus: int, free: dict[str, _Free],
-          cands: dict[str, Candidate], egress: Egress) -> str | None:
+          egress: Egress) -> str | None:
     cur = free.get(req.current_pool or "")
     if cur is not None and cur.free >= gpus and eligible(cur.pool, req):
         return cur.pool.id
-    fits = [f.pool for f in free.values() if f.free >= gpus and eligible(f.pool, req)]
-    if not fits:
-        return None
+    fits = [f for f in free.values() if f.free >= gpus and eligible(f.pool, req)]
+    if len(fits) < 2:
+        return fits[0].pool.id if fits else None
     needs = req.needs(gpus)
-    return min(fits, key=lambda p: _cost_key(cands[p.id], req.spot, needs, egress)).id
+    spot_first = req.spot is SpotPolicy.PREFERRED
+    return min(fits, key=lambda f: (
+        not (spot_first and f.pool.market is Market.SPOT),
+        expected_cost(needs, f.candidate, egress), *f.tie)).pool.id
