@@ -1,6 +1,7 @@
 """The fleet's one provider: fleet files that declare clouds, routing by the pool's cloud (local
 pretend regions and AWS on moto), skipping an unconfigured cloud with one clear log line and no
-credentials in any log, and the Redis-kept blocklist steering the scheduler and the reconciler."""
+credentials in any log, the Redis-kept blocklist steering the scheduler and the reconciler, and
+the preemptions counted per pool in Redis and the Spot Advisor priors steering placement."""
 
 from __future__ import annotations
 
