@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.models import Accelerator, Market, Offer, Pool
 from providers.base import LaunchRequest, Node, PreemptionNotice, Provider, ProviderError
+from providers.catalog import interruption_priors, pool_prior
 from providers.local import LocalFleet, LocalProvider, LocalRegion
 from providers.registry import build_providers
 
@@ -131,6 +133,8 @@ class FleetProvider(Provider):
         self._cloud_pools: tuple[float, dict[str, list[Pool]]] | None = None
         self._local_clouds = {r.cloud for r in local.fleet.regions} if local else set()
         self._down: dict[str, str] = {}  # backend name -> why its last listing failed
+        self._advisor: dict[tuple[str, str], float] | None = None  # Spot Advisor, read once
+        self._priors: dict[str, float] = {}  # pool id -> prior monthly reclaim rate
 
     @property
     def backends(self) -> list[Provider]:
@@ -170,6 +174,26 @@ class FleetProvider(Provider):
 
     def capacity(self) -> dict[str, int]:
         return {k: v for b in self.backends for k, v in b.capacity().items()}
+
+    def interruption_priors(self, pools: Sequence[Pool]) -> dict[str, float]:
+        """Each pool's prior monthly reclaim rate from the Spot Advisor (``catalog.pool_prior``
+        over its backend's offers, those of at most ``max_gpus`` GPUs for a cloud), worked out
+        once per pool: offers and the advisor's table do not change while this fleet runs."""
+        for pool in pools:
+            if pool.id not in self._priors:
+                if self._advisor is None:
+                    self._advisor = interruption_priors()
+                self._priors[pool.id] = pool_prior(pool, self._offers_of(pool.cloud),
+                                                   self._advisor)
+        return {p.id: self._priors[p.id] for p in pools}
+
+    def _offers_of(self, cloud: str) -> list[Offer]:
+        try:
+            offers = self.for_cloud(cloud).offers()
+        except ProviderError:  # a pool of a cloud nobody serves: no data, the unknown rate
+            return []
+        cap = self.configs[cloud].max_gpus if cloud in self.configs else None
+        return [o for o in offers if cap is None or o.accelerator_count <= cap]
 
     def reclaim(self, region: str, duration_s: float = 60.0) -> int:
         """Chaos: reclaim a local pretend spot region (real clouds reclaim on their own)."""

@@ -62,8 +62,10 @@ return id
 #   intents_add: [{id, json}], intents_del: [id],
 #   placement_open: [{job, json}], placement_close: [{job, json}],
 #   events: [{type, job?, data?}], wake?: true,
-#   kv: [{key, value, expect}] }  -- a plain string key set only if it still holds `expect`
+#   kv: [{key, value, expect}],   -- a plain string key set only if it still holds `expect`
 #                                    ('' = absent): leader state such as the blocklist
+#   incr: [{key, field, by}] }    -- add `by` to a hash field: counters such as preemptions
+#                                    per pool, counted once because the plan applies once
 APPLY = _FENCE_CHECK + """
 local p, fence, now = ARGV[1], ARGV[2], ARGV[3]
 local err = check_fence(p, fence)
@@ -115,6 +117,7 @@ for _, pl in ipairs(ops.placement_close or {}) do
   end
 end
 for _, kv in ipairs(ops.kv or {}) do redis.call('SET', p .. kv.key, kv.value) end
+for _, c in ipairs(ops.incr or {}) do redis.call('HINCRBYFLOAT', p .. c.key, c.field, c.by) end
 for _, e in ipairs(ops.events or {}) do event(p, now, e.type, e.job, e.data) end
 if ops.wake then wake(p) end
 return versions

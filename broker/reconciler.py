@@ -2,9 +2,11 @@
 
 Nodes that ended settle their job (exit 0 -> completed, 75 -> suspended to resume from its
 checkpoint, else a counted failure; where the provider cannot tell, the exit code the agent
-reported), closing the placement interval; preemption notices (the provider's, or the agent's
-report from the node's metadata service) move running jobs to suspending and block the reclaimed
-spot location in the Redis-kept SpotHedge blocklist; a VM whose agent has exited is terminated;
+reported), closing the placement interval and adding its node-hours to the pool's count;
+preemption notices (the provider's, or the agent's report from the node's metadata service) move
+running jobs to suspending, count a preemption in the pool (these counts steer placement through
+``policies.region_score``) and block the reclaimed spot location in the Redis-kept SpotHedge
+blocklist, all in the job's one atomic step; a VM whose agent has exited is terminated;
 nodes no active job claims (stale attempts, jobs lost with Redis data) are terminated; nodes'
 output is copied into the job logs.
 """
@@ -73,6 +75,7 @@ class Reconciler:
                                 event_data={"notice": report.notice} if report.notice else None,
                                 reason="spot capacity reclaimed", preemptions=job.preemptions + 1,
                                 fence=fence)
+                    _count_preemption(plan, job)
                     self._block(plan, job)
                     self.store.apply(plan, fence=fence)
                     res.preempted += 1
@@ -137,6 +140,7 @@ class Reconciler:
         elif preempted and job.state is JobState.RUNNING:  # ended before we saw the notice
             state, reason, event = JobState.SUSPENDED, "spot capacity reclaimed", "preempted"
             fields["preemptions"] = job.preemptions + 1
+            _count_preemption(plan, job)
             self._block(plan, job)
         elif (codes and all(c == EXIT_CHECKPOINTED for c in codes)) or \
                 job.state is JobState.SUSPENDING:
@@ -144,6 +148,7 @@ class Reconciler:
         elif not codes:
             state, reason = JobState.SUSPENDED, "node lost"
             fields["preemptions"] = job.preemptions + 1
+            _count_preemption(plan, job)
         else:
             failures = job.failures + 1
             fields["failures"] = failures
@@ -152,7 +157,10 @@ class Reconciler:
         plan.change(job, state, event=event, reason=reason, **fields)
         open_ = [p for p in self.store.placements(job.id) if p.end is None]
         if open_:
-            plan.close_placement(open_[-1].model_copy(update={"end": ended}))
+            closed = open_[-1].model_copy(update={"end": ended})
+            plan.close_placement(closed)
+            nodes_held = max(1, len(job.node_ids))
+            plan.add_node_hours(closed.pool, (ended - closed.start) / 3600 * nodes_held)
         plan.wake = True
         self.store.apply(plan, fence=fence)
         return True
@@ -165,6 +173,12 @@ class Reconciler:
             if lines:
                 self.store.append_log(job.id, lines)
                 self.store.r.set(key, new, ex=7 * 86400)
+
+
+def _count_preemption(plan: Plan, job: JobRecord) -> None:
+    """The job lost its nodes to a preemption: count it against its pool (risk for placement)."""
+    if job.pool:
+        plan.count_preemption(job.pool)
 
 
 def location(pool: Pool) -> str:

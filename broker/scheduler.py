@@ -1,25 +1,31 @@
 """One scheduling round: snapshot -> per-accelerator allocation (``policies.elastic_dp``) ->
-placement (``policies.placement``) -> diff against what runs -> a plan of job transitions and
-intents written atomically with the leader's fencing token.
+placement (``policies.placement``, by expected cost: price, preemption risk from the Spot Advisor
+prior and the preemptions the broker counted per pool, restart and checkpoint egress) -> diff
+against what runs -> a plan of job transitions and intents written atomically with the leader's
+fencing token.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
 from broker.models import Intent, IntentKind, JobRecord, JobState
-from broker.store import Plan, Snapshot, Store
+from broker.spec import parse_duration
+from broker.store import Plan, PoolStats, Snapshot, Store
 from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
 from policies.migration import Blocklist, location_keys
-from policies.models import Accelerator, Market, Pool
-from policies.placement import PlacementRequest, place
+from policies.models import Accelerator, JobSpec, Market, Pool
+from policies.placement import PlacementRequest, PoolRisk, place
+from policies.region_score import DEFAULT_CHECKPOINT_INTERVAL_S, DEFAULT_RESTART_S, Egress
 from policies.throughput import ThroughputModel, batch_candidates
 
 log = logging.getLogger(__name__)
@@ -43,6 +49,13 @@ class SchedulerConfig(BaseModel):
     min_rescale_interval_s: float = Field(
         default=30.0, ge=0, description="a job keeps its config at least this long after start")
     max_failures: int = Field(default=3, ge=0, description="failed attempts before 'failed'")
+    restart_s: float = Field(
+        default=DEFAULT_RESTART_S, ge=0, description="what a relaunch costs (node start, setup, "
+        "checkpoint restore): placement prices it into a move and into every preemption")
+    checkpoint_gb: float = Field(
+        default=0.0, ge=0, description="checkpoint size assumed for egress on a move to another "
+        "region or cloud (agents do not report sizes yet)")
+    egress: Egress = Field(default_factory=Egress, description="checkpoint transfer prices")
 
 
 @dataclass
@@ -58,13 +71,32 @@ class RoundResult:
     changed: list[str] = field(default_factory=list)
 
 
+def _job_model(job: JobRecord, model: ThroughputModel | None = None) -> ThroughputModel:
+    """The throughput model rescaled to the job's last measurement."""
+    return (model or ThroughputModel()).calibrated(
+        job.measured_gpus, job.measured_batch_size, job.samples_per_sec,
+        job.spec.batch_size.per_gpu_max)
+
+
+def _throughput(seen: Mapping[str, float], model: ThroughputModel, gpus: int, batch: int,
+                per_gpu_max: int | None) -> float:
+    """Samples/s at a configuration: what the job's agent measured there, else the model's."""
+    return seen.get(f"{gpus}x{batch}") or model.throughput(gpus, batch, per_gpu_max)
+
+
+def samples_per_sec(job: JobRecord, gpus: int, batch: int,
+                    model: ThroughputModel | None = None) -> float:
+    """The scheduler's throughput estimate for ``job`` at ``gpus`` GPUs and global ``batch``."""
+    return _throughput(job.measured, _job_model(job, model), gpus, batch,
+                       job.spec.batch_size.per_gpu_max)
+
+
 def job_choices(job: JobRecord, policy: Policy, max_gpus: int,
                 model: ThroughputModel | None = None) -> list[Choice]:
     """Each GPU count's best batch size and its value (speed-up over one GPU)."""
     spec = job.spec
     pgm = spec.batch_size.per_gpu_max
-    model = (model or ThroughputModel()).calibrated(
-        job.measured_gpus, job.measured_batch_size, job.samples_per_sec, pgm)
+    model = _job_model(job, model)
     fixed = policy is not Policy.ELASTIC or spec.batch_mode.value == "fixed"
     lo, hi = spec.gpus.min, min(spec.gpus.max, max_gpus)
     if policy is Policy.STATIC:
@@ -84,7 +116,7 @@ def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, pgm: int |
     seen = dict(measured)
 
     def tput(g: int, x: int) -> float:
-        return seen.get(f"{g}x{x}") or model.throughput(g, x, pgm)
+        return _throughput(seen, model, g, x, pgm)
 
     def batches(g: int) -> list[int]:
         if fixed:
@@ -118,14 +150,82 @@ def blocked_pools(pools: list[Pool], blocklist: Blocklist | None, now: float) ->
                      any(blocklist.is_blocked(k, now) for k in location_keys(p)))
 
 
+_STEPS = re.compile(r"\s*(\d+)\s*steps?\s*")
+
+
+def checkpoint_interval_s(spec: JobSpec, batch: int, samples_per_s: float) -> float:
+    """Seconds between the job's checkpoints: the spec's time, or its step count at the
+    expected step rate (global ``batch`` samples a step)."""
+    every, in_steps = _interval(spec.checkpoint.interval)
+    return every * batch / samples_per_s if in_steps else every
+
+
+@functools.lru_cache(maxsize=1024)
+def _interval(text: str) -> tuple[float, bool]:
+    """``(n, True)`` for ``<n>steps``, else ``(seconds, False)``; the spec's default when the
+    text is neither (the spec parser refuses such text; a record made in code may hold it)."""
+    if m := _STEPS.fullmatch(text):
+        return int(m.group(1)), True
+    secs = parse_duration(text)
+    return (DEFAULT_CHECKPOINT_INTERVAL_S if secs is None else secs), False
+
+
+def _location(pool_id: str, pools_by_id: Mapping[str, Pool]) -> tuple[str, str]:
+    """(cloud, region) of a pool id (``cloud:region[/zone]:market:accelerator``), also of a
+    pool the fleet no longer has."""
+    if (pool := pools_by_id.get(pool_id)) is not None:
+        return pool.cloud, pool.region
+    cloud, region = pool_id.split(":")[:2]
+    return cloud, region.split("/")[0]
+
+
+def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
+                      blocked: frozenset[str], pools_by_id: Mapping[str, Pool],
+                      config: SchedulerConfig) -> PlacementRequest:
+    """The job as placement sees it: its size and constraints, and what finishing it costs
+    where: hours of work left at the chosen size (the scheduler's throughput estimate), the
+    relaunch cost, the checkpoint interval, and where its checkpoint is (the region of its last
+    placement; none before its first)."""
+    spec = job.spec
+    rate = samples_per_sec(job, choice.gpus, choice.batch_size)
+    left = max(0, spec.work_samples - job.samples_done)
+    where = _location(job.pool, pools_by_id) if job.pool and job.attempt > 0 else (None, None)
+    return PlacementRequest(
+        job.id, choice.gpus, fallbacks, job.pool if job.state is JobState.RUNNING else None,
+        spec.spot, spec.regions.allow, spec.regions.deny, blocked,
+        remaining_h=left / rate / 3600, restart_h=config.restart_s / 3600,
+        checkpoint_interval_h=checkpoint_interval_s(spec, choice.batch_size, rate) / 3600,
+        checkpoint_gb=config.checkpoint_gb if where[0] else 0.0,
+        checkpoint_cloud=where[0], checkpoint_region=where[1])
+
+
+def pool_risk(pools: Sequence[Pool], priors: Mapping[str, float], stats: PoolStats,
+              jobs: Sequence[JobRecord], now: float) -> dict[str, PoolRisk]:
+    """Each pool's preemption prior and what the broker saw there: the preemptions counted,
+    and node-hours of the closed placement intervals plus those of the jobs running now."""
+    hours = dict(stats.node_hours)
+    for job in jobs:
+        if job.state in (JobState.RUNNING, JobState.SUSPENDING) and job.pool and job.launched_at:
+            held = max(0.0, now - job.launched_at) / 3600 * max(1, len(job.node_ids))
+            hours[job.pool] = hours.get(job.pool, 0.0) + held
+    return {p.id: PoolRisk(prior_monthly_rate=priors.get(p.id, 0.0),
+                           preemptions_seen=stats.preemptions.get(p.id, 0),
+                           node_hours_seen=hours.get(p.id, 0.0)) for p in pools}
+
+
 def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
-               now: float | None = None, *, blocklist: Blocklist | None = None) -> RoundResult:
+               now: float | None = None, *, blocklist: Blocklist | None = None,
+               priors: Mapping[str, float] | None = None,
+               stats: PoolStats | None = None) -> RoundResult:
     """Decide the round's changes from one snapshot; pure apart from reading the clock. Jobs
-    are not placed in spot locations ``blocklist`` holds (they may stay where they run)."""
+    are not placed in spot locations ``blocklist`` holds (they may stay where they run); pools
+    are ranked by expected cost with ``priors`` (monthly reclaim rate per pool id; none: 0)
+    and the preemptions and node-hours ``stats`` the broker observed."""
     now = time.time() if now is None else now
     res = RoundResult(plan=Plan(wake=False))
     pools_by_id = {p.id: p for p in snap.pools}
     blocked = blocked_pools(snap.pools, blocklist, now)
+    risk = pool_risk(snap.pools, priors or {}, stats or PoolStats(), snap.jobs, now)
     available = {p.accelerator for p in snap.pools if p.capacity > 0}
     used: dict[str, int] = defaultdict(int)  # GPUs held by jobs this round does not move
     by_accel: dict[Accelerator, list[JobRecord]] = defaultdict(list)
@@ -162,11 +262,8 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if c is None:
                 continue
             fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
-            requests.append(PlacementRequest(
-                job.id, c.gpus, fallbacks,
-                job.pool if job.state is JobState.RUNNING else None,
-                job.spec.spot, job.spec.regions.allow, job.spec.regions.deny, blocked))
-        placed = place(requests, pools, used)
+            requests.append(placement_request(job, c, fallbacks, blocked, pools_by_id, config))
+        placed = place(requests, pools, used, risk, config.egress)
         # GPUs free right now: running jobs hold theirs until they have checkpointed, so a
         # launch into GPUs a resizing job still holds waits for a later round.
         free_now = {p.id: p.capacity - used.get(p.id, 0) for p in pools}
@@ -274,17 +371,22 @@ def _drop(res: RoundResult, job: JobRecord, reason: str) -> None:
 
 
 class Scheduler:
-    """Runs rounds against the store under a fencing token."""
+    """Runs rounds against the store under a fencing token. ``priors`` gives each pool's
+    monthly reclaim rate (``FleetProvider.interruption_priors``; without it, 0 everywhere)."""
 
-    def __init__(self, store: Store, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, store: Store, config: SchedulerConfig | None = None,
+                 priors: Callable[[Sequence[Pool]], Mapping[str, float]] | None = None) -> None:
         self.store = store
         self.config = config or SchedulerConfig()
+        self.priors = priors
 
     def run_round(self, fence: int) -> RoundResult:
         """Snapshot, plan, apply atomically. A conflict (a job changed meanwhile) leaves
         everything as it was; the next round re-plans from fresh state."""
-        res = plan_round(self.store.snapshot(), fence, self.config,
-                         blocklist=self.store.blocklist()[0])
+        snap = self.store.snapshot()
+        res = plan_round(snap, fence, self.config, blocklist=self.store.blocklist()[0],
+                         priors=self.priors(snap.pools) if self.priors else None,
+                         stats=self.store.pool_stats())
         if not res.plan.empty():
             self.store.apply(res.plan, fence=fence)
         return res

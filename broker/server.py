@@ -125,7 +125,7 @@ class Broker:
         self.store = store
         self.provider = provider
         self.skipped = skipped or {}  # declared clouds without credentials -> why
-        self.scheduler = Scheduler(store, config.scheduler)
+        self.scheduler = Scheduler(store, config.scheduler, priors=provider.interruption_priors)
         self.actuator = Actuator(store, provider, ActuatorConfig(
             checkpoint_root=config.state_dir / "checkpoints", broker_url=config.broker_url,
             agent_token=config.agent_token, use_agent=config.use_agent,

@@ -33,6 +33,8 @@ ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
 CHECKPOINT_EXIT = "checkpoint-exit"
 CONTINUE = "continue"
 BLOCKLIST_KEY = "blocklist"  # the reclaimed spot locations (policies.migration.Blocklist JSON)
+PREEMPTIONS_KEY = "pool:preemptions"  # hash: pool id -> preemptions the reconciler handled there
+NODE_HOURS_KEY = "pool:node_hours"  # hash: pool id -> node-hours of closed placement intervals
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,15 @@ def _translate(exc: redis.ResponseError) -> StoreError:
     raise exc
 
 
+@dataclass(frozen=True)
+class PoolStats:
+    """What the broker observed per pool (kept in Redis, so it outlives broker restarts):
+    preemptions it handled there and node-hours of the placement intervals that closed there."""
+
+    preemptions: dict[str, int] = field(default_factory=dict)
+    node_hours: dict[str, float] = field(default_factory=dict)
+
+
 @dataclass
 class Plan:
     """A batch of job changes, intents, placements and events applied in one atomic step."""
@@ -113,6 +124,7 @@ class Plan:
     placement_close: list[dict[str, str]] = field(default_factory=list)
     events: list[dict[str, str]] = field(default_factory=list)
     kv: list[dict[str, str]] = field(default_factory=list)
+    incr: list[dict[str, str]] = field(default_factory=list)
     wake: bool = False
 
     def change(
@@ -162,9 +174,18 @@ class Plan:
         """Store ``blocklist``, which was derived from the stored text ``read``."""
         self.put(BLOCKLIST_KEY, blocklist.model_dump_json(), expect=read)
 
+    def count_preemption(self, pool_id: str) -> None:
+        """One more preemption observed in ``pool_id`` (``Store.pool_stats``)."""
+        self.incr.append({"key": PREEMPTIONS_KEY, "field": pool_id, "by": "1"})
+
+    def add_node_hours(self, pool_id: str, hours: float) -> None:
+        """Node-hours a closed placement interval spent in ``pool_id`` (``Store.pool_stats``)."""
+        if hours > 0:
+            self.incr.append({"key": NODE_HOURS_KEY, "field": pool_id, "by": repr(hours)})
+
     def empty(self) -> bool:
         return not (self.sets or self.intents_add or self.intents_del or self.events
-                    or self.placement_open or self.placement_close or self.kv)
+                    or self.placement_open or self.placement_close or self.kv or self.incr)
 
     def ops(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if v and k != "wake"}
@@ -389,6 +410,15 @@ class Store:
         if raw is not None:
             return Blocklist.model_validate_json(raw), raw
         return (Blocklist() if decay_s is None else Blocklist(decay_s=decay_s)), None
+
+    def pool_stats(self) -> PoolStats:
+        """Preemptions and closed node-hours per pool, as the reconciler counted them."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hgetall(f"{self.p}{PREEMPTIONS_KEY}")
+        pipe.hgetall(f"{self.p}{NODE_HOURS_KEY}")
+        preemptions, node_hours = pipe.execute()
+        return PoolStats({k: int(float(v)) for k, v in preemptions.items()},
+                         {k: float(v) for k, v in node_hours.items()})
 
     # ---- leader side: lease, snapshot, plans, intents ------------------------------------------
 

@@ -1,8 +1,11 @@
 """Region placement: map each job's GPU count to one pool (cloud, region, market).
 
 A job's GPUs stay in one pool. Jobs that already run keep their pool when it still has room (no
-churn); others go to the cheapest eligible pool (spot first for ``preferred``, on-demand only
-for ``never``; at equal price on-demand before spot, as it carries no preemption risk).
+churn); others go to the eligible pool with the lowest expected cost to finish their work there
+(``policies.region_score.expected_cost``: price, preemption risk, the move's restart and
+checkpoint egress), spot first for ``preferred``, on-demand only for ``never``; at equal cost the
+cheaper price, then the lower risk (on-demand before spot). With no risk or job details every
+spot pool is as safe as on-demand and every move costs alike, so the order is the price order.
 Allowed/denied regions are ``cloud:region`` globs; ``blocked`` pools (spot locations just
 reclaimed, from ``policies.migration``) take no new jobs. When fragmentation leaves no pool with
 room for a job's GPU count, the job is repaired to the largest smaller count that fits.
@@ -10,16 +13,31 @@ room for a job's GPU count, the job is repaired to the largest smaller count tha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from fnmatch import fnmatchcase
 
 from policies.models import Market, Pool, SpotPolicy
+from policies.region_score import (
+    DEFAULT_CHECKPOINT_INTERVAL_S,
+    DEFAULT_RESTART_S,
+    Candidate,
+    Egress,
+    JobNeeds,
+    expected_cost,
+    hazard_per_hour,
+)
 
 
 @dataclass(frozen=True)
 class PlacementRequest:
-    """``gpus`` is the allocator's choice; ``fallbacks`` smaller acceptable counts, best first."""
+    """``gpus`` is the allocator's choice; ``fallbacks`` smaller acceptable counts, best first.
+
+    The fields from ``remaining_h`` on describe the job for the expected cost: hours of work left
+    at ``gpus`` (the default, one hour, compares pools by what an hour costs), what a relaunch
+    loses, the checkpoint interval, and the checkpoint's size and location (its egress on a move
+    to another region or cloud; ``None`` for a job without one).
+    """
 
     job_id: str
     gpus: int
@@ -29,6 +47,29 @@ class PlacementRequest:
     allow: Sequence[str] = ("*",)
     deny: Sequence[str] = ()
     blocked: frozenset[str] = frozenset()  # pool ids to avoid (reclaimed spot), unless current
+    remaining_h: float = 1.0
+    restart_h: float = DEFAULT_RESTART_S / 3600
+    checkpoint_interval_h: float = DEFAULT_CHECKPOINT_INTERVAL_S / 3600
+    checkpoint_gb: float = 0.0
+    checkpoint_cloud: str | None = None
+    checkpoint_region: str | None = None
+
+    def needs(self, gpus: int) -> JobNeeds:
+        """The job as ``policies.region_score`` scores it, at ``gpus`` GPUs."""
+        return JobNeeds(gpus=gpus, remaining_h=self.remaining_h, restart_h=self.restart_h,
+                        checkpoint_interval_h=self.checkpoint_interval_h,
+                        checkpoint_gb=self.checkpoint_gb, checkpoint_cloud=self.checkpoint_cloud,
+                        checkpoint_region=self.checkpoint_region, current_pool=self.current_pool)
+
+
+@dataclass(frozen=True)
+class PoolRisk:
+    """What is known about a pool's preemptions: the prior monthly reclaim rate (Spot Advisor
+    bucket) and what the broker itself saw there. Unknown pools count as never reclaimed."""
+
+    prior_monthly_rate: float = 0.0
+    preemptions_seen: int = 0
+    node_hours_seen: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -39,8 +80,19 @@ class PlacementResult:
 
 @dataclass
 class _Free:
+    """A pool's GPUs still free in this call, and what ranks it: its candidate for the expected
+    cost, then at equal cost (price, hazard, 1 for spot, id)."""
+
     pool: Pool
-    free: int = field(default=0)
+    free: int
+    candidate: Candidate
+    tie: tuple[float, float, int, str]
+
+
+def _free(pool: Pool, used: int, risk: PoolRisk) -> _Free:
+    c = Candidate(pool=pool, **asdict(risk))
+    tie = (pool.price_per_gpu_hour, hazard_per_hour(c), int(pool.market is Market.SPOT), pool.id)
+    return _Free(pool, pool.capacity - used, c, tie)
 
 
 def region_allowed(pool: Pool, allow: Sequence[str], deny: Sequence[str]) -> bool:
@@ -57,26 +109,24 @@ def eligible(pool: Pool, req: PlacementRequest) -> bool:
     return region_allowed(pool, req.allow, req.deny)
 
 
-def _cost_key(pool: Pool, spot: SpotPolicy) -> tuple[int, float, int, str]:
-    spot_rank = 0 if (spot is SpotPolicy.PREFERRED and pool.market is Market.SPOT) else 1
-    risk = 1 if pool.market is Market.SPOT else 0
-    return (spot_rank, pool.price_per_gpu_hour, risk, pool.id)
-
-
 def place(requests: Sequence[PlacementRequest], pools: Sequence[Pool],
-          used: dict[str, int] | None = None) -> dict[str, PlacementResult | None]:
-    """Place every request; ``used`` are GPUs already held per pool by jobs not placed here.
+          used: dict[str, int] | None = None, risk: Mapping[str, PoolRisk] | None = None,
+          egress: Egress | None = None) -> dict[str, PlacementResult | None]:
+    """Place every request; ``used`` are GPUs already held per pool by jobs not placed here,
+    ``risk`` what is known of each pool's preemptions (by pool id), ``egress`` the transfer
+    prices of a checkpoint.
 
     Order: jobs staying in their current pool first, then larger jobs first (first-fit
     decreasing keeps big gangs placeable).
     """
-    free = {p.id: _Free(p, p.capacity - (used or {}).get(p.id, 0)) for p in pools}
+    risk, used, egress = risk or {}, used or {}, egress or Egress()
+    free = {p.id: _free(p, used.get(p.id, 0), risk.get(p.id, PoolRisk())) for p in pools}
     order = sorted(requests, key=lambda r: (r.current_pool not in free, -r.gpus, r.job_id))
     out: dict[str, PlacementResult | None] = {}
     for req in order:
         out[req.job_id] = None
         for gpus in (req.gpus, *req.fallbacks):
-            pool = _pick(req, gpus, free)
+            pool = _pick(req, gpus, free, egress)
             if pool is not None:
                 free[pool].free -= gpus
                 out[req.job_id] = PlacementResult(pool, gpus)
@@ -84,11 +134,16 @@ def place(requests: Sequence[PlacementRequest], pools: Sequence[Pool],
     return out
 
 
-def _pick(req: PlacementRequest, gpus: int, free: dict[str, _Free]) -> str | None:
+def _pick(req: PlacementRequest, gpus: int, free: dict[str, _Free],
+          egress: Egress) -> str | None:
     cur = free.get(req.current_pool or "")
     if cur is not None and cur.free >= gpus and eligible(cur.pool, req):
         return cur.pool.id
-    fits = [f.pool for f in free.values() if f.free >= gpus and eligible(f.pool, req)]
-    if not fits:
-        return None
-    return min(fits, key=lambda p: _cost_key(p, req.spot)).id
+    fits = [f for f in free.values() if f.free >= gpus and eligible(f.pool, req)]
+    if len(fits) < 2:
+        return fits[0].pool.id if fits else None
+    needs = req.needs(gpus)
+    spot_first = req.spot is SpotPolicy.PREFERRED
+    return min(fits, key=lambda f: (
+        not (spot_first and f.pool.market is Market.SPOT),
+        expected_cost(needs, f.candidate, egress), *f.tie)).pool.id

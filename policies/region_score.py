@@ -19,6 +19,8 @@ from policies.models import Market, Pool
 
 HOURS_PER_MONTH = 730.0
 PRIOR_WEIGHT_H = 24.0  # the prior counts as this many node-hours of the broker's own observation
+DEFAULT_RESTART_S = 60.0  # a relaunch: node start, setup, checkpoint restore
+DEFAULT_CHECKPOINT_INTERVAL_S = 100.0  # the job spec's default (policies.models.CheckpointSpec)
 
 
 class Egress(BaseModel):
@@ -57,8 +59,8 @@ class JobNeeds(BaseModel):
 
     gpus: int = Field(ge=1)
     remaining_h: float = Field(ge=0)
-    restart_h: float = Field(default=60 / 3600, ge=0)
-    checkpoint_interval_h: float = Field(default=100 / 3600, ge=0)
+    restart_h: float = Field(default=DEFAULT_RESTART_S / 3600, ge=0)
+    checkpoint_interval_h: float = Field(default=DEFAULT_CHECKPOINT_INTERVAL_S / 3600, ge=0)
     checkpoint_gb: float = Field(default=0.0, ge=0)
     checkpoint_cloud: str | None = None
     checkpoint_region: str | None = None

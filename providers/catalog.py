@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from policies.models import Accelerator, Market, Offer
+from policies.models import Accelerator, Market, Offer, Pool
 from providers.base import CapacityError, LaunchRequest
 
 DATA = Path(__file__).parent / "data"
@@ -360,3 +360,20 @@ def interruption_priors() -> dict[tuple[str, str], float]:
 def interruption_prior(offer: Offer, priors: dict[tuple[str, str], float] | None = None) -> float:
     table = interruption_priors() if priors is None else priors
     return table.get((offer.region, offer.instance_type), UNKNOWN_RATE)
+
+
+def pool_prior(pool: Pool, offers: Iterable[Offer],
+               priors: dict[tuple[str, str], float] | None = None) -> float:
+    """A pool's monthly interruption fraction: the prior of the offer whose price it carries (the
+    cheapest per GPU in its cloud, region, zone, accelerator and market), ``UNKNOWN_RATE`` when
+    no offer matches or the advisor has no data for it."""
+    fits = [
+        (price / o.accelerator_count, o.instance_type, o)
+        for o in offers
+        if (o.cloud, o.region, o.accelerator) == (pool.cloud, pool.region, pool.accelerator)
+        and (pool.zone is None or o.zone in (None, pool.zone))
+        and (price := o.hourly(pool.market)) is not None
+    ]
+    if not fits:
+        return UNKNOWN_RATE
+    return interruption_prior(min(fits, key=lambda f: f[:2])[2], priors)

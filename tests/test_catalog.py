@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policies.models import Accelerator, Market
+from policies.models import Accelerator, Market, Pool
 from providers import catalog
 from providers.catalog import CatalogOffer
 
@@ -145,6 +145,26 @@ def test_interruption_prior_of_an_offer(offers: list[CatalogOffer]) -> None:
     gcp = next(o for o in offers if o.cloud == "gcp")
     assert catalog.interruption_prior(p3, priors) == priors[("us-east-1", "p3.2xlarge")]
     assert catalog.interruption_prior(gcp) == catalog.UNKNOWN_RATE
+
+
+def test_pool_prior_is_the_advisor_bucket_of_the_type_the_pool_is_priced_at(
+        offers: list[CatalogOffer]) -> None:
+    priors = catalog.interruption_priors()
+
+    def pool(cloud: str, region: str, acc: Accelerator, zone: str | None = None) -> Pool:
+        return Pool(cloud=cloud, region=region, zone=zone, accelerator=acc, market=Market.SPOT,
+                    nodes=1, gpus_per_node=1)
+
+    east = pool("aws", "us-east-1", Accelerator.V100)
+    cheapest = min((o for o in offers if (o.cloud, o.region, o.accelerator) ==
+                    ("aws", "us-east-1", Accelerator.V100) and o.spot_price is not None),
+                   key=lambda o: (o.per_gpu(Market.SPOT), o.instance_type))
+    assert catalog.pool_prior(east, offers, priors) == priors[("us-east-1",
+                                                                cheapest.instance_type)]
+    assert catalog.pool_prior(pool("gcp", "us-central1", Accelerator.T4), offers, priors) == \
+        catalog.UNKNOWN_RATE  # the advisor covers AWS only
+    assert catalog.pool_prior(pool("aws", "us-east-1", Accelerator.V100, zone="nowhere"),
+                              offers, priors) == catalog.UNKNOWN_RATE  # no offer in that zone
 
 
 prices = st.one_of(st.none(), st.floats(min_value=0, max_value=100, allow_nan=False))

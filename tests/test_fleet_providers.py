@@ -1,6 +1,7 @@
 """The fleet's one provider: fleet files that declare clouds, routing by the pool's cloud (local
 pretend regions and AWS on moto), skipping an unconfigured cloud with one clear log line and no
-credentials in any log, and the Redis-kept blocklist steering the scheduler and the reconciler."""
+credentials in any log, the Redis-kept blocklist steering the scheduler and the reconciler, and
+the preemptions counted per pool in Redis and the Spot Advisor priors steering placement."""
 
 from __future__ import annotations
 
@@ -19,8 +20,18 @@ from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig, blocked_pools
 from broker.store import AgentReport, Conflict, Plan, Store
 from policies.migration import Blocklist, mark_preempted
-from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool, SpotPolicy
+from policies.models import (
+    Accelerator,
+    BatchRange,
+    CheckpointSpec,
+    GpuRange,
+    JobSpec,
+    Market,
+    Pool,
+    SpotPolicy,
+)
 from policies.placement import PlacementRequest, PlacementResult, place
+from providers import catalog
 from providers.aws import AwsProvider
 from providers.base import LaunchRequest, NodeState, ProviderError
 from providers.local import LocalProvider
@@ -334,3 +345,78 @@ def test_blocked_spot_locations_leave_on_demand_and_running_jobs_alone() -> None
                     PlacementRequest("new", 1, blocked=blocked)], pools)
     assert placed["runs"] == PlacementResult("aws:r:spot:T4", 1)  # stays where it runs
     assert placed["new"] == PlacementResult("aws:s:spot:T4", 1)  # not the cheaper blocked one
+
+
+# ---- observed preemptions steer placement (policies.region_score through policies.placement) --
+
+
+def test_counted_preemptions_steer_long_jobs_away_and_survive_a_restart(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """One reclaim in the cheapest pool makes the broker expect about one a day there: a long job
+    (checkpointing hourly) then goes to a pool 1% dearer; a short one still takes the cheap one.
+    With two spot locations SpotHedge's blocklist resets at once, so the counts alone steer."""
+    provider, _ = build_fleet_provider(fleet_file(tmp_path, """
+grace_period_s: 1
+regions:
+  - {cloud: local, region: a, market: spot, price_per_gpu_hour: 0.100, gpus: 2}
+  - {cloud: local, region: b, market: spot, price_per_gpu_hour: 0.101, gpus: 2}
+"""), tmp_path / "state", tmp_path)
+    cheap, dear = "local:a:spot:T4", "local:b:spot:T4"
+
+    def job(name: str, samples: int) -> JobSpec:
+        return spec(name, SpotPolicy.ALLOWED).model_copy(update={
+            "work_samples": samples, "checkpoint": CheckpointSpec(interval="3600s")})
+
+    store = Store.from_url(redis_server.url)
+    actuator = Actuator(store, provider, ActuatorConfig(use_agent=False))
+    reconciler = Reconciler(store, provider)
+    fence = store.acquire_lease("me", 60)
+
+    def step(scheduler: Scheduler) -> None:
+        store.set_pools(provider.pools())
+        reconciler.run(fence)
+        scheduler.run_round(fence)
+        actuator.run(fence)
+
+    try:
+        scheduler = Scheduler(store, priors=provider.interruption_priors)
+        victim = store.submit(job("victim", 10**9), team="t")
+        step(scheduler)
+        assert store.get_job(victim.id).pool == cheap  # type: ignore[union-attr]
+        provider.reclaim("a", duration_s=0.3)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and store.get_job(victim.id).attempt < 2:  # type: ignore
+            step(scheduler)
+            time.sleep(0.1)
+        assert store.get_job(victim.id).pool == dear  # type: ignore[union-attr]
+        stats = store.pool_stats()
+        assert stats.preemptions == {cheap: 1} and stats.node_hours[cheap] > 0
+        assert not store.blocklist()[0].is_blocked("local:a", time.time())
+        time.sleep(0.3)  # region a has its GPUs back
+
+        redis_server.restart(kill=False)  # a broker restart over a restarted Redis
+        store = Store.from_url(redis_server.url)
+        fence = store.acquire_lease("me", 60)
+        assert store.pool_stats() == stats
+        store.set_pools(provider.pools())
+        long, short = (store.submit(job(n, s), team="t") for n, s in (("long", 10**9),
+                                                                      ("short", 100)))
+        Scheduler(store, priors=provider.interruption_priors).run_round(fence)
+        assert store.get_job(long.id).pool == dear  # type: ignore[union-attr]
+        assert store.get_job(short.id).pool == cheap  # type: ignore[union-attr]
+    finally:
+        for node in provider.nodes():
+            provider.terminate(node.node_id)
+
+
+def test_pool_priors_come_from_the_spot_advisor_once_per_fleet(
+        mixed: FleetProvider, monkeypatch: pytest.MonkeyPatch) -> None:
+    pools = mixed.pools()
+    priors = mixed.interruption_priors(pools)
+    advisor = catalog.interruption_priors()
+    # the type whose price the pool carries: the cheapest 1x V100 spot there (p3.2xlarge)
+    assert priors["aws:us-east-1:spot:V100"] == advisor[("us-east-1", "p3.2xlarge")]
+    assert priors["aws:us-west-2:spot:V100"] == advisor[("us-west-2", "p3.2xlarge")]
+    assert priors["local:lab:spot:V100"] == catalog.UNKNOWN_RATE  # no advisor data
+    monkeypatch.setattr("broker.fleet.interruption_priors", lambda: pytest.fail("read again"))
+    assert mixed.interruption_priors(pools) == priors

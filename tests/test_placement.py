@@ -1,9 +1,13 @@
-"""Region placement and the throughput model (pure policies)."""
+"""Region placement (price, preemption risk, checkpoint egress) and the throughput model (pure
+policies)."""
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from policies.models import Accelerator, Market, Pool, SpotPolicy
-from policies.placement import PlacementRequest, PlacementResult, place
+from policies.placement import PlacementRequest, PlacementResult, PoolRisk, eligible, place
 from policies.throughput import ThroughputModel, batch_candidates
 
 
@@ -60,3 +64,60 @@ def test_throughput_model_scales_sublinearly_and_calibrates() -> None:
     assert abs(cal.throughput(2, 256) - two / 2) < 1e-9
     assert batch_candidates(48, 300, 4) == [48, 64, 128, 256, 300]
     assert batch_candidates(2, 8, 4) == [4, 8]
+
+
+# ---- expected cost: preemption risk and checkpoint egress (policies.region_score) -------------
+
+RISKY = pool("risky", Market.SPOT, 0.20, 4)
+SAFE = pool("safe", Market.SPOT, 0.21, 4, cloud="gcp")
+# five reclaims in ten node-hours: about one every seven hours, against none seen in SAFE
+SEEN = {RISKY.id: PoolRisk(preemptions_seen=5, node_hours_seen=10)}
+
+
+def test_risky_cheap_spot_pool_loses_to_a_safe_one_for_a_long_job_only() -> None:
+    job = dict(checkpoint_interval_h=1.0, restart_h=0.1)
+    long = PlacementRequest("long", 2, remaining_h=50, **job)
+    short = PlacementRequest("short", 2, remaining_h=0.01, **job)
+    assert place([long], [RISKY, SAFE], risk=SEEN)["long"].pool == SAFE.id
+    # a short job is unlikely to meet a reclaim: the cheaper price wins
+    assert place([short], [RISKY, SAFE], risk=SEEN)["short"].pool == RISKY.id
+    # without what the broker saw, the long job takes the cheaper pool
+    assert place([long], [RISKY, SAFE])["long"].pool == RISKY.id
+    # a running job stays where it is: risk moves nobody for pennies
+    stay = PlacementRequest("stay", 2, current_pool=RISKY.id, remaining_h=50, **job)
+    assert place([stay], [RISKY, SAFE], risk=SEEN)["stay"].pool == RISKY.id
+    # spot "preferred" still ranks every spot pool before on-demand, however risky
+    od = pool("od", Market.ON_DEMAND, 0.1, 4)
+    preferred = PlacementRequest("p", 2, spot=SpotPolicy.PREFERRED, remaining_h=50, **job)
+    assert place([preferred], [RISKY, od], risk=SEEN)["p"].pool == RISKY.id
+    assert place([long], [RISKY, od], risk=SEEN)["long"].pool == od.id
+
+
+def test_a_large_checkpoint_keeps_the_job_in_its_region() -> None:
+    east = pool("east", Market.SPOT, 0.2, 4)
+    west = pool("west", Market.SPOT, 0.201, 4, cloud="gcp")
+    home = dict(checkpoint_cloud="gcp", checkpoint_region="west", remaining_h=10)
+    big = PlacementRequest("big", 2, checkpoint_gb=50, **home)  # 4.50 USD to leave gcp
+    assert place([big], [east, west])["big"].pool == west.id
+    small = PlacementRequest("small", 2, checkpoint_gb=0.01, **home)
+    assert place([small], [east, west])["small"].pool == east.id
+
+
+pools_st = st.lists(st.builds(
+    pool, st.sampled_from(["r1", "r2", "r3"]), st.sampled_from(list(Market)),
+    st.sampled_from([0.1, 0.2, 0.25, 0.9]), st.integers(1, 4),
+    st.sampled_from(["aws", "gcp"])), min_size=1, max_size=6, unique_by=lambda p: p.id)
+
+
+@given(pools_st, st.integers(1, 4), st.sampled_from(list(SpotPolicy)),
+       st.floats(0.0, 1000.0), st.floats(0.0, 2.0))
+def test_without_risk_or_checkpoint_the_order_is_the_price_order(
+        pools: list[Pool], gpus: int, spot: SpotPolicy, remaining_h: float,
+        restart_h: float) -> None:
+    req = PlacementRequest("j", gpus, spot=spot, remaining_h=remaining_h, restart_h=restart_h)
+    fits = [p for p in pools if p.capacity >= gpus and eligible(p, req)]
+    want = min(fits, key=lambda p: (
+        spot is not SpotPolicy.PREFERRED or p.market is not Market.SPOT,
+        p.price_per_gpu_hour, p.market is Market.SPOT, p.id)).id if fits else None
+    got = place([req], pools)["j"]
+    assert (got and got.pool) == want

@@ -1,14 +1,33 @@
 """Scheduling rounds against a real redis-server: launches, shrink on arrival, stop on cancel,
-admission drop, and a stale fence refused."""
+admission drop, and a stale fence refused; what placement is told about each job and pool."""
 
 from __future__ import annotations
 
 import pytest
 
 from broker.models import IntentKind, JobState
-from broker.scheduler import Admission, Policy, Scheduler, SchedulerConfig, job_choices
-from broker.store import Plan, StaleFence, Store
-from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
+from broker.scheduler import (
+    Admission,
+    Policy,
+    Scheduler,
+    SchedulerConfig,
+    checkpoint_interval_s,
+    job_choices,
+    placement_request,
+    pool_risk,
+    samples_per_sec,
+)
+from broker.store import Plan, PoolStats, StaleFence, Store
+from policies.elastic_dp import Choice
+from policies.models import (
+    Accelerator,
+    BatchRange,
+    CheckpointSpec,
+    GpuRange,
+    JobSpec,
+    Market,
+    Pool,
+)
 
 
 def spec(name: str, gmax: int = 4, **kw: object) -> JobSpec:
@@ -120,3 +139,36 @@ def test_measured_throughput_replaces_the_model(store: Store) -> None:
     assert one.value == pytest.approx(1.0) and two.value == pytest.approx(1.01)
     modelled = job_choices(job, Policy.ELASTIC, 4)[1].value
     assert modelled > 1.2  # the model alone expected a real speed-up
+
+
+def test_placement_request_and_pool_risk_from_the_job_and_the_counts() -> None:
+    """What placement weighs: hours left at the chosen size (throughput estimate), the checkpoint
+    interval (a step count at the step rate), the checkpoint's region (the last pool's), and per
+    pool the prior, the counted preemptions and node-hours (closed plus those running now)."""
+    from broker.models import JobRecord
+
+    steps = spec("s").model_copy(update={"work_samples": 3_600_000,
+                                         "checkpoint": CheckpointSpec(interval="500steps")})
+    job = JobRecord(id="s-1", spec=steps, team="t", state=JobState.SUSPENDED, attempt=2,
+                    pool="gcp:west/b:spot:T4", samples_done=1_800_000,
+                    measured={"2x64": 1000.0})  # the agent measured 1000 samples/s at 2x64
+    assert samples_per_sec(job, 2, 64) == 1000.0
+    assert checkpoint_interval_s(steps, 64, 1000.0) == pytest.approx(32.0)
+    assert checkpoint_interval_s(spec("t"), 64, 1000.0) == 100.0  # the spec's default, 100s
+    config = SchedulerConfig(restart_s=120, checkpoint_gb=5)
+    req = placement_request(job, Choice(2, 64, 1.0), [1], frozenset(), {}, config)
+    assert req.remaining_h == pytest.approx(0.5) and req.restart_h == pytest.approx(120 / 3600)
+    assert req.checkpoint_interval_h == pytest.approx(32 / 3600)
+    assert (req.checkpoint_cloud, req.checkpoint_region, req.checkpoint_gb) == ("gcp", "west", 5)
+    assert req.current_pool is None  # suspended: it is placed again, not kept
+    fresh = placement_request(job.model_copy(update={"attempt": 0, "pool": None}),
+                              Choice(2, 64, 1.0), [], frozenset(), {}, config)
+    assert fresh.checkpoint_cloud is None and fresh.checkpoint_gb == 0  # nothing to carry yet
+    east = POOLS[0].id
+    running = job.model_copy(update={"state": JobState.RUNNING, "pool": east,
+                                     "launched_at": 1000.0, "node_ids": ["n1"]})
+    risk = pool_risk(POOLS, {east: 0.25}, PoolStats({east: 3}, {east: 2.0}), [running],
+                     now=1000.0 + 1800)
+    assert risk[east].prior_monthly_rate == 0.25 and risk[east].preemptions_seen == 3
+    assert risk[east].node_hours_seen == pytest.approx(2.5)
+    assert risk[POOLS[1].id].preemptions_seen == 0 and risk[POOLS[1].id].prior_monthly_rate == 0
