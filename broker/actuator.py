@@ -53,6 +53,10 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
         "FLEET_RUN": spec.run,
         "FLEET_HEARTBEAT_INTERVAL": str(config.heartbeat_interval_s),
     }
+    # The spec's interval is the runtime's default; an interval the script passes itself wins.
+    every, in_steps = spec.checkpoint.every
+    env["FLEET_CHECKPOINT_EVERY_STEPS" if in_steps else "FLEET_CHECKPOINT_EVERY_SECONDS"] = \
+        str(every)
     if config.broker_url:
         env["FLEET_BROKER_URL"] = config.broker_url
     if config.agent_token:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -19,13 +18,12 @@ from enum import StrEnum
 from pydantic import BaseModel, Field
 
 from broker.models import Intent, IntentKind, JobRecord, JobState
-from broker.spec import parse_duration
 from broker.store import Plan, PoolStats, Snapshot, Store
 from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
 from policies.migration import Blocklist, location_keys
 from policies.models import Accelerator, JobSpec, Market, Pool
 from policies.placement import PlacementRequest, PoolRisk, place
-from policies.region_score import DEFAULT_CHECKPOINT_INTERVAL_S, DEFAULT_RESTART_S, Egress
+from policies.region_score import DEFAULT_RESTART_S, Egress
 from policies.throughput import ThroughputModel, batch_candidates
 
 log = logging.getLogger(__name__)
@@ -150,24 +148,11 @@ def blocked_pools(pools: list[Pool], blocklist: Blocklist | None, now: float) ->
                      any(blocklist.is_blocked(k, now) for k in location_keys(p)))
 
 
-_STEPS = re.compile(r"\s*(\d+)\s*steps?\s*")
-
-
 def checkpoint_interval_s(spec: JobSpec, batch: int, samples_per_s: float) -> float:
     """Seconds between the job's checkpoints: the spec's time, or its step count at the
     expected step rate (global ``batch`` samples a step)."""
-    every, in_steps = _interval(spec.checkpoint.interval)
+    every, in_steps = spec.checkpoint.every
     return every * batch / samples_per_s if in_steps else every
-
-
-@functools.lru_cache(maxsize=1024)
-def _interval(text: str) -> tuple[float, bool]:
-    """``(n, True)`` for ``<n>steps``, else ``(seconds, False)``; the spec's default when the
-    text is neither (the spec parser refuses such text; a record made in code may hold it)."""
-    if m := _STEPS.fullmatch(text):
-        return int(m.group(1)), True
-    secs = parse_duration(text)
-    return (DEFAULT_CHECKPOINT_INTERVAL_S if secs is None else secs), False
 
 
 def _location(pool_id: str, pools_by_id: Mapping[str, Pool]) -> tuple[str, str]:

@@ -198,7 +198,15 @@ class CheckpointSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     uri: str | None = None
-    interval: str = Field(default="100s", description="'<n>s' seconds or '<n>steps'")
+    interval: str = Field(default="100s", pattern=r"^[1-9][0-9]*(s|steps)$",
+                          description="'<n>s' seconds or '<n>steps' (the spec parser "
+                          "writes other forms such as 5m in this one)")
+
+    @property
+    def every(self) -> tuple[int, bool]:
+        """``(n, True)`` for every ``n`` steps, ``(seconds, False)`` for a time."""
+        in_steps = self.interval.endswith("steps")
+        return int(self.interval.removesuffix("steps" if in_steps else "s")), in_steps
 
 
 class JobSpec(BaseModel):

@@ -58,7 +58,8 @@ class Trainer:
     FLEET_GLOBAL_BATCH_SIZE) with the LR scaled by ``lr_scaling`` (linear, sqrt, none).
     ``max_micro_batch`` caps the samples per forward pass (gradient accumulation beyond it).
     Checkpoints go to ``checkpoint_dir`` (default FLEET_CHECKPOINT_URI; none = no checkpoints)
-    every ``checkpoint_every_steps`` / ``checkpoint_every_seconds``, keeping ``keep_checkpoints``.
+    every ``checkpoint_every_steps`` / ``checkpoint_every_seconds`` (default: the job spec's
+    interval, FLEET_CHECKPOINT_EVERY_*), keeping ``keep_checkpoints``.
     ``seed`` fixes the data order. ``assignment`` replaces the environment (tests, notebooks).
     """
 
@@ -123,8 +124,12 @@ class Trainer:
         self.lr_scaling = lr_scaling
         lr_factor(lr_scaling, 1, 1)  # reject an unknown rule now, not at the first step
         self.max_micro_batch = max_micro_batch
-        self.every_steps = checkpoint_every_steps or a.checkpoint_every_steps
-        self.every_seconds = checkpoint_every_seconds or a.checkpoint_every_seconds
+        # An interval the script passes replaces the broker's (the job spec's), not adds to it.
+        if checkpoint_every_steps or checkpoint_every_seconds:
+            self.every_steps, self.every_seconds = checkpoint_every_steps, checkpoint_every_seconds
+        else:
+            self.every_steps, self.every_seconds = (a.checkpoint_every_steps,
+                                                    a.checkpoint_every_seconds)
 
         self._init_distributed(a)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
