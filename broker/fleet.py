@@ -90,16 +90,18 @@ class FleetFile(LocalFleet):
 def cloud_pools(cloud: str, config: CloudConfig, offers: list[Offer],
                 capacity: dict[str, int]) -> list[Pool]:
     """One pool per (region, accelerator, market) that the provider's offers price: the
-    cheapest per-GPU price among instance types of at most ``max_gpus`` GPUs there, and
-    ``max_gpus`` GPUs (fewer when the quota headroom is known)."""
+    cheapest per-GPU price among instance types of at most ``max_gpus`` GPUs there, those
+    types' GPU counts as the launchable sizes, and ``max_gpus`` GPUs (fewer when the quota
+    headroom is known)."""
     pools = []
     for region in config.regions:
         for acc in config.accelerators:
             for market in config.markets:
-                prices = [h / o.accelerator_count for o in offers
-                          if o.region == region and o.accelerator is acc
-                          and o.accelerator_count <= config.max_gpus  # a node it may hold
-                          and (h := o.hourly(market)) is not None]
+                sizes = [(o.accelerator_count, h / o.accelerator_count) for o in offers
+                         if o.region == region and o.accelerator is acc
+                         and o.accelerator_count <= config.max_gpus  # a node it may hold
+                         and (h := o.hourly(market)) is not None]
+                prices = [price for _, price in sizes]
                 if not prices:
                     log.info("%s %s: no %s %s offer in the catalog; no pool", cloud, region,
                              acc.value, market.value)
@@ -109,7 +111,8 @@ def cloud_pools(cloud: str, config: CloudConfig, offers: list[Offer],
                 gpus = min(config.max_gpus, capacity.get(pool_id, config.max_gpus))
                 pool = Pool(cloud=cloud, region=region, accelerator=acc, market=market,
                             nodes=int(gpus > 0), gpus_per_node=max(gpus, 1),
-                            price_per_gpu_hour=round(min(prices), 6))
+                            price_per_gpu_hour=round(min(prices), 6),
+                            gpu_counts=tuple(sorted({n for n, _ in sizes})))
                 pools.append(pool)
     return pools
 

@@ -237,7 +237,12 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
         # Running jobs first so the allocator's tie-break favours keeping them.
         jobs.sort(key=lambda j: (j.state is not JobState.RUNNING, -j.spec.priority,
                                  j.submitted_at, j.id))
-        choices = {j.id: job_choices(j, config.policy, capacity) for j in jobs}
+        # Only GPU counts some pool can launch (a cloud's instance sizes): an 8-GPU instance
+        # type does not make 2 GPUs of that type launchable.
+        counts = None if any(p.gpu_counts is None for p in pools) else {
+            g for p in pools for g in p.gpu_counts or ()}
+        choices = {j.id: [c for c in job_choices(j, config.policy, capacity)
+                          if counts is None or c.gpus in counts] for j in jobs}
         t0 = time.perf_counter()
         chosen = _allocate(jobs, choices, capacity, pools_by_id, config, now)
         res.solve_s += time.perf_counter() - t0

@@ -103,6 +103,8 @@ class Pool(BaseModel):
     nodes: int = Field(ge=0)
     gpus_per_node: int = Field(ge=1)
     price_per_gpu_hour: float = Field(default=0.0, ge=0)
+    # GPU counts one launch here can have (a cloud's instance types); None: any count that fits.
+    gpu_counts: tuple[int, ...] | None = None
 
     @field_validator("cloud", "region")
     @classmethod
@@ -119,6 +121,10 @@ class Pool(BaseModel):
     @property
     def capacity(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    def launchable(self, gpus: int) -> bool:
+        """Can one launch here have ``gpus`` GPUs (an instance type of that size)?"""
+        return self.gpu_counts is None or gpus in self.gpu_counts
 
 
 class SpotPolicy(StrEnum):

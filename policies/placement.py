@@ -137,9 +137,11 @@ def place(requests: Sequence[PlacementRequest], pools: Sequence[Pool],
 def _pick(req: PlacementRequest, gpus: int, free: dict[str, _Free],
           egress: Egress) -> str | None:
     cur = free.get(req.current_pool or "")
-    if cur is not None and cur.free >= gpus and eligible(cur.pool, req):
+    if cur is not None and cur.free >= gpus and cur.pool.launchable(gpus) and \
+            eligible(cur.pool, req):
         return cur.pool.id
-    fits = [f for f in free.values() if f.free >= gpus and eligible(f.pool, req)]
+    fits = [f for f in free.values()
+            if f.free >= gpus and f.pool.launchable(gpus) and eligible(f.pool, req)]
     if len(fits) < 2:
         return fits[0].pool.id if fits else None
     needs = req.needs(gpus)

@@ -14,7 +14,7 @@ import pytest
 from moto import mock_aws
 
 from broker.actuator import Actuator, ActuatorConfig
-from broker.fleet import FleetFile, FleetProvider, build_fleet_provider
+from broker.fleet import CloudConfig, FleetFile, FleetProvider, build_fleet_provider, cloud_pools
 from broker.models import JobState
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig, blocked_pools
@@ -113,6 +113,15 @@ def test_fleet_file_with_clouds_and_local_regions(tmp_path: Path) -> None:
     local = fleet.local_fleet()
     assert local is not None and [r.region for r in local.regions] == ["lab"]
     assert FleetFile.load(fleet_file(tmp_path, CLOUDS)).local_fleet() is None
+
+
+def test_cloud_pools_offer_the_instance_sizes_of_their_region() -> None:
+    offers = [o for o in catalog.load_offers(("aws",)) if o.region == "us-east-1"]
+    config = CloudConfig(regions=["us-east-1"], accelerators=[Accelerator.V100],
+                         markets=[Market.SPOT], max_gpus=4)
+    (v100,) = cloud_pools("aws", config, offers, {})
+    assert v100.gpu_counts == (1, 4)  # p3.2xlarge and p3.8xlarge; p3.16xlarge holds 8 > 4
+    assert v100.capacity == 4 and not v100.launchable(2)
 
 
 def test_example_fleet_files_load() -> None:

@@ -54,6 +54,16 @@ def test_gang_stays_in_one_pool_and_fragmentation_is_repaired() -> None:
     assert full["x"] is None
 
 
+def test_a_pool_takes_only_the_gpu_counts_its_instance_types_have() -> None:
+    sizes = pool("cheap", Market.SPOT, 0.1, 8).model_copy(update={"gpu_counts": (1, 4, 8)})
+    anysize = pool("dear", Market.SPOT, 0.3, 8)
+    placed = place([PlacementRequest("two", 2), PlacementRequest("four", 4)], [sizes, anysize])
+    assert placed["two"] == PlacementResult(anysize.id, 2)  # no 2-GPU type in the cheap pool
+    assert placed["four"] == PlacementResult(sizes.id, 4)
+    alone = place([PlacementRequest("three", 3, fallbacks=(2, 1))], [sizes])
+    assert alone["three"] == PlacementResult(sizes.id, 1)  # the largest launchable fallback
+
+
 def test_throughput_model_scales_sublinearly_and_calibrates() -> None:
     m = ThroughputModel()
     one, two, four = (m.throughput(g, 256) for g in (1, 2, 4))

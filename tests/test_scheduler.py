@@ -172,3 +172,27 @@ def test_placement_request_and_pool_risk_from_the_job_and_the_counts() -> None:
     assert risk[east].prior_monthly_rate == 0.25 and risk[east].preemptions_seen == 3
     assert risk[east].node_hours_seen == pytest.approx(2.5)
     assert risk[POOLS[1].id].preemptions_seen == 0 and risk[POOLS[1].id].prior_monthly_rate == 0
+
+
+def test_only_gpu_counts_an_instance_type_offers_are_chosen_and_placed(store: Store) -> None:
+    """A cloud pool of 8 GPUs whose V100 types hold 1, 4 or 8: a 3-GPU job gets 1 (never the 2
+    or 3 no instance type has), and two 3-GPU jobs fill it as 1 + 1, not 2 + 3 + ..."""
+    cloud = Pool(cloud="aws", region="us-east-1", accelerator=Accelerator.V100,
+                 market=Market.SPOT, nodes=1, gpus_per_node=8, price_per_gpu_hour=0.9,
+                 gpu_counts=(1, 4, 8))
+    store.set_pools([cloud])
+    fence = store.acquire_lease("t", ttl_s=30)
+    sched = Scheduler(store, SchedulerConfig(min_rescale_interval_s=0))
+    jobs = [store.submit(spec(n, gmax=3, accelerators=[Accelerator.V100]), team="t")
+            for n in ("a", "b")]
+    sched.run_round(fence)
+    for j in jobs:
+        got = store.get_job(j.id)
+        assert got is not None and got.state is JobState.LAUNCHING and got.gpus == 1
+    wide = store.submit(spec("c", gmax=6, accelerators=[Accelerator.V100]), team="t")
+    run_all(store, fence)
+    sched.run_round(fence)
+    assert store.get_job(wide.id).gpus in (1, 4)  # type: ignore[union-attr]
+    assert not cloud.launchable(2) and cloud.launchable(4)
+    assert Pool(cloud="local", region="lab", accelerator=Accelerator.T4, nodes=1,
+                gpus_per_node=4).launchable(3)  # no instance types: any count that fits
