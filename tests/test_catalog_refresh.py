@@ -17,15 +17,13 @@ from typer.testing import CliRunner
 from broker.cli import app
 from policies.models import Market
 from providers import catalog, refresh
+from tests.cloud_env import no_cloud_config
 
 
 @pytest.fixture
 def no_aws_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    no_cloud_config(monkeypatch, tmp_path)
+
 
 
 def get_json(url: str, params: dict) -> dict:

@@ -33,6 +33,7 @@ from broker.store import BLOCKLIST_KEY
 from policies.migration import Blocklist
 from policies.models import Accelerator, BatchMode, BatchRange, GpuRange, JobSpec, SpotPolicy
 from providers import bootstrap
+from tests.cloud_env import fake_aws_keys
 from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,14 +92,7 @@ class _AnyPath(URIPattern):
 
 @pytest.fixture
 def aws_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    fake_aws_keys(monkeypatch, tmp_path)
     monkeypatch.setenv("FLEET_CONFIG_DIR", str(tmp_path / "config"))  # the shipped catalog
 
 

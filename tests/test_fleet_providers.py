@@ -35,6 +35,7 @@ from providers import catalog
 from providers.aws import AwsProvider
 from providers.base import LaunchRequest, NodeState, ProviderError
 from providers.local import LocalProvider
+from tests.cloud_env import no_cloud_config
 from tests.redis_server import RedisServer
 
 SECRET = "wJalrXUtnFEMI-not-a-real-secret"
@@ -60,16 +61,7 @@ clouds:
 @pytest.fixture(autouse=True)
 def cloud_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """AWS keys only where a test sets them; no GCP or Azure configuration at all."""
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN",
-                "GOOGLE_CLOUD_PROJECT", "AZURE_SUBSCRIPTION_ID"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
-    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))
-    monkeypatch.setenv("NO_GCE_CHECK", "true")
+    no_cloud_config(monkeypatch, tmp_path)
     monkeypatch.setenv("FLEET_CONFIG_DIR", str(tmp_path / "config"))
 
 

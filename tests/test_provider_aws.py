@@ -27,6 +27,7 @@ from providers.base import (
     ProviderError,
     QuotaError,
 )
+from tests.cloud_env import fake_aws_keys
 
 REGIONS = ["us-east-1", "us-west-2"]
 IMAGE = "ami-12c6146b"  # moto accepts any AMI id; this one is in its default image list
@@ -42,14 +43,7 @@ def session() -> boto3.Session:
 
 @pytest.fixture(autouse=True)
 def aws_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    fake_aws_keys(monkeypatch, tmp_path)
 
 
 @pytest.fixture

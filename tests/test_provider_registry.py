@@ -9,22 +9,15 @@ import pytest
 
 from providers.aws import AwsProvider
 from providers.registry import build_providers
+from tests.cloud_env import no_cloud_config
 
 SECRET = "wJalrXUtnFEMI-not-a-real-secret"
 
 
 @pytest.fixture(autouse=True)
-def no_cloud_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN",
-                "AZURE_SUBSCRIPTION_ID", "FLEET_AZURE_RESOURCE_GROUP", "FLEET_AZURE_SUBNET_ID",
-                "GOOGLE_CLOUD_PROJECT"):  # fmt: skip
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
-    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))
-    monkeypatch.setenv("NO_GCE_CHECK", "true")
+def unconfigured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    no_cloud_config(monkeypatch, tmp_path)
+
 
 
 def test_nothing_configured_skips_every_cloud_with_a_reason(caplog) -> None:
