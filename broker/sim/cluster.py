@@ -27,7 +27,7 @@ from broker.sim.traces import SpotTrace, TraceError, read_trace
 from policies.apps import ACCELERATOR_TRACES
 from policies.choices import TypeCapacity
 from policies.models import Accelerator, Market, Pool
-from providers.catalog import CLOUDS, CatalogOffer, load_offers
+from providers.catalog import CLOUDS, UNKNOWN_RATE, CatalogOffer, load_offers, pool_prior
 
 
 class ClusterError(ValueError):
@@ -142,6 +142,16 @@ def catalog_price(pool: Pool, market: Market) -> float | None:
     in_zone = [o for o in fits if pool.zone and o.zone == pool.zone]
     prices = [o.per_gpu(market) for o in in_zone or fits]
     return min(p for p in prices if p is not None) if prices else None
+
+
+def catalog_prior(pool: Pool) -> float:
+    """The Spot Advisor's monthly reclaim fraction for the pool's node type in its region
+    (``UNKNOWN_RATE`` where the advisor lists none: GCP, Azure, unknown types). The region's
+    figure serves its zones: the advisor publishes no per-zone rates."""
+    if pool.cloud not in CLOUDS:
+        return UNKNOWN_RATE
+    nodes = [o for o in _offers(pool.cloud) if o.accelerator_count == pool.gpus_per_node]
+    return pool_prior(pool.model_copy(update={"zone": None}), nodes)
 
 
 def fleet_capacity(pools: list[Pool]) -> list[TypeCapacity]:

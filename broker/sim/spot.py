@@ -38,7 +38,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from broker.sim.cluster import ClusterError, PoolSpec, catalog_price, fleet_capacity
+from broker.sim.cluster import (
+    ClusterError,
+    PoolSpec,
+    catalog_price,
+    catalog_prior,
+    fleet_capacity,
+)
 from broker.sim.engine import SimConfig, SimJob, SimResult, SimulationError, advance, make_job
 from broker.sim.traces import SpotTrace
 from broker.sim.workload import WorkloadJob
@@ -82,6 +88,7 @@ class SimPool:
     pool: Pool
     trace: SpotTrace | None = None
     ondemand_price: float = 0.0  # USD per GPU-hour of the same GPUs on on-demand
+    prior: float = UNKNOWN_RATE  # Spot Advisor monthly reclaim fraction (fleet's hazard prior)
 
     @property
     def region(self) -> str:
@@ -123,7 +130,7 @@ def sim_pools(specs: Sequence[PoolSpec]) -> list[SimPool]:
                 f"{s.where}: no on-demand reference price for this spot pool (ondemand_cost_usd "
                 f"needs one); add an on-demand {pool.accelerator.value} pool in {pool.cloud} "
                 f"{pool.region} to the cluster")
-        out.append(SimPool(pool, s.trace, ref))
+        out.append(SimPool(pool, s.trace, ref, catalog_prior(pool)))
     return out
 
 
@@ -515,7 +522,7 @@ class _SpotSim:
             checkpoint_interval_h=0.0 if self.spot.checkpoint_on_notice
             else self.spot.checkpoint_s / 3600,
             current_pool=None if job.pool is None else job.pool.pool.id)
-        candidates = [Candidate(pool=p.pool, prior_monthly_rate=UNKNOWN_RATE,
+        candidates = [Candidate(pool=p.pool, prior_monthly_rate=p.prior,
                                 preemptions_seen=self.preempted.get(p.pool.id, 0),
                                 node_hours_seen=self.node_hours.get(p.pool.id, 0.0))
                       for p in open_]
