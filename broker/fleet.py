@@ -20,13 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.models import Accelerator, Market, Offer, Pool
 from providers.base import LaunchRequest, Node, PreemptionNotice, Provider, ProviderError
-from providers.catalog import interruption_priors, pool_prior
+from providers.catalog import CLOUDS, interruption_priors, pool_prior
 from providers.local import LocalFleet, LocalProvider, LocalRegion
 from providers.registry import build_providers
 
 log = logging.getLogger(__name__)
-
-CLOUDS = ("aws", "gcp", "azure")
 
 
 class CloudConfig(BaseModel):
