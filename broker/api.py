@@ -62,6 +62,11 @@ class Heartbeat(BaseModel):
     world_size: int | None = Field(default=None, ge=1, le=4096)
     global_batch_size: int | None = Field(default=None, ge=1, le=10**7)
     checkpoint_step: int | None = Field(default=None, ge=0, le=10**15)
+    # strict: a size sent as a string or a fraction is a broken agent, not something to coerce
+    checkpoint_bytes: int | None = Field(
+        default=None, ge=0, le=10**16, strict=True,
+        description="size in bytes of the checkpoint of checkpoint_step: every rank's files and "
+                    "the manifest (placement prices its egress on a move)")
     exit_code: int | None = Field(default=None, ge=-255, le=255,
                                   description="the command's exit code, in the last report")
     notice: str | None = Field(default=None, max_length=500,

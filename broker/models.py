@@ -109,6 +109,7 @@ class JobRecord(BaseModel):
     # Samples/s measured at each configuration the job ran in, keyed "<gpus>x<global batch>".
     measured: dict[str, float] = Field(default_factory=dict)
     checkpoint_step: int | None = None
+    checkpoint_bytes: int | None = None  # that checkpoint's size, as its agent measured it
     failures: int = 0
     rescales: int = 0
     migrations: int = 0

@@ -52,7 +52,7 @@ class SchedulerConfig(BaseModel):
         "checkpoint restore): placement prices it into a move and into every preemption")
     checkpoint_gb: float = Field(
         default=0.0, ge=0, description="checkpoint size assumed for egress on a move to another "
-        "region or cloud (agents do not report sizes yet)")
+        "region or cloud for a job whose agent has not reported its checkpoint's size yet")
     egress: Egress = Field(default_factory=Egress, description="checkpoint transfer prices")
 
 
@@ -164,13 +164,21 @@ def _location(pool_id: str, pools_by_id: Mapping[str, Pool]) -> tuple[str, str]:
     return cloud, region.split("/")[0]
 
 
+def checkpoint_gb(job: JobRecord, config: SchedulerConfig) -> float:
+    """The job's checkpoint size in GB (10^9 bytes, as egress is billed): what its agent
+    measured for the last checkpoint, else the fleet-wide estimate ``config.checkpoint_gb``."""
+    if job.checkpoint_bytes is not None:
+        return job.checkpoint_bytes / 1e9
+    return config.checkpoint_gb
+
+
 def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
                       blocked: frozenset[str], pools_by_id: Mapping[str, Pool],
                       config: SchedulerConfig) -> PlacementRequest:
     """The job as placement sees it: its size and constraints, and what finishing it costs
     where: hours of work left at the chosen size (the scheduler's throughput estimate), the
-    relaunch cost, the checkpoint interval, and where its checkpoint is (the region of its last
-    placement; none before its first)."""
+    relaunch cost, the checkpoint interval, and its checkpoint's size (:func:`checkpoint_gb`) and
+    location (the region of its last placement; none before its first)."""
     spec = job.spec
     rate = samples_per_sec(job, choice.gpus, choice.batch_size)
     left = max(0, spec.work_samples - job.samples_done)
@@ -180,7 +188,7 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
         spec.spot, spec.regions.allow, spec.regions.deny, blocked,
         remaining_h=left / rate / 3600, restart_h=config.restart_s / 3600,
         checkpoint_interval_h=checkpoint_interval_s(spec, choice.batch_size, rate) / 3600,
-        checkpoint_gb=config.checkpoint_gb if where[0] else 0.0,
+        checkpoint_gb=checkpoint_gb(job, config) if where[0] else 0.0,
         checkpoint_cloud=where[0], checkpoint_region=where[1])
 
 

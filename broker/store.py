@@ -28,6 +28,7 @@ from policies.models import JobSpec, Pool
 
 _PROGRESS_FIELDS = (
     "samples_done", "samples_per_sec", "measured_gpus", "measured_batch_size", "checkpoint_step",
+    "checkpoint_bytes",
 )
 ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
 CHECKPOINT_EXIT = "checkpoint-exit"
@@ -280,11 +281,14 @@ class Store:
     def record_heartbeat(self, job_id: str, attempt: int, *, samples_done: int | None = None,
                          samples_per_sec: float | None = None, world_size: int | None = None,
                          global_batch_size: int | None = None,
-                         checkpoint_step: int | None = None, exit_code: int | None = None,
-                         notice: str | None = None, **_: Any) -> str:
+                         checkpoint_step: int | None = None, checkpoint_bytes: int | None = None,
+                         exit_code: int | None = None, notice: str | None = None,
+                         **_: Any) -> str:
         """Record an agent's progress (and, per attempt, its exit code and any preemption
-        notice); returns the action for the agent: ``continue`` or ``checkpoint-exit``
-        (stale attempt, cancel requested, or the job is being stopped)."""
+        notice). The checkpoint's size is kept with its step (unknown when the report has
+        none), so a size never describes another checkpoint than the one recorded. Returns the
+        action for the agent: ``continue`` or ``checkpoint-exit`` (stale attempt, cancel
+        requested, or the job is being stopped)."""
         values: dict[str, Any] = {}
         if samples_done is not None:
             values["samples_done"] = int(samples_done)
@@ -294,6 +298,8 @@ class Store:
             values["measured_batch_size"] = global_batch_size
         if checkpoint_step is not None:
             values["checkpoint_step"] = int(checkpoint_step)
+            values["checkpoint_bytes"] = None if checkpoint_bytes is None else int(
+                checkpoint_bytes)
         if exit_code is not None:
             values[f"exit:{int(attempt)}"] = int(exit_code)
         if notice:

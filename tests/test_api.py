@@ -275,6 +275,37 @@ def test_agent_heartbeat(server: ApiServer, store: Store) -> None:
         assert c.post("/v1/agent/heartbeat", json=beat).json() == {"action": "checkpoint-exit"}
 
 
+def test_agent_heartbeat_checkpoint_size(server: ApiServer, store: Store) -> None:
+    """The measured checkpoint size is kept with its step as telemetry (no version bump),
+    shown in the job view, and a bad size is a 422 naming the field."""
+    job_id = submit(server, "ml").json()["job"]["id"]
+    job = store.get_job(job_id)
+    assert job is not None
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, gpus=1, attempt=1)
+    store.apply(plan)
+    version = store.get_job(job_id).version  # type: ignore[union-attr]
+    beat = {"job_id": job_id, "attempt": 1, "step": 12, "checkpoint_step": 10,
+            "checkpoint_bytes": 52_100_000_000}
+    with client(server, "agent") as c:
+        assert c.post("/v1/agent/heartbeat", json=beat).json() == {"action": None}
+        got = store.get_job(job_id)
+        assert got is not None and (got.checkpoint_step, got.checkpoint_bytes) == (
+            10, 52_100_000_000) and got.version == version
+        for bad in (-1, "12", 1.5, True, 10**17):
+            r = c.post("/v1/agent/heartbeat", json={**beat, "checkpoint_bytes": bad})
+            assert r.status_code == 422, bad
+            assert [p["field"] for p in r.json()["error"]["problems"]] == ["checkpoint_bytes"]
+    with client(server, "ml") as c:
+        shown = c.get(f"/v1/jobs/{job_id}").json()["job"]
+        assert (shown["checkpoint_step"], shown["checkpoint_bytes"]) == (10, 52_100_000_000)
+    with client(server, "agent") as c:  # a newer checkpoint without a size: size unknown
+        c.post("/v1/agent/heartbeat", json={**beat, "checkpoint_step": 20,
+                                            "checkpoint_bytes": None})
+        got = store.get_job(job_id)
+        assert got is not None and (got.checkpoint_step, got.checkpoint_bytes) == (20, None)
+
+
 def test_chaos_preempt(server: ApiServer, store: Store) -> None:
     store.set_pools(POOLS)
     with client(server, "admin") as c:

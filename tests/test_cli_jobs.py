@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from broker.cli import app
 from broker.models import JobState
-from broker.store import Store
+from broker.store import Plan, Store
 from policies.models import Accelerator, Market, Pool
 from tests.api_server import TOKENS, ApiServer, api_stack
 
@@ -73,6 +73,19 @@ def test_launch_list_show_cancel(store: Store, env: dict[str, str]) -> None:
     code, out, _ = fleet(env, "cancel", job["id"])
     assert code == 0 and "cancelled" in out
     assert store.get_job(job["id"]).state is JobState.CANCELLED  # type: ignore[union-attr]
+
+
+def test_show_has_the_checkpoint_step_and_size(store: Store, env: dict[str, str]) -> None:
+    code, out, _ = fleet(env, "launch", str(EXAMPLE), "--json")
+    job = store.get_job(json.loads(out)["id"])
+    assert code == 0 and job is not None
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, gpus=1, attempt=1)
+    store.apply(plan)
+    store.record_heartbeat(job.id, 1, samples_done=64, checkpoint_step=12,
+                           checkpoint_bytes=52_100_000_000)
+    code, out, _ = fleet(env, "job", job.id)
+    assert code == 0 and "checkpoint step 12 (52.1 GB)" in out
 
 
 def test_skypilot_launch_prints_notes(store: Store, env: dict[str, str]) -> None:

@@ -232,6 +232,11 @@ def test_spot_notice_on_moto_migrates_the_job_to_another_region(
         resumed = int(log2.split("resumed from step ")[1].split()[0])
         assert noticed_at is not None and resumed >= noticed_at >= 30  # nothing lost before it
         assert f"trained to step {STEPS}" in log2
+        # The size the agent reported is that of the last checkpoint's objects in S3.
+        listed = session.client("s3", endpoint_url=moto_url).list_objects_v2(
+            Bucket="fleet-ckpt", Prefix=f"jobs/e2e/step-{STEPS:010d}/")["Contents"]
+        assert done.checkpoint_step == STEPS
+        assert done.checkpoint_bytes == sum(o["Size"] for o in listed)
         assert "preemption notice: aws spot instance-action terminate" in instances[0].output()
 
         # moto: both instances are gone (the second once the agent reported it finished).

@@ -196,3 +196,37 @@ def test_only_gpu_counts_an_instance_type_offers_are_chosen_and_placed(store: St
     assert not cloud.launchable(2) and cloud.launchable(4)
     assert Pool(cloud="local", region="lab", accelerator=Accelerator.T4, nodes=1,
                 gpus_per_node=4).launchable(3)  # no instance types: any count that fits
+
+
+def test_a_measured_checkpoint_size_prices_the_move(store: Store) -> None:
+    """Three suspended jobs whose checkpoints live in gcp:west, with aws:east slightly cheaper
+    and a fleet-wide estimate of 50 GB: the job whose agent measured 50 GB stays (4.50 USD of
+    internet egress to leave), the one that measured 1 MB moves (the measurement beats the
+    estimate), and the one without a measurement stays on the estimate."""
+    east = Pool(cloud="aws", region="east", accelerator=Accelerator.T4, market=Market.SPOT,
+                nodes=1, gpus_per_node=4, price_per_gpu_hour=0.2)
+    west = east.model_copy(update={"cloud": "gcp", "region": "west", "price_per_gpu_hour": 0.201})
+    store.set_pools([east, west])
+    fence = store.acquire_lease("t", ttl_s=30)
+    ids = {}
+    for name, size in (("big", 50_000_000_000), ("small", 1_000_000), ("unmeasured", None)):
+        job = store.submit(spec(name, gmax=1).model_copy(update={"work_samples": 10**7}),
+                           team="t")
+        plan = Plan()
+        plan.change(job, JobState.LAUNCHING, attempt=1, gpus=1, pool=west.id)
+        store.apply(plan)
+        if size is not None:
+            store.record_heartbeat(job.id, 1, samples_done=1000, checkpoint_step=10,
+                                   checkpoint_bytes=size)
+        plan = Plan()
+        plan.change(store.get_job(job.id), JobState.SUSPENDED)  # type: ignore[arg-type]
+        store.apply(plan)
+        ids[name] = job.id
+    config = SchedulerConfig(min_rescale_interval_s=0, checkpoint_gb=50)
+    big = store.get_job(ids["big"])
+    assert big is not None and big.checkpoint_bytes == 50_000_000_000
+    assert placement_request(big, Choice(1, 32, 1.0), [], frozenset(), {},
+                             config).checkpoint_gb == 50
+    Scheduler(store, config).run_round(fence)
+    where = {n: store.get_job(i).pool for n, i in ids.items()}  # type: ignore[union-attr]
+    assert where == {"big": west.id, "small": east.id, "unmeasured": west.id}

@@ -73,6 +73,14 @@ def _progress(job: dict[str, Any]) -> str:
     return f"{100 * job['progress']:.0f}%"
 
 
+def _size(n: int) -> str:
+    """Bytes in decimal units (GB as egress is billed): 512 B, 3.4 MB, 52.1 GB."""
+    if n < 1000:
+        return f"{n} B"
+    exp = min((len(str(n)) - 1) // 3, 4)
+    return f"{n / 1000 ** exp:.1f} {'kMGT'[exp - 1]}B"
+
+
 def _where(job: dict[str, Any]) -> str:
     return job.get("pool") or "-"
 
@@ -148,6 +156,8 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
         f"progress {_progress(j)} ({j['samples_done']:,} samples"
         + (f", {j['samples_per_sec']:.1f}/s" if j.get("samples_per_sec") else "") + ")"
         + (f", checkpoint step {j['checkpoint_step']}" if j.get("checkpoint_step") is not None
+           else "")
+        + (f" ({_size(j['checkpoint_bytes'])})" if j.get("checkpoint_bytes") is not None
            else ""),
         f"rescales {j['rescales']}  migrations {j['migrations']}  preemptions "
         f"{j['preemptions']}  GPU-hours {out['gpu_hours']:.4f}  cost ${out['cost']:.4f} "

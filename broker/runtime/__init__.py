@@ -51,13 +51,14 @@ Each worker gets torchrun's variables (RANK = NODE_RANK * NPROC + LOCAL_RANK, WO
 NPROC, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the FLEET_* variables, and
 FLEET_PROGRESS_FILE (a file in the agent's temp folder unless the agent's env already names one).
 Rank 0 writes there, as JSON, ``{step, samples_done, samples_per_sec,
-global_batch_size, world_size, checkpoint_step}``. Every FLEET_HEARTBEAT_INTERVAL the agent sends
-``{job_id, attempt, node_rank, state, step, samples_done, samples_per_sec, world_size,
-global_batch_size, checkpoint_step}`` where state is ``running`` or ``stopping`` (a last heartbeat
-says ``finished``, ``stopped`` or ``failed`` and carries ``exit_code``: a cloud VM does not tell
-the broker how the command ended). Once the node has a preemption notice every heartbeat carries
-it as ``notice`` (the first is sent at once), so the broker blocks the location. A response
-``{"action": "checkpoint-exit"}`` stops the job.
+global_batch_size, world_size, checkpoint_step, checkpoint_bytes}`` (checkpoint_bytes: the size of
+that checkpoint, every rank's files and the manifest; null when unknown). Every
+FLEET_HEARTBEAT_INTERVAL the agent sends ``{job_id, attempt, node_rank, state, step, samples_done,
+samples_per_sec, world_size, global_batch_size, checkpoint_step, checkpoint_bytes}`` where state
+is ``running`` or ``stopping`` (a last heartbeat says ``finished``, ``stopped`` or ``failed`` and
+carries ``exit_code``: a cloud VM does not tell the broker how the command ended). Once the node
+has a preemption notice every heartbeat carries it as ``notice`` (the first is sent at once), so
+the broker blocks the location. A response ``{"action": "checkpoint-exit"}`` stops the job.
 
 A stop (SIGTERM or SIGINT to the agent, a preemption notice, or the broker's ``checkpoint-exit``)
 sends SIGTERM to every worker; the library checkpoints at the next step boundary and exits with 75.

@@ -230,6 +230,7 @@ class Agent:
             "world_size": p.get("world_size", c.nnodes * c.nproc),
             "global_batch_size": p.get("global_batch_size"),
             "checkpoint_step": p.get("checkpoint_step"),
+            "checkpoint_bytes": p.get("checkpoint_bytes"),
         }
         if self.notice:
             body["notice"] = self.notice

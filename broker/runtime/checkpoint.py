@@ -2,8 +2,9 @@
 
 Every rank writes its own DCP shard (replicated tensors are de-duplicated across ranks, so the
 write is spread over all of them), its RNG states, and rank 0 the trainer state; after a barrier
-rank 0 commits the manifest. DCP stores tensors by name, so a checkpoint written by N ranks loads
-into M ranks. An asynchronous save copies the state into reusable host buffers (the only pause
+(an all-reduce that also sums every rank's bytes) rank 0 commits the manifest, which records the
+checkpoint's size. DCP stores tensors by name, so a checkpoint written by N ranks loads into M
+ranks. An asynchronous save copies the state into reusable host buffers (the only pause
 training sees) and writes, uploads and commits in a background thread on its own process group.
 """
 
@@ -175,8 +176,16 @@ class Checkpointer:
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_committed: int | None = None
+        # (step, bytes) of the newest committed or loaded checkpoint, one tuple so that a reader
+        # never pairs a step with another checkpoint's size. bytes: every rank's files plus the
+        # manifest, known on rank 0 (None elsewhere, and for a checkpoint without a recorded size).
+        self.committed: tuple[int, int | None] | None = None
         self.last_pause_s = 0.0  # how long the last save held up the caller
+
+    @property
+    def last_committed(self) -> int | None:
+        """The step of the newest committed (or loaded) checkpoint."""
+        return self.committed[0] if self.committed else None
 
     @property
     def _local(self) -> bool:
@@ -262,16 +271,24 @@ class Checkpointer:
             torch.save(rng, folder / f"rng-{self.rank}.pt")
             if self.rank == 0:
                 torch.save(shared, folder / TRAINER_FILE)
-            self.store.publish(step, sorted(p for p in folder.iterdir() if self._owns(p.name)))
+            files = sorted(p for p in folder.iterdir() if self._owns(p.name))
+            size = sum(f.stat().st_size for f in files)  # this rank's share, from local stats
+            self.store.publish(step, files)
             if self.group is not None:
-                dist.barrier(group=self.group)  # every rank's files are durable
+                # The sum over ranks doubles as the barrier: it completes only once every rank
+                # has published, i.e. every rank's files are durable.
+                total = torch.tensor([size], dtype=torch.int64)
+                dist.all_reduce(total, group=self.group)
+                size = int(total.item())
             if self.rank == 0:
-                self.store.commit(
-                    step, {**manifest, "step": step, "written_s": time.perf_counter() - t0}
-                )
+                size += self.store.commit(step, {
+                    **manifest, "step": step, "bytes": size,
+                    "written_s": time.perf_counter() - t0,
+                })
                 self.store.prune(self.keep)
-                log.info("checkpoint of step %d committed to %s", step, self.store.uri)
-            self.last_committed = step
+                log.info("checkpoint of step %d (%d bytes) committed to %s",
+                         step, size, self.store.uri)
+            self.committed = (step, size if self.rank == 0 else None)
         except BaseException as exc:  # surfaced to the training thread by wait()
             self._error = exc
 
@@ -294,11 +311,13 @@ class Checkpointer:
         if self.group is not None:
             dist.barrier(group=self.group)
         folder = Path(self.store.local_dir(step))
-        manifest = json.loads((folder / MANIFEST).read_text())
+        raw = (folder / MANIFEST).read_bytes()
+        manifest = json.loads(raw)
         reader = FastReader(folder)
         dcp.load(state, storage_reader=reader, process_group=self.group, no_dist=self._local)
         shared = torch.load(folder / TRAINER_FILE, weights_only=False)
         source = self.rank % int(manifest.get("world_size", 1))
         set_rng_state(torch.load(folder / f"rng-{source}.pt", weights_only=False))
-        self.last_committed = step
+        data = manifest.get("bytes")  # None: written before sizes were recorded
+        self.committed = (step, None if data is None else int(data) + len(raw))
         return manifest, shared

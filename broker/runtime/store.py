@@ -28,6 +28,11 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:010d}"
 
 
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    """The manifest file's content, the same in every store (its length counts in the size)."""
+    return json.dumps(manifest, indent=1).encode()
+
+
 class CheckpointStore(ABC):
     """Where checkpoints live. Every method is safe to call from a background thread."""
 
@@ -41,8 +46,9 @@ class CheckpointStore(ABC):
         """Make ``files`` (written under ``write_dir(step)``) durable in the store."""
 
     @abstractmethod
-    def commit(self, step: int, manifest: dict[str, Any]) -> None:
-        """Write the manifest, last and atomically: from now on the checkpoint exists."""
+    def commit(self, step: int, manifest: dict[str, Any]) -> int:
+        """Write the manifest, last and atomically: from now on the checkpoint exists.
+        Returns the manifest's size in bytes."""
 
     @abstractmethod
     def steps(self) -> tuple[list[int], list[int]]:
@@ -89,11 +95,12 @@ class LocalStore(CheckpointStore):
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def commit(self, step: int, manifest: dict[str, Any]) -> None:
+    def commit(self, step: int, manifest: dict[str, Any]) -> int:
         folder = self.root / step_dir_name(step)
         tmp = folder / f".{MANIFEST}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=1)
+        data = manifest_bytes(manifest)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, folder / MANIFEST)
@@ -102,6 +109,7 @@ class LocalStore(CheckpointStore):
             os.fsync(fd)  # the rename itself must survive a crash
         finally:
             os.close(fd)
+        return len(data)
 
     def steps(self) -> tuple[list[int], list[int]]:
         complete, incomplete = [], []
@@ -163,11 +171,11 @@ class StagedStore(CheckpointStore):
         for f in files:
             self._put(f, f"{step_dir_name(step)}/{f.name}")
 
-    def commit(self, step: int, manifest: dict[str, Any]) -> None:
-        self._put_bytes(
-            json.dumps(manifest, indent=1).encode(), f"{step_dir_name(step)}/{MANIFEST}"
-        )
+    def commit(self, step: int, manifest: dict[str, Any]) -> int:
+        data = manifest_bytes(manifest)
+        self._put_bytes(data, f"{step_dir_name(step)}/{MANIFEST}")
         shutil.rmtree(self.cache / "out" / step_dir_name(step), ignore_errors=True)
+        return len(data)
 
     def _by_step(self) -> dict[int, list[str]]:
         found: dict[int, list[str]] = {}

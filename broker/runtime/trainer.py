@@ -455,6 +455,7 @@ class Trainer:
         now = time.monotonic()
         if not force and now - self._progress_written < self.assignment.progress_interval:
             return
+        committed = self.checkpointer.committed if self.checkpointer else None
         then, samples = self._progress_at
         if now > then and self.samples_done > samples:
             self._rate = (self.samples_done - samples) / (now - then)
@@ -466,7 +467,8 @@ class Trainer:
             "samples_per_sec": self._rate,
             "global_batch_size": self.global_batch_size,
             "world_size": self.world_size,
-            "checkpoint_step": self.checkpointer.last_committed if self.checkpointer else None,
+            "checkpoint_step": committed[0] if committed else None,
+            "checkpoint_bytes": committed[1] if committed else None,
             "finished": self.finished,
         }
         tmp = Path(f"{path}.tmp")

@@ -71,7 +71,7 @@ def test_broker_checkpoint_exit_action_stops_the_job(
     asked = next(i for i, b in enumerate(beats) if b["step"] >= 5)
     assert beats[-1]["state"] == "stopped" and beats[asked + 1]["state"] in ("stopping", "stopped")
     keys = {"job_id", "attempt", "node_rank", "state", "step", "samples_done", "samples_per_sec",
-            "world_size", "global_batch_size", "checkpoint_step"}
+            "world_size", "global_batch_size", "checkpoint_step", "checkpoint_bytes"}
     assert all(keys <= b.keys() for b in beats)
     assert beats[asked]["job_id"] == "job-7" and beats[asked]["attempt"] == 3
     assert beats[asked]["samples_done"] == 32 * beats[asked]["step"]
