@@ -2,10 +2,10 @@
 
 Every rank writes its own DCP shard (replicated tensors are de-duplicated across ranks, so the
 write is spread over all of them), its RNG states, and rank 0 the trainer state; after a barrier
-(an all-reduce that also sums every rank's bytes) rank 0 commits the manifest, which records the
-checkpoint's size. DCP stores tensors by name, so a checkpoint written by N ranks loads into M
-ranks. An asynchronous save copies the state into reusable host buffers (the only pause
-training sees) and writes, uploads and commits in a background thread on its own process group.
+rank 0 reads the step's size back from the store and commits the manifest, which records it.
+DCP stores tensors by name, so a checkpoint written by N ranks loads into M ranks. An
+asynchronous save copies the state into reusable host buffers (the only pause training sees) and
+writes, uploads and commits in a background thread on its own process group.
 """
 
 from __future__ import annotations
@@ -271,16 +271,14 @@ class Checkpointer:
             torch.save(rng, folder / f"rng-{self.rank}.pt")
             if self.rank == 0:
                 torch.save(shared, folder / TRAINER_FILE)
-            files = sorted(p for p in folder.iterdir() if self._owns(p.name))
-            size = sum(f.stat().st_size for f in files)  # this rank's share, from local stats
-            self.store.publish(step, files)
+            self.store.publish(step, sorted(p for p in folder.iterdir() if self._owns(p.name)))
             if self.group is not None:
-                # The sum over ranks doubles as the barrier: it completes only once every rank
-                # has published, i.e. every rank's files are durable.
-                total = torch.tensor([size], dtype=torch.int64)
-                dist.all_reduce(total, group=self.group)
-                size = int(total.item())
+                dist.barrier(group=self.group)  # every rank's files are durable
+            size = None
             if self.rank == 0:
+                # Read back from the store rather than summed over ranks: a tensor collective in
+                # this thread (an all-reduce) made some processes abort at exit (gloo teardown).
+                size = self.store.step_bytes(step)
                 size += self.store.commit(step, {
                     **manifest, "step": step, "bytes": size,
                     "written_s": time.perf_counter() - t0,
@@ -288,7 +286,7 @@ class Checkpointer:
                 self.store.prune(self.keep)
                 log.info("checkpoint of step %d (%d bytes) committed to %s",
                          step, size, self.store.uri)
-            self.committed = (step, size if self.rank == 0 else None)
+            self.committed = (step, size)
         except BaseException as exc:  # surfaced to the training thread by wait()
             self._error = exc
 

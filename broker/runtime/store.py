@@ -51,6 +51,10 @@ class CheckpointStore(ABC):
         Returns the manifest's size in bytes."""
 
     @abstractmethod
+    def step_bytes(self, step: int) -> int:
+        """Bytes of every file published for ``step`` so far (the manifest not included)."""
+
+    @abstractmethod
     def steps(self) -> tuple[list[int], list[int]]:
         """(complete, incomplete) checkpoint steps, each sorted ascending."""
 
@@ -111,6 +115,11 @@ class LocalStore(CheckpointStore):
             os.close(fd)
         return len(data)
 
+    def step_bytes(self, step: int) -> int:
+        folder = self.root / step_dir_name(step)
+        return sum(f.stat().st_size for f in folder.iterdir()
+                   if f.is_file() and f.name not in (MANIFEST, f".{MANIFEST}.tmp"))
+
     def steps(self) -> tuple[list[int], list[int]]:
         complete, incomplete = [], []
         for entry in self.root.iterdir() if self.root.exists() else []:
@@ -156,8 +165,11 @@ class StagedStore(CheckpointStore):
     def _get_bytes(self, key: str) -> bytes: ...
 
     @abstractmethod
+    def _listing(self) -> dict[str, int]:
+        """Every key under the store's prefix, relative to it, with its size in bytes."""
+
     def _keys(self) -> list[str]:
-        """Every key under the store's prefix, relative to it."""
+        return list(self._listing())
 
     @abstractmethod
     def _delete_keys(self, keys: list[str]) -> None: ...
@@ -185,6 +197,11 @@ class StagedStore(CheckpointStore):
             if match:
                 found.setdefault(int(match.group(1)), []).append(key)
         return found
+
+    def step_bytes(self, step: int) -> int:
+        prefix = step_dir_name(step) + "/"
+        return sum(size for key, size in self._listing().items()
+                   if key.startswith(prefix) and key != prefix + MANIFEST)
 
     def steps(self) -> tuple[list[int], list[int]]:
         complete, incomplete = [], []
@@ -251,14 +268,14 @@ class S3Store(StagedStore):
     def _get_bytes(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
 
-    def _keys(self) -> list[str]:
+    def _listing(self) -> dict[str, int]:
         base = f"{self.prefix}/" if self.prefix else ""
-        keys = []
+        sizes = {}
         for page in self.client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=base
         ):
-            keys += [obj["Key"][len(base) :] for obj in page.get("Contents", [])]
-        return keys
+            sizes.update({obj["Key"][len(base) :]: obj["Size"] for obj in page.get("Contents", [])})
+        return sizes
 
     def _delete_keys(self, keys: list[str]) -> None:
         for i in range(0, len(keys), 1000):
@@ -293,11 +310,13 @@ class FsspecStore(StagedStore):
     def _get_bytes(self, key: str) -> bytes:
         return self.fs.cat_file(f"{self.path}/{key}")
 
-    def _keys(self) -> list[str]:
+    def _listing(self) -> dict[str, int]:
         if not self.fs.exists(self.path):
-            return []
+            return {}
         base = self.fs._strip_protocol(self.path).rstrip("/") + "/"
-        return [p[len(base) :] for p in self.fs.find(self.path) if p.startswith(base)]
+        found = self.fs.find(self.path, detail=True)
+        return {p[len(base) :]: int(info.get("size") or 0) for p, info in found.items()
+                if p.startswith(base)}
 
     def _delete_keys(self, keys: list[str]) -> None:
         for key in keys:
