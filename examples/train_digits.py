@@ -94,6 +94,7 @@ def main() -> None:
         if args.save_final:
             torch.save(model.state_dict(), args.save_final)
     if dist.is_initialized():
+        dist.barrier()  # ranks tear down together: gloo can abort a rank that leaves early
         dist.destroy_process_group()
 
 

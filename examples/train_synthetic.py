@@ -94,6 +94,7 @@ def main() -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"trained to step {loader.step} in {time.perf_counter() - start:.1f} s")
     if dist.is_initialized():
+        dist.barrier()  # ranks tear down together: gloo can abort a rank that leaves early
         dist.destroy_process_group()
 
 
