@@ -3,6 +3,7 @@
 Spot while it is there; when it is not, fall back to on-demand only if the job is behind a uniform
 pace to its deadline (else wait for spot); switch to on-demand for good once the slack left is no
 more than the restarts it could still cost. A job that must not be preempted stays on on-demand.
+A job close to that point should hold its pace on spot, without rescales (``holds_pace``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ class DeadlineJob(BaseModel):
         if self.deadline_h is None:
             return False
         return self.progress_h < self.total_h * min(self.elapsed_h / self.deadline_h, 1.0)
+
+
+def holds_pace(job: DeadlineJob) -> bool:
+    """Too little slack to give any away: with no more than ``RETURN_TO_SPOT_RESTARTS`` restarts
+    of slack, a round below pace or one more restart (a rescale) can put the job under the safety
+    net, onto on-demand for good, since from there it would not come back to spot. Such a job
+    should run at least at its pace and keep a configuration that does."""
+    return job.slack_h <= RETURN_TO_SPOT_RESTARTS * job.restart_h
 
 
 def choose_market(job: DeadlineJob, spot_available: bool) -> Market | None:

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.models import Market
-from policies.spot import DeadlineJob, choose_market
+from policies.spot import RETURN_TO_SPOT_RESTARTS, DeadlineJob, choose_market, holds_pace
 
 
 def simulate(
@@ -99,3 +99,10 @@ def test_spot_only_saves_money_against_on_demand_on_a_trace() -> None:
     avail = [True] * 8 + [False] * 4
     finish, spot_h, od_h = simulate(10, 16, 0.1, avail)
     assert finish <= 16 and spot_h > od_h
+
+
+def test_holds_pace_only_without_slack_to_give_away() -> None:
+    job = DeadlineJob(total_h=10, progress_h=0, elapsed_h=0, deadline_h=10.25, restart_h=0.1)
+    assert job.slack_h <= RETURN_TO_SPOT_RESTARTS * job.restart_h and holds_pace(job)
+    assert not holds_pace(job.model_copy(update={"deadline_h": 10.5}))
+    assert not holds_pace(job.model_copy(update={"deadline_h": None}))

@@ -9,9 +9,16 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from broker.cli.app import app
-from broker.sim.cluster import ClusterError, read_pool_specs
-from broker.sim.engine import SimConfig
-from broker.sim.spot import MarketPolicy, SimPool, SpotConfig, sim_pools, simulate_spot
+from broker.sim.cluster import ClusterError, fleet_capacity, read_pool_specs
+from broker.sim.engine import SimConfig, make_job
+from broker.sim.spot import (
+    MarketPolicy,
+    SimPool,
+    SpotConfig,
+    isolated_pace,
+    sim_pools,
+    simulate_spot,
+)
 from broker.sim.traces import TraceError, read_trace
 from broker.sim.workload import WorkloadError, WorkloadJob, read_workload
 from policies.schedulers import PolicyName
@@ -147,6 +154,21 @@ def test_fleet_prefers_spot_when_the_deadline_allows(tmp_path: Path) -> None:
                      _v100("us-east-1", "on-demand", 3.0))
     fleet = simulate_spot([_job(deadline=10 * 3600)], pools, CFG, SpotConfig(MarketPolicy.FLEET))
     assert fleet.ondemand_gpu_h == 0 and fleet.spot_gpu_h > 0 and fleet.deadline_misses == 0
+
+
+def test_fleet_keeps_a_job_near_the_safety_net_at_pace_without_rescales(tmp_path: Path) -> None:
+    pools = _cluster(tmp_path, _v100("us-east-1", "spot", 0.3),
+                     _v100("us-east-1", "on-demand", 3.0))
+    state = make_job(_job(), CFG).state
+    total_s = isolated_pace(state, fleet_capacity([p.pool for p in pools])).hours(
+        state.app.efficiency.target) * 3600
+    # slack of 2.9 restarts (a round until the broker reacts + the restart), short of the 3 that
+    # would bring it back from on-demand: the allocator alone rescales it 1 -> 4 -> 8 GPUs
+    job = _job(deadline=total_s + 2.9 * (CFG.interval + state.restart_s))
+    res = simulate_spot([job], pools, CFG,
+                        SpotConfig(MarketPolicy.FLEET, checkpoint_on_notice=True))
+    assert res.deadline_misses == 0 and res.ondemand_gpu_h == 0
+    assert res.result.records[0].restarts == 1  # one rescale, only when 1 GPU fell below pace
 
 
 @settings(max_examples=12, deadline=None,

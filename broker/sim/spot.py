@@ -20,7 +20,10 @@ their pool while it holds their new size; the others are placed, largest gang fi
   ``policies.region_score`` (price, observed preemption rate, the move's restart, stickiness)
   without the locations SpotHedge's blocklist (``policies.migration``) marks as recently
   preempted; running jobs move into room left in cheaper pools when the saving beats the
-  stickiness margin. The on-demand fallback runs a job at the GPU count its pace refers to.
+  stickiness margin. The on-demand fallback runs a job at the GPU count its pace refers to. On
+  spot, a job close to the safety net (``policies.spot.holds_pace``) gets only configurations at
+  least as fast as its pace, and keeps its size while that size still keeps pace: a round below
+  pace or a rescale's restart would send it to on-demand for good.
 
 A job checkpoints every ``checkpoint_s`` seconds of progress, and before every move the broker makes
 itself (rescale, market switch, suspension, move to a cheaper pool), so only preemptions lose work:
@@ -66,7 +69,7 @@ from policies.schedulers import (
     JobState,
     PolicyName,
 )
-from policies.spot import DeadlineJob, choose_market
+from policies.spot import DeadlineJob, choose_market, holds_pace
 from providers.catalog import UNKNOWN_RATE
 
 DEFAULT_CHECKPOINT_S = 100.0  # the job spec's default (policies.models.CheckpointSpec)
@@ -244,14 +247,17 @@ class _FreeGpus(TypeCapacity):
 
 class _CappedPolicy(ElasticPolicy):
     """The elastic allocator, each job's GPU count capped at the largest pool's free GPUs (a gang
-    runs in one pool); a job in ``sizes`` gets the smallest allowed count of at least that many."""
+    runs in one pool); a job in ``floors`` gets only configurations with at least that goodput
+    (when one fits), and a job in ``sizes`` the smallest allowed count of at least that many."""
 
     def __init__(self, fleet: Sequence[_FreeGpus], largest: dict[Accelerator, int],
-                 sizes: dict[str, int], cfg: SimConfig, tables: ChoiceTables):
+                 sizes: dict[str, int], floors: dict[str, float], cfg: SimConfig,
+                 tables: ChoiceTables):
         super().__init__(fleet, Admission.QUEUE, cfg.value, tables, cfg.accumulation)
         self.fixed_batch = cfg.policy is PolicyName.FIXED_BATCH
         self.largest = largest
         self.sizes = sizes
+        self.floors = floors
 
     def _table(self, job: JobState, acc: Accelerator) -> ConfigTable:
         cap, top = self.fleet[acc], self.largest[acc]
@@ -259,6 +265,10 @@ class _CappedPolicy(ElasticPolicy):
         fixed = job.workload_batch if self.fixed_batch else None
         table = self.tables.table(job.app, whole, job.epoch, fixed, self.accumulation)
         keep = table.gpus <= top
+        if job.id in self.floors:
+            fast = keep & (table.rate >= self.floors[job.id])
+            if fast.any():  # else any share beats none: the safety net still decides
+                keep = fast
         want = table.gpus[keep & (table.gpus >= self.sizes.get(job.id, 0))]
         if job.id in self.sizes and len(want):
             keep = table.gpus == want.min()
@@ -405,14 +415,33 @@ class _SpotSim:
         spot GPUs this round; the on-demand fallback runs a job at its pace's GPU count."""
         views = {j.state.id: self._view(j, now) for j in active}
         first = {k: choose_market(v, spot_available=True) for k, v in views.items()}
-        plan = self._allocate([j for j in active if first[j.state.id] is Market.SPOT],
-                              Market.SPOT, now)
+        on_spot = [j for j in active if first[j.state.id] is Market.SPOT]
+        floors = {j.state.id: self._pace_rate(j) for j in on_spot if holds_pace(views[j.state.id])}
+        # near the safety net: no configuration below pace, no rescale while the current one
+        # keeps pace (a rescale's restart costs the slack too)
+        steady = {j.state.id: j.state.current.gpus for j in on_spot if j.state.id in floors
+                  and j.pool is not None and j.pool.pool.market is Market.SPOT
+                  and self._rate(j) >= floors[j.state.id]}
+        plan = self._allocate(on_spot, Market.SPOT, now, steady, floors)
         market = {k: m if m is not Market.SPOT or k in plan else
                   choose_market(views[k], spot_available=False) for k, m in first.items()}
         fallback = [j for j in active if market[j.state.id] is Market.ON_DEMAND]
         plan.update(self._allocate(fallback, Market.ON_DEMAND, now,
                                    {j.state.id: j.pace.gpus for j in fallback}))
         return plan
+
+    @staticmethod
+    def _pace_rate(job: _Job) -> float:
+        """The goodput (as the allocator's tables count it) of the job's pace at its epoch."""
+        per = job.pace.seconds_per_unit
+        return job.state.slowdown / per[min(job.state.epoch, len(per) - 1)]
+
+    @staticmethod
+    def _rate(job: _Job) -> float:
+        """The goodput of the job's current configuration at its epoch."""
+        a = job.state.current
+        assert a is not None
+        return job.state.app.rate(a.accelerator, a.placement, a.batch_size, job.state.epoch)[0]
 
     def _view(self, job: _Job, now: float) -> DeadlineJob:
         """Where the job stands against its deadline, in hours of work at its requested size."""
@@ -435,17 +464,18 @@ class _SpotSim:
         return min(self.spot.checkpoint_s / 3600, remaining_h)
 
     def _allocate(self, group: list[_Job], market: Market, now: float,
-                  sizes: dict[str, int] | None = None,
+                  sizes: dict[str, int] | None = None, floors: dict[str, float] | None = None,
                   ) -> dict[str, tuple[Assignment, SimPool]]:
         """The elastic allocator over the market's available GPUs, then one pool per gang; jobs
         the placement cannot fit are re-allocated over what is left (fragmentation repair).
-        ``sizes`` pins jobs to (the smallest allowed count of at least) that many GPUs."""
+        ``sizes`` pins jobs to (the smallest allowed count of at least) that many GPUs; ``floors``
+        keeps jobs to configurations with at least that goodput when one fits."""
         pools = [p for p in self.pools if p.pool.market is market]
         free = {p.pool.id: p.gpus_at(now) for p in pools}
         out: dict[str, tuple[Assignment, SimPool]] = {}
         todo = sorted(group, key=lambda j: (j.state.submitted, j.state.id))
         for _ in range(4):
-            assigned = self._dp(todo, pools, free, sizes or {})
+            assigned = self._dp(todo, pools, free, sizes or {}, floors or {})
             if not assigned:
                 break
             placed = self._place(todo, assigned, pools, free, now)
@@ -456,7 +486,7 @@ class _SpotSim:
         return out
 
     def _dp(self, jobs: list[_Job], pools: list[SimPool], free: dict[str, int],
-            sizes: dict[str, int]) -> dict[str, Assignment]:
+            sizes: dict[str, int], floors: dict[str, float]) -> dict[str, Assignment]:
         caps, largest = [], {}
         for cap in self.types:
             mine = [free[p.pool.id] for p in pools if p.pool.accelerator is cap.accelerator]
@@ -468,7 +498,8 @@ class _SpotSim:
                   if j.state.current is None or j.state.current.accelerator in largest]
         if not caps or not states:
             return {}
-        plan = _CappedPolicy(caps, largest, sizes, self.cfg, self.tables).schedule(states, 0.0)
+        plan = _CappedPolicy(caps, largest, sizes, floors, self.cfg,
+                             self.tables).schedule(states, 0.0)
         return {k: v for k, v in plan.items() if v is not None}
 
     def _place(self, jobs: list[_Job], assigned: dict[str, Assignment], pools: list[SimPool],
