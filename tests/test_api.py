@@ -240,13 +240,19 @@ def test_logs_capacity_and_events(server: ApiServer, store: Store) -> None:
         assert [e["type"] for e in more["events"]] == ["launching"]
 
 
-def test_agent_heartbeat(server: ApiServer, store: Store) -> None:
+def launching(server: ApiServer, store: Store) -> str:
+    """A submitted job the leader has launched (attempt 1): what heartbeats report on."""
     job_id = submit(server, "ml").json()["job"]["id"]
     job = store.get_job(job_id)
     assert job is not None
     plan = Plan()
     plan.change(job, JobState.LAUNCHING, gpus=1, attempt=1)
     store.apply(plan)
+    return job_id
+
+
+def test_agent_heartbeat(server: ApiServer, store: Store) -> None:
+    job_id = launching(server, store)
     beat = {"job_id": job_id, "attempt": 1, "node_rank": 0, "state": "running", "step": 5,
             "samples_done": 320, "samples_per_sec": 250.5, "world_size": 1,
             "global_batch_size": 64, "checkpoint_step": 4}
@@ -278,12 +284,7 @@ def test_agent_heartbeat(server: ApiServer, store: Store) -> None:
 def test_agent_heartbeat_checkpoint_size(server: ApiServer, store: Store) -> None:
     """The measured checkpoint size is kept with its step as telemetry (no version bump),
     shown in the job view, and a bad size is a 422 naming the field."""
-    job_id = submit(server, "ml").json()["job"]["id"]
-    job = store.get_job(job_id)
-    assert job is not None
-    plan = Plan()
-    plan.change(job, JobState.LAUNCHING, gpus=1, attempt=1)
-    store.apply(plan)
+    job_id = launching(server, store)
     version = store.get_job(job_id).version  # type: ignore[union-attr]
     beat = {"job_id": job_id, "attempt": 1, "step": 12, "checkpoint_step": 10,
             "checkpoint_bytes": 52_100_000_000}
