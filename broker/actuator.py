@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
 from broker.store import Conflict, Plan, Store
@@ -59,8 +60,8 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
         str(every)
     if config.broker_url:
         env["FLEET_BROKER_URL"] = config.broker_url
-    if config.agent_token:
-        env["FLEET_AGENT_TOKEN"] = config.agent_token
+    if config.agent_token:  # the key, never handed out: the job gets its attempt's token
+        env["FLEET_AGENT_TOKEN"] = attempt_token(config.agent_token, job.id, intent.attempt)
     run = '"$FLEET_RUN"'
     main = (f"{shlex.quote(sys.executable)} -m broker.runtime.agent -- sh -c {run}"
             if config.use_agent and not backend_starts_agent else f"sh -c {run}")

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker import __version__
-from broker.auth import ApiConfig, Principal, Role
+from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
 from broker.models import JobRecord, JobState
 from broker.spec import Problem, SpecError, apply_overrides, parse_spec_text
@@ -107,14 +107,20 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
 
     # The auth dependencies are async: pure CPU, so no worker-thread hop per request.
-    async def principal(authorization: Annotated[str | None, Header()] = None) -> Principal:
+    def bearer(authorization: str | None) -> str | None:
         scheme, _, token = (authorization or "").partition(" ")
-        who = config.authenticate(token.strip()) if scheme.lower() == "bearer" else None
+        return token.strip() if scheme.lower() == "bearer" else None
+
+    def unauthenticated(authorization: str | None) -> ApiError:
+        why = "missing bearer token" if not authorization else "invalid token"
+        return ApiError(401, f"{why}: send 'Authorization: Bearer TOKEN' (fleet uses "
+                        "FLEET_TOKEN or ~/.config/fleet/config.yaml)",
+                        headers={"WWW-Authenticate": "Bearer"})
+
+    async def principal(authorization: Annotated[str | None, Header()] = None) -> Principal:
+        who = config.authenticate(bearer(authorization))
         if who is None:
-            why = "missing bearer token" if not authorization else "invalid token"
-            raise ApiError(401, f"{why}: send 'Authorization: Bearer TOKEN' (fleet uses "
-                           "FLEET_TOKEN or ~/.config/fleet/config.yaml)",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise unauthenticated(authorization)
         return who
 
     async def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
@@ -127,10 +133,18 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
             raise ApiError(403, "this needs an admin token")
         return who
 
-    async def agent(who: Annotated[Principal, Depends(principal)]) -> Principal:
-        if who.role not in (Role.AGENT, Role.ADMIN):
-            raise ApiError(403, "heartbeats need the broker's agent token")
-        return who
+    async def reporter(authorization: Annotated[str | None, Header()] = None,
+                       ) -> tuple[str, Principal | None]:
+        """A heartbeat's sender: the fleet's agent or admin token (operators), or what may be an
+        attempt token (checked against the body's job and attempt), which is all a launched
+        agent holds: a job's code cannot report for, stop or complete another job."""
+        token = bearer(authorization)
+        who = config.authenticate(token)
+        if who is not None and who.role not in (Role.AGENT, Role.ADMIN):
+            raise ApiError(403, "heartbeats need the job attempt's agent token")
+        if token is None or (who is None and not is_attempt_shaped(token)):
+            raise unauthenticated(authorization)
+        return token, who
 
     User = Annotated[Principal, Depends(user)]
     JobId = Annotated[str, Path(pattern=JOB_ID, max_length=81)]
@@ -266,7 +280,12 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     @app.post("/v1/agent/heartbeat", tags=["agent"], response_model=HeartbeatReply,
               summary="An agent's progress report; the reply tells it to go on or stop")
     def heartbeat(beat: Heartbeat,
-                  who: Annotated[Principal, Depends(agent)]) -> HeartbeatReply:
+                  caller: Annotated[tuple[str, Principal | None], Depends(reporter)],
+                  ) -> HeartbeatReply:
+        token, who = caller
+        if who is None and not config.is_attempt(token, beat.job_id, beat.attempt):
+            raise ApiError(403, "heartbeats need the job attempt's agent token; this one is "
+                           "for another job or attempt")
         report = beat.model_dump()
         if not report["samples_per_sec"]:
             report["samples_per_sec"] = None  # 0 = not measured yet, not a real throughput

@@ -1,7 +1,10 @@
 """API settings and bearer tokens: who a token is (a team, an admin or a job's agent).
 
 Only SHA-256 hashes of tokens are kept in memory; a presented token is hashed and compared with
-``hmac.compare_digest`` against every grant, so neither the token nor timing leaks.
+``hmac.compare_digest`` against every grant, so neither the token nor timing leaks. A launched
+job gets no fleet-wide token: its agent gets an attempt token, an HMAC of ``job_id:attempt``
+under the broker's key, good for that attempt's heartbeats only (a job's code cannot speak for
+another job).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from broker.spec import MAX_SPEC_BYTES
 from policies.models import check_name
@@ -71,6 +74,18 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
+def attempt_token(key: str, job_id: str, attempt: int) -> str:
+    """The bearer token of one attempt of one job: HMAC-SHA256 of ``job_id:attempt``."""
+    mac = hmac.new(key.encode("utf-8"), f"{job_id}:{attempt}".encode(), hashlib.sha256)
+    return mac.hexdigest()
+
+
+def is_attempt_shaped(token: str) -> bool:
+    """Could ``token`` be an attempt token (64 hex digits)? Which attempt it is for, only the
+    report it comes with can tell."""
+    return len(token) == 64 and all(ch in "0123456789abcdef" for ch in token)
+
+
 class ApiConfig(BaseModel):
     """The ``api:`` section of the broker config."""
 
@@ -79,6 +94,8 @@ class ApiConfig(BaseModel):
     tokens: list[TokenGrant] = Field(default_factory=list)
     max_body_bytes: int = Field(default=MAX_SPEC_BYTES + 4096, ge=1024, le=16 * 1024 * 1024)
     max_list: int = Field(default=10_000, ge=1, description="most jobs one listing returns")
+    # The key attempt tokens are made with (the broker's agent key); set at start, never in a file.
+    attempt_key: SecretStr | None = Field(default=None, exclude=True)
 
     def authenticate(self, token: str | None) -> Principal | None:
         if not token:
@@ -89,6 +106,17 @@ class ApiConfig(BaseModel):
             if hmac.compare_digest(grant.sha256, digest):
                 found = grant
         return None if found is None else Principal(role=found.role, team=found.team)
+
+    def is_attempt(self, token: str | None, job_id: str, attempt: int) -> bool:
+        """Is ``token`` the attempt token of ``job_id``'s attempt ``attempt``?"""
+        if not token or self.attempt_key is None:
+            return False
+        want = attempt_token(self.attempt_key.get_secret_value(), job_id, attempt)
+        return hmac.compare_digest(want, token)
+
+    def with_attempt_key(self, key: str) -> ApiConfig:
+        """A copy that accepts the attempt tokens made with ``key``."""
+        return self.model_copy(update={"attempt_key": SecretStr(key)})
 
     def with_token(self, token: str, role: Role, team: str | None = None) -> ApiConfig:
         """A copy that also accepts ``token`` (``fleet up`` adds its admin and agent tokens)."""

@@ -189,8 +189,14 @@ def run_demo(config: DemoConfig, console: Console | None = None,
                                 if e.type in ("resize", "migrate", "suspend") and e.job_id})
             note(f"GPUs after: {after}; made room: {made_room}")
             title = f"3. spot region {config.reclaim_region} is reclaimed: jobs move"
-            victims = [j.name for j in store.list_jobs() if j.state is JobState.RUNNING
-                       and j.pool and j.pool.split(":")[1] == config.reclaim_region]
+
+            def running_there() -> list[str]:
+                return [j.name for j in store.list_jobs() if j.state is JobState.RUNNING
+                        and j.pool and j.pool.split(":")[1] == config.reclaim_region]
+
+            # Jobs resized for the newcomer may still be relaunching: reclaim once one runs there.
+            wait(lambda: bool(running_there()), live, budget / 6)
+            victims = running_there()
             store.request_preempt(config.reclaim_region, duration_s=3600)
             note(f"reclaiming {config.reclaim_region}; running there: {victims}")
             title = "4. jobs checkpoint, resume elsewhere and finish"

@@ -266,7 +266,8 @@ class Stack:
         self.tokens = _tokens(state)
         api_config = (ApiConfig.load(self.api_config_path)
                       .with_token(self.tokens["admin"], Role.ADMIN)
-                      .with_token(self.tokens["agent"], Role.AGENT))
+                      .with_token(self.tokens["agent"], Role.AGENT)
+                      .with_attempt_key(self.tokens["agent"]))
         config = self.config.model_copy(update={
             "redis_url": url, "broker_url": self.url, "agent_token": self.tokens["agent"]})
         try:

@@ -27,7 +27,7 @@ def api_config() -> ApiConfig:
         {"team": "ml", "token": TOKENS["ml"]},
         {"team": "vision", "token_sha256": hash_token(TOKENS["vision"])},
         {"agent": True, "token": TOKENS["agent"]},
-    ], "max_body_bytes": 64 * 1024})
+    ], "max_body_bytes": 64 * 1024}).with_attempt_key(TOKENS["agent"])
 
 
 @contextmanager

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker.api import build_app
+from broker.auth import attempt_token
 from broker.models import JobState
 from broker.store import Plan, Store
 from policies.models import Accelerator, Market, Pool
@@ -279,6 +280,28 @@ def test_agent_heartbeat(server: ApiServer, store: Store) -> None:
         c.post(f"/v1/jobs/{job_id}/cancel")
     with client(server, "agent") as c:
         assert c.post("/v1/agent/heartbeat", json=beat).json() == {"action": "checkpoint-exit"}
+
+
+def test_an_attempt_token_reports_for_its_own_attempt_only(server: ApiServer,
+                                                           store: Store) -> None:
+    """A launched job's agent holds its attempt's token, not the fleet's: it can report for
+    that attempt, not for another job or a later attempt, and cannot use the rest of the API."""
+    mine, other = launching(server, store), launching(server, store)
+    token = attempt_token(TOKENS["agent"], mine, 1)
+    beat = {"job_id": mine, "attempt": 1, "step": 3, "exit_code": 0}
+    headers = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=10) as c:
+        assert c.post("/v1/agent/heartbeat", json=beat).json() == {"action": None}
+        for forged in ({**beat, "job_id": other}, {**beat, "attempt": 2}):
+            r = c.post("/v1/agent/heartbeat", json=forged)
+            assert r.status_code == 403 and "attempt's agent token" in r.json()["error"]["message"]
+        assert c.get("/v1/jobs").status_code == 401  # not a token of the API at large
+    victim = store.get_job(other)
+    assert victim is not None and victim.samples_done == 0  # nothing recorded for it
+    assert store.agent_reports([victim]) == {}  # no exit code to settle it with
+    with client(server, "ml") as c:  # a team token is no agent either
+        r = c.post("/v1/agent/heartbeat", json={**beat, "job_id": mine})
+        assert r.status_code == 403
 
 
 def test_agent_heartbeat_checkpoint_size(server: ApiServer, store: Store) -> None:

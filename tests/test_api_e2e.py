@@ -42,8 +42,8 @@ def env(redis_server: RedisServer, store: Store, tmp_path: Path,
     # checkout's packages (the examples use broker.runtime).
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    config = ApiConfig().with_token(TEAM_TOKEN, Role.TEAM, "ml").with_token(AGENT_TOKEN,
-                                                                           Role.AGENT)
+    config = (ApiConfig().with_token(TEAM_TOKEN, Role.TEAM, "ml")
+              .with_token(AGENT_TOKEN, Role.AGENT).with_attempt_key(AGENT_TOKEN))
     server = ApiServer(build_app(store, config)).start()
     broker = build_broker(BrokerConfig(
         state_dir=tmp_path / "state", redis_url=redis_server.url, broker_url=server.url,

@@ -146,7 +146,8 @@ class Agent:
     # ---- workers ----------------------------------------------------------------------------
     def worker_env(self, local_rank: int) -> dict[str, str]:
         c = self.config
-        env = dict(self.env)
+        # The job's code needs no token: heartbeats are the agent's alone.
+        env = {k: v for k, v in self.env.items() if k != "FLEET_AGENT_TOKEN"}
         env.update(
             {
                 "RANK": str(c.node_rank * c.nproc + local_rank),
