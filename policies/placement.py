@@ -7,14 +7,15 @@ checkpoint egress), spot first for ``preferred``, on-demand only for ``never``; 
 cheaper price, then the lower risk (on-demand before spot). With no risk or job details every
 spot pool is as safe as on-demand and every move costs alike, so the order is the price order.
 Allowed/denied regions are ``cloud:region`` globs; ``blocked`` pools (spot locations just
-reclaimed, from ``policies.migration``) take no new jobs. When fragmentation leaves no pool with
+reclaimed, from ``policies.migration``) take no new jobs while any other pool has room for them.
+When fragmentation leaves no pool with
 room for a job's GPU count, the job is repaired to the largest smaller count that fits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fnmatch import fnmatchcase
 
 from policies.models import Market, Pool, SpotPolicy
@@ -140,8 +141,12 @@ def _pick(req: PlacementRequest, gpus: int, free: dict[str, _Free],
     if cur is not None and cur.free >= gpus and cur.pool.launchable(gpus) and \
             eligible(cur.pool, req):
         return cur.pool.id
-    fits = [f for f in free.values()
-            if f.free >= gpus and f.pool.launchable(gpus) and eligible(f.pool, req)]
+    room = [f for f in free.values() if f.free >= gpus and f.pool.launchable(gpus)]
+    fits = [f for f in room if eligible(f.pool, req)]
+    if not fits and req.blocked:
+        # Every pool with room was just reclaimed: better there than waiting out the decay
+        # (SpotHedge resets its marks when too few locations stay active).
+        fits = [f for f in room if eligible(f.pool, replace(req, blocked=frozenset()))]
     if len(fits) < 2:
         return fits[0].pool.id if fits else None
     needs = req.needs(gpus)

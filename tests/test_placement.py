@@ -64,6 +64,18 @@ def test_a_pool_takes_only_the_gpu_counts_its_instance_types_have() -> None:
     assert alone["three"] == PlacementResult(sizes.id, 1)  # the largest launchable fallback
 
 
+def test_a_blocked_pool_is_used_when_no_other_pool_has_room() -> None:
+    """A V100 job whose only spot pool was just reclaimed goes back there rather than waiting
+    out the blocklist's decay (other spot locations of other accelerators keep it from
+    resetting)."""
+    v100 = pool("east", Market.SPOT, 0.3, 4).model_copy(update={"accelerator": Accelerator.V100})
+    cheap = pool("west", Market.SPOT, 0.1, 4)
+    placed = place([PlacementRequest("j", 2, blocked=frozenset({cheap.id}))], [cheap, v100])
+    assert placed["j"] == PlacementResult(v100.id, 2)  # another pool has room: not the blocked
+    alone = place([PlacementRequest("j", 2, blocked=frozenset({v100.id}))], [v100])
+    assert alone["j"] == PlacementResult(v100.id, 2)
+
+
 def test_throughput_model_scales_sublinearly_and_calibrates() -> None:
     m = ThroughputModel()
     one, two, four = (m.throughput(g, 256) for g in (1, 2, 4))
