@@ -373,16 +373,19 @@ class Scheduler:
     monthly reclaim rate (``FleetProvider.interruption_priors``; without it, 0 everywhere)."""
 
     def __init__(self, store: Store, config: SchedulerConfig | None = None,
-                 priors: Callable[[Sequence[Pool]], Mapping[str, float]] | None = None) -> None:
+                 priors: Callable[[Sequence[Pool]], Mapping[str, float]] | None = None,
+                 blocklist_decay_s: float | None = None) -> None:
         self.store = store
         self.config = config or SchedulerConfig()
         self.priors = priors
+        self.blocklist_decay_s = blocklist_decay_s  # None: what the stored blocklist says
 
     def run_round(self, fence: int) -> RoundResult:
         """Snapshot, plan, apply atomically. A conflict (a job changed meanwhile) leaves
         everything as it was; the next round re-plans from fresh state."""
         snap = self.store.snapshot()
-        res = plan_round(snap, fence, self.config, blocklist=self.store.blocklist()[0],
+        blocklist, _ = self.store.blocklist(self.blocklist_decay_s)
+        res = plan_round(snap, fence, self.config, blocklist=blocklist,
                          priors=self.priors(snap.pools) if self.priors else None,
                          stats=self.store.pool_stats())
         if not res.plan.empty():

@@ -125,7 +125,8 @@ class Broker:
         self.store = store
         self.provider = provider
         self.skipped = skipped or {}  # declared clouds without credentials -> why
-        self.scheduler = Scheduler(store, config.scheduler, priors=provider.interruption_priors)
+        self.scheduler = Scheduler(store, config.scheduler, priors=provider.interruption_priors,
+                                   blocklist_decay_s=config.blocklist_decay_s)
         self.actuator = Actuator(store, provider, ActuatorConfig(
             checkpoint_root=config.state_dir / "checkpoints", broker_url=config.broker_url,
             agent_token=config.agent_token, use_agent=config.use_agent,

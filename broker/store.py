@@ -411,11 +411,13 @@ class Store:
 
     def blocklist(self, decay_s: float | None = None) -> tuple[Blocklist, str | None]:
         """The stored blocklist and its stored text (pass it to ``Plan.set_blocklist``); a new
-        one with ``decay_s`` when none is stored yet."""
+        one when none is stored yet. ``decay_s``, the broker's setting, replaces the stored one,
+        so a changed setting takes effect at the next restart."""
         raw = self.r.get(f"{self.p}{BLOCKLIST_KEY}")
-        if raw is not None:
-            return Blocklist.model_validate_json(raw), raw
-        return (Blocklist() if decay_s is None else Blocklist(decay_s=decay_s)), None
+        stored = Blocklist() if raw is None else Blocklist.model_validate_json(raw)
+        if decay_s is not None:
+            stored = stored.model_copy(update={"decay_s": decay_s})
+        return stored, raw
 
     def pool_stats(self) -> PoolStats:
         """Preemptions and closed node-hours per pool, as the reconciler counted them."""

@@ -275,6 +275,9 @@ def test_blocklist_is_kept_in_redis_and_written_only_over_what_was_read(
     redis_server.restart(kill=False)  # a broker restart (and a Redis restart) keep it
     again, _ = Store.from_url(redis_server.url).blocklist()
     assert again == marked and again.is_blocked("x:1", time.time())
+    # the broker's setting, not the stored one, decides how long a mark lasts
+    shorter, _ = Store.from_url(redis_server.url).blocklist(decay_s=1.0)
+    assert shorter.decay_s == 1.0 and not shorter.is_blocked("x:1", time.time() + 2)
 
 
 def test_agent_reports_belong_to_one_attempt(store: Store) -> None:
