@@ -260,9 +260,12 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         who: User,
         team: Annotated[str | None, Query(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")] = None,
         state: Annotated[list[JobState] | None, Query()] = None,
+        limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
     ) -> dict[str, Any]:
         jobs = visible_jobs(who, team, state)
-        return cost_report(jobs, store.placements_of([j.id for j in jobs]))
+        shown = jobs[-min(limit, config.max_list):]  # the newest, as GET /v1/jobs
+        report = cost_report(shown, store.placements_of([j.id for j in shown]))
+        return {**report, "jobs_total": len(jobs)}
 
     @app.get("/v1/events", tags=["fleet"], summary="Events after a stream id, oldest first")
     def events(who: User,

@@ -128,9 +128,9 @@ class BrokerClient:
     def capacity(self) -> dict[str, Any]:
         return self._call("GET", "/v1/capacity")
 
-    def costs(self, *, team: str | None = None, states: list[str] | None = None
-              ) -> dict[str, Any]:
-        params: dict[str, Any] = {"state": states or []}
+    def costs(self, *, team: str | None = None, states: list[str] | None = None,
+              limit: int = 1000) -> dict[str, Any]:
+        params: dict[str, Any] = {"state": states or [], "limit": limit}
         if team:
             params["team"] = team
         return self._call("GET", "/v1/costs", params=params)

@@ -120,5 +120,8 @@ def test_cost_report_through_the_api_and_cli(stack: tuple[ApiServer, Store]) -> 
     assert code == 0
     assert mine.id in out and theirs.id in out and "per team" in out and "total" in out
     assert "61%" in out  # ml saved 1 - 5.8/15 against on-demand
+    code, out, _ = fleet(server, "admin", "cost-report", "--json", "--limit", "1")
+    newest = json.loads(out)
+    assert [r["job"] for r in newest["jobs"]] == [theirs.id] and newest["jobs_total"] == 2
     code, _, err = fleet(server, "ml", "cost-report", "--team", "vision")
     assert code == 3 and "no team 'vision'" in err

@@ -25,11 +25,12 @@ def cost_report(
     team: str | None = typer.Option(None, "--team", help="Only this team (admin; a team token "
                                     "sees its own)"),
     state: list[str] | None = typer.Option(None, "--state", help="Only jobs in this state"),
+    limit: int = typer.Option(1000, "--limit", min=1, help="The newest this many jobs"),
     as_json: bool = JsonOpt, url: str | None = UrlOpt, token: str | None = TokenOpt,
 ) -> None:
     """Cost per job and per team, summed over every placement interval, vs all on-demand."""
     with _client(url, token) as client:
-        out = _call(client, "costs", team=team, states=state)
+        out = _call(client, "costs", team=team, states=state, limit=limit)
     if as_json:
         print_json(out)
         return
@@ -49,3 +50,5 @@ def cost_report(
                       _money(t["ondemand_cost_usd"]), _saving(t))
     _print_table(jobs)
     _print_table(teams)
+    if out["jobs_total"] > len(out["jobs"]):
+        _print_table(f"the newest {len(out['jobs'])} of {out['jobs_total']} jobs; --limit for more")
