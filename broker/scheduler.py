@@ -251,6 +251,11 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             g for p in pools for g in p.gpu_counts or ()}
         choices = {j.id: [c for c in job_choices(j, config.policy, capacity)
                           if counts is None or c.gpus in counts] for j in jobs}
+        for j in jobs:
+            g = j.spec.gpus
+            if counts is not None and j.state is JobState.QUEUED and not any(
+                    g.min <= n <= g.max for n in counts):
+                _unlaunchable(res, j, accel, sorted(counts), config)
         t0 = time.perf_counter()
         chosen = _allocate(jobs, choices, capacity, pools_by_id, config, now)
         res.solve_s += time.perf_counter() - t0
@@ -360,6 +365,20 @@ def _stop(res: RoundResult, job: JobRecord, fence: int, kind: IntentKind, reason
         res.stops += 1
     else:
         res.suspends += 1
+
+
+def _unlaunchable(res: RoundResult, job: JobRecord, accel: Accelerator, sizes: list[int],
+                  config: SchedulerConfig) -> None:
+    """No instance type of the fleet has a GPU count the job accepts: say so on the job (once),
+    or drop it under admission drop, instead of leaving it queued without a word."""
+    g = job.spec.gpus
+    reason = (f"gpus {g.min}:{g.max}: no {accel.value} instance type in this fleet has that many "
+              f"GPUs (sizes {', '.join(map(str, sizes))}); widen the job's gpus range")
+    if config.admission is Admission.DROP:
+        _drop(res, job, reason)
+    elif job.reason != reason:
+        res.plan.change(job, event="unlaunchable", event_data={"reason": reason}, reason=reason)
+        res.changed.append(job.id)
 
 
 def _drop(res: RoundResult, job: JobRecord, reason: str) -> None:

@@ -30,8 +30,8 @@ from policies.models import (
 )
 
 
-def spec(name: str, gmax: int = 4, **kw: object) -> JobSpec:
-    return JobSpec(name=name, run="true", gpus=GpuRange(min=1, max=gmax),
+def spec(name: str, gmax: int = 4, gpus_min: int = 1, **kw: object) -> JobSpec:
+    return JobSpec(name=name, run="true", gpus=GpuRange(min=gpus_min, max=gmax),
                    batch_size=BatchRange(min=32, max=512), work_samples=1000, **kw)
 
 
@@ -194,6 +194,20 @@ def test_only_gpu_counts_an_instance_type_offers_are_chosen_and_placed(store: St
     sched.run_round(fence)
     assert store.get_job(wide.id).gpus in (1, 4)  # type: ignore[union-attr]
     assert not cloud.launchable(2) and cloud.launchable(4)
+    # a job no instance size fits waits with a reason that names the field (or is dropped)
+    odd = store.submit(spec("odd", gmax=3, gpus_min=2, accelerators=[Accelerator.V100]),
+                       team="t")
+    sched.run_round(fence)
+    waiting = store.get_job(odd.id)
+    assert waiting is not None and waiting.state is JobState.QUEUED
+    assert waiting.reason is not None and "gpus 2:3: no V100 instance type" in waiting.reason
+    assert "sizes 1, 4, 8" in waiting.reason
+    version = waiting.version
+    sched.run_round(fence)
+    assert store.get_job(odd.id).version == version  # type: ignore[union-attr]  # said once
+    dropper = Scheduler(store, SchedulerConfig(admission=Admission.DROP))
+    dropper.run_round(fence)
+    assert store.get_job(odd.id).state is JobState.DROPPED  # type: ignore[union-attr]
     assert Pool(cloud="local", region="lab", accelerator=Accelerator.T4, nodes=1,
                 gpus_per_node=4).launchable(3)  # no instance types: any count that fits
 
