@@ -161,7 +161,7 @@ class Actuator:
         plan.open_placement(Placement(
             job_id=job.id, attempt=intent.attempt, start=start, pool=pool.id, cloud=pool.cloud,
             region=pool.region, market=pool.market, gpus=intent.gpus,
-            batch_size=intent.batch_size, price_per_gpu_hour=pool.price_per_gpu_hour,
+            batch_size=intent.batch_size, price_per_gpu_hour=pool.price_for(intent.gpus),
             ondemand_price_per_gpu_hour=ondemand_reference(pool, pools.values())))
         self.store.apply(plan, fence=fence)
         return 1

@@ -88,9 +88,9 @@ class FleetFile(LocalFleet):
 def cloud_pools(cloud: str, config: CloudConfig, offers: list[Offer],
                 capacity: dict[str, int]) -> list[Pool]:
     """One pool per (region, accelerator, market) that the provider's offers price: the
-    cheapest per-GPU price among instance types of at most ``max_gpus`` GPUs there, those
-    types' GPU counts as the launchable sizes, and ``max_gpus`` GPUs (fewer when the quota
-    headroom is known)."""
+    cheapest per-GPU price among instance types of at most ``max_gpus`` GPUs there, each size's
+    own cheapest price (``Pool.gpu_prices``: the launchable counts), and ``max_gpus`` GPUs (fewer
+    when the quota headroom is known)."""
     pools = []
     for region in config.regions:
         for acc in config.accelerators:
@@ -110,9 +110,17 @@ def cloud_pools(cloud: str, config: CloudConfig, offers: list[Offer],
                 pool = Pool(cloud=cloud, region=region, accelerator=acc, market=market,
                             nodes=int(gpus > 0), gpus_per_node=max(gpus, 1),
                             price_per_gpu_hour=round(min(prices), 6),
-                            gpu_counts=tuple(sorted({n for n, _ in sizes})))
+                            gpu_prices=_cheapest_per_size(sizes))
                 pools.append(pool)
     return pools
+
+
+def _cheapest_per_size(sizes: list[tuple[int, float]]) -> dict[int, float]:
+    """GPUs per instance -> the cheapest per-GPU price of a type that size."""
+    best: dict[int, float] = {}
+    for n, price in sizes:
+        best[n] = min(best.get(n, price), round(price, 6))
+    return dict(sorted(best.items()))
 
 
 class FleetProvider(Provider):

@@ -103,8 +103,10 @@ class Pool(BaseModel):
     nodes: int = Field(ge=0)
     gpus_per_node: int = Field(ge=1)
     price_per_gpu_hour: float = Field(default=0.0, ge=0)
-    # GPU counts one launch here can have (a cloud's instance types); None: any count that fits.
-    gpu_counts: tuple[int, ...] | None = None
+    # A cloud pool's instance sizes: GPUs of one launch -> its USD per GPU-hour (sizes differ:
+    # AWS V100 spot is $0.52/GPU-h on 1 GPU, $0.34 on 8). None: any count that fits, at
+    # price_per_gpu_hour (the cheapest size's price where sizes are known).
+    gpu_prices: dict[int, float] | None = None
 
     @field_validator("cloud", "region")
     @classmethod
@@ -122,9 +124,18 @@ class Pool(BaseModel):
     def capacity(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def gpu_counts(self) -> tuple[int, ...] | None:
+        """GPU counts one launch here can have; None: any count that fits."""
+        return None if self.gpu_prices is None else tuple(sorted(self.gpu_prices))
+
     def launchable(self, gpus: int) -> bool:
         """Can one launch here have ``gpus`` GPUs (an instance type of that size)?"""
-        return self.gpu_counts is None or gpus in self.gpu_counts
+        return self.gpu_prices is None or gpus in self.gpu_prices
+
+    def price_for(self, gpus: int) -> float:
+        """USD per GPU-hour of a launch of ``gpus`` GPUs here."""
+        return (self.gpu_prices or {}).get(gpus, self.price_per_gpu_hour)
 
 
 class SpotPolicy(StrEnum):

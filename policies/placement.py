@@ -153,4 +153,12 @@ def _pick(req: PlacementRequest, gpus: int, free: dict[str, _Free],
     spot_first = req.spot is SpotPolicy.PREFERRED
     return min(fits, key=lambda f: (
         not (spot_first and f.pool.market is Market.SPOT),
-        expected_cost(needs, f.candidate, egress), *f.tie)).pool.id
+        expected_cost(needs, _sized(f.candidate, gpus), egress), *f.tie)).pool.id
+
+
+def _sized(c: Candidate, gpus: int) -> Candidate:
+    """The candidate at the price of a ``gpus``-GPU launch (pools whose sizes differ in price)."""
+    price = c.pool.price_for(gpus)
+    if price == c.pool.price_per_gpu_hour:
+        return c
+    return c.model_copy(update={"pool": c.pool.model_copy(update={"price_per_gpu_hour": price})})

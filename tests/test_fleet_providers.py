@@ -114,6 +114,11 @@ def test_cloud_pools_offer_the_instance_sizes_of_their_region() -> None:
     (v100,) = cloud_pools("aws", config, offers, {})
     assert v100.gpu_counts == (1, 4)  # p3.2xlarge and p3.8xlarge; p3.16xlarge holds 8 > 4
     assert v100.capacity == 4 and not v100.launchable(2)
+    for n in (1, 4):  # each size at its own cheapest type's price per GPU
+        want = min(o.hourly(Market.SPOT) / n for o in offers if o.accelerator is Accelerator.V100
+                   and o.accelerator_count == n and o.hourly(Market.SPOT) is not None)
+        assert v100.price_for(n) == pytest.approx(want, abs=1e-6)
+    assert v100.price_per_gpu_hour == min(v100.gpu_prices.values())  # type: ignore[union-attr]
 
 
 def test_example_fleet_files_load() -> None:

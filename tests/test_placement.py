@@ -55,13 +55,19 @@ def test_gang_stays_in_one_pool_and_fragmentation_is_repaired() -> None:
 
 
 def test_a_pool_takes_only_the_gpu_counts_its_instance_types_have() -> None:
-    sizes = pool("cheap", Market.SPOT, 0.1, 8).model_copy(update={"gpu_counts": (1, 4, 8)})
+    sizes = pool("cheap", Market.SPOT, 0.1, 8).model_copy(
+        update={"gpu_prices": {1: 0.25, 4: 0.12, 8: 0.1}})
     anysize = pool("dear", Market.SPOT, 0.3, 8)
     placed = place([PlacementRequest("two", 2), PlacementRequest("four", 4)], [sizes, anysize])
     assert placed["two"] == PlacementResult(anysize.id, 2)  # no 2-GPU type in the cheap pool
     assert placed["four"] == PlacementResult(sizes.id, 4)
     alone = place([PlacementRequest("three", 3, fallbacks=(2, 1))], [sizes])
     assert alone["three"] == PlacementResult(sizes.id, 1)  # the largest launchable fallback
+    # ranked at the price of the size launched: one GPU here ($0.25) loses to $0.20 elsewhere
+    other = pool("flat", Market.SPOT, 0.2, 8)
+    one = place([PlacementRequest("one", 1)], [sizes, other])
+    assert one["one"] == PlacementResult(other.id, 1)
+    assert sizes.price_for(1) == 0.25 and sizes.price_for(8) == 0.1 and other.price_for(3) == 0.2
 
 
 def test_a_blocked_pool_is_used_when_no_other_pool_has_room() -> None:

@@ -179,7 +179,7 @@ def test_only_gpu_counts_an_instance_type_offers_are_chosen_and_placed(store: St
     or 3 no instance type has), and two 3-GPU jobs fill it as 1 + 1, not 2 + 3 + ..."""
     cloud = Pool(cloud="aws", region="us-east-1", accelerator=Accelerator.V100,
                  market=Market.SPOT, nodes=1, gpus_per_node=8, price_per_gpu_hour=0.9,
-                 gpu_counts=(1, 4, 8))
+                 gpu_prices={1: 1.2, 4: 1.0, 8: 0.9})
     store.set_pools([cloud])
     fence = store.acquire_lease("t", ttl_s=30)
     sched = Scheduler(store, SchedulerConfig(min_rescale_interval_s=0))

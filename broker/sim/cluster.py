@@ -103,7 +103,7 @@ def _from_yaml(path: Path) -> list[PoolSpec]:
         where = f"{path} pools[{i}]"
         if not isinstance(raw, dict):
             raise ClusterError(f"{where}: each pool is a mapping of fields")
-        known = {*Pool.model_fields, "trace"} - {"gpu_counts"}  # the simulator places any count
+        known = {*Pool.model_fields, "trace"} - {"gpu_prices"}  # the simulator places any count
         unknown = set(raw) - known
         if unknown:
             raise ClusterError(f"{where}: unknown field(s) {sorted(unknown)}; "
