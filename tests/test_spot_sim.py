@@ -1,6 +1,7 @@
 """The spot simulation on tiny cases: traces, preemptions, costs by hand, spot policies, errors."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,9 @@ def test_trace_bounds_nodes_and_wraps_around(tmp_path: Path) -> None:
     ({"data": [1]}, "gap_seconds"),
     ({"metadata": {"gap_seconds": 60}, "data": []}, "non-empty list"),
     ({"metadata": {"gap_seconds": 60}, "data": [1, -1]}, r"data\[1\]"),
+    ({"metadata": {"gap_seconds": 60}, "data": [1, math.inf]}, r"data\[1\] = inf is not"),
+    ({"metadata": {"gap_seconds": 60}, "data": [math.nan]}, r"data\[0\] = nan is not"),
+    ({"metadata": {"gap_seconds": math.inf}, "data": [1]}, "gap_seconds > 0"),
 ])
 def test_bad_trace_files_say_what_is_wrong(tmp_path: Path, doc: dict, message: str) -> None:
     f = tmp_path / "bad.json"
@@ -231,6 +235,7 @@ def test_cli_defaults_to_fleet_on_spot_clusters_and_stays_classic_otherwise(tmp_
 
 @pytest.mark.parametrize("setup, message", [
     ("trace", "field 'trace': trace file"),
+    ("infinite trace", "data[1] = inf is not a count >= 0"),
     ("deadline", "line 2, column 'deadline'"),
     ("policy", "--spot-policy 'cheap' is not one of"),
     ("ondemand", "needs on-demand pools"),
@@ -243,6 +248,11 @@ def test_cli_bad_inputs_fail_clearly(tmp_path: Path, setup: str, message: str) -
     if setup == "trace":
         cluster.write_text("pools:\n  - {" + _v100("us-east-1", "spot", 0.5,
                                                    extra=", trace: nowhere.json") + "}\n")
+    elif setup == "infinite trace":
+        (tmp_path / "inf.json").write_text(
+            '{"metadata": {"gap_seconds": 60}, "data": [1, Infinity]}')
+        cluster.write_text("pools:\n  - {" + _v100("us-east-1", "spot", 0.5,
+                                                   extra=", trace: inf.json") + "}\n")
     elif setup == "deadline":
         w.write_text("name,time,application,num_replicas,batch_size,deadline\na,0,ncf,1,256,-5\n")
     elif setup == "policy":
