@@ -142,6 +142,19 @@ def test_failover_stays_in_region_eager_moves(tmp_path: Path) -> None:
     assert eager.cost_usd < fail.cost_usd
 
 
+def test_fleet_moving_a_running_job_to_another_region_counts_as_a_migration(
+        tmp_path: Path) -> None:
+    """No preemption: us-west-2's spot pool, far cheaper, opens at 600 s and fleet moves the job
+    there; that move restarts it in another region, as a preemption's relaunch there would."""
+    name = _trace(tmp_path / "t.json", [0] + [1] * 50, gap=600)
+    pools = _cluster(tmp_path, _v100("us-east-1", "spot", 0.9),
+                     _v100("us-west-2", "spot", 0.1, extra=f", trace: {name}"),
+                     _v100("us-east-1", "on-demand", 3.0))
+    res = simulate_spot([_job()], pools, CFG, SpotConfig(MarketPolicy.FLEET))
+    assert res.preemptions == 0 and res.migrations == 1
+    assert res.cost_usd < 0.9 * res.spot_gpu_h  # part of it ran at us-west-2's price
+
+
 def test_fleet_falls_back_to_on_demand_to_meet_a_deadline(tmp_path: Path) -> None:
     name = _trace(tmp_path / "t.json", [0])  # no spot at all
     pools = _cluster(tmp_path, _v100("us-east-1", "spot", 0.3, extra=f", trace: {name}"),
