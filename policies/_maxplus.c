@@ -325,12 +325,20 @@ static PyObject *fold(PyObject *self, PyObject *args) {
     double *values = values_buf.buf;
     uint8_t *required = required_buf.buf, *concave = concave_buf.buf;
     for (Py_ssize_t j = 0; ok && j < n_jobs; j++) {
-        PyObject *job = PySequence_Fast_GET_ITEM(seq, j);
+        /* a getattr or __bool__ may run Python code that mutates a list being read: each item
+         * is held while read and each length checked again (the buffers are sized for n_jobs) */
+        if (PySequence_Fast_GET_SIZE(seq) != n_jobs) {
+            PyErr_SetString(PyExc_RuntimeError, "fold: the jobs list changed while being read");
+            ok = 0;
+            break;
+        }
+        PyObject *job = Py_NewRef(PySequence_Fast_GET_ITEM(seq, j));
         offsets[j] = out;
         PyObject *req = PyObject_GetAttr(job, s_required);
         int is_req = req ? PyObject_IsTrue(req) : -1;
         Py_XDECREF(req);
-        PyObject *raw = PyObject_GetAttr(job, s_choices);
+        PyObject *raw = is_req < 0 ? NULL : PyObject_GetAttr(job, s_choices);
+        Py_DECREF(job);
         PyObject *choices = raw ? PySequence_Fast(raw, "fold: choices must be a sequence") : NULL;
         Py_XDECREF(raw);
         if (is_req < 0 || choices == NULL) { Py_XDECREF(choices); ok = 0; break; }
@@ -342,8 +350,7 @@ static PyObject *fold(PyObject *self, PyObject *args) {
             items = grown;
             cap_items = m;
         }
-        for (Py_ssize_t c = 0; c < m; c++) {
-            /* held while read: a getattr may run Python code that mutates the list */
+        for (Py_ssize_t c = 0; c < m && c < PySequence_Fast_GET_SIZE(choices); c++) {
             PyObject *choice = Py_NewRef(PySequence_Fast_GET_ITEM(choices, c));
             int rc = read_choice(choice, &layout, capacity, c, &items[fit]);
             Py_DECREF(choice);

@@ -264,3 +264,39 @@ def test_compiled_and_numpy_paths_agree_on_counts_beyond_int64(monkeypatch) -> N
     assert allocate(jobs, 4) == compiled
     assert compiled["a"] is jobs[0].choices[1]
     assert compiled["b"] is jobs[1].choices[1]
+
+
+def test_compiled_fold_survives_lists_mutated_while_read() -> None:
+    """Reading an attribute may run Python code that empties the list being read; the fold stops
+    at the list's new end (choices) or refuses (jobs: its buffers are sized for them)."""
+    from policies import elastic_dp
+
+    if elastic_dp._maxplus is None:
+        pytest.skip("the C kernel is not built in this checkout")
+
+    class Emptying:
+        def __init__(self, victim: list) -> None:
+            self.victim, self.batch_size, self.value, self.choices = victim, 8, 1.0, ()
+
+        @property
+        def gpus(self) -> int:
+            self.victim.clear()
+            return 1
+
+        @property
+        def required(self) -> bool:
+            self.victim.clear()
+            return False
+
+    choices: list = []
+    choices += [Emptying(choices) for _ in range(3)]
+    b = _fold_buffers(3, 1)
+    job = JobChoices.__new__(JobChoices)
+    object.__setattr__(job, "choices", choices)
+    object.__setattr__(job, "required", False)
+    elastic_dp._maxplus.fold([job], 8, *b.values())
+    assert b["offsets"].tolist() == [0, 1] and b["gpus"][0] == 1
+    jobs: list = []
+    jobs += [Emptying(jobs) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="jobs list changed"):
+        elastic_dp._maxplus.fold(jobs, 8, *_fold_buffers(0, 2).values())
