@@ -92,6 +92,14 @@ for _, kv in ipairs(ops.kv or {}) do
     return redis.error_reply('CONFLICT ' .. kv.key .. ' changed')
   end
 end
+-- HINCRBYFLOAT refuses inf and nan only when it runs, after other writes: refuse them here
+for _, c in ipairs(ops.incr or {}) do
+  local by = tonumber(c.by)
+  if not by or by ~= by or by == math.huge or by == -math.huge then
+    return redis.error_reply('BADPLAN ' .. c.key .. ' ' .. c.field .. ': increment ' ..
+                             tostring(c.by) .. ' is not a finite number')
+  end
+end
 local versions = {}
 for _, s in ipairs(ops.sets or {}) do
   local key = p .. 'job:' .. s.job

@@ -6,6 +6,8 @@ that checks the expected state; leader writes also carry the fencing token.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +27,8 @@ from broker.models import (
 )
 from policies.migration import Blocklist
 from policies.models import JobSpec, Pool
+
+log = logging.getLogger(__name__)
 
 _PROGRESS_FIELDS = (
     "samples_done", "samples_per_sec", "measured_gpus", "measured_batch_size", "checkpoint_step",
@@ -180,8 +184,12 @@ class Plan:
         self.incr.append({"key": PREEMPTIONS_KEY, "field": pool_id, "by": "1"})
 
     def add_node_hours(self, pool_id: str, hours: float) -> None:
-        """Node-hours a closed placement interval spent in ``pool_id`` (``Store.pool_stats``)."""
-        if hours > 0:
+        """Node-hours a closed placement interval spent in ``pool_id`` (``Store.pool_stats``).
+        A non-finite count (from broken timestamps upstream) is logged and left out: Redis
+        refuses it, and one bad interval must not block the rest of the plan."""
+        if not math.isfinite(hours):
+            log.warning("pool %s: dropped a non-finite node-hours increment %r", pool_id, hours)
+        elif hours > 0:
             self.incr.append({"key": NODE_HOURS_KEY, "field": pool_id, "by": repr(hours)})
 
     def empty(self) -> bool:

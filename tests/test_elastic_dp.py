@@ -203,3 +203,100 @@ def test_compiled_and_numpy_fold_agree_on_ties_and_odd_inputs(monkeypatch) -> No
     compiled = solve_all()
     monkeypatch.setattr(elastic_dp, "_maxplus", None)
     assert solve_all() == compiled
+
+
+def _fold_buffers(n: int, jobs: int) -> dict:
+    return {"gpus": np.empty(n, np.int64), "values": np.empty(n), "src": np.empty(n, np.int64),
+            "offsets": np.empty(jobs + 1, np.int64), "required": np.empty(jobs, np.uint8),
+            "concave": np.empty(jobs, np.uint8)}
+
+
+@pytest.mark.parametrize("bad", [
+    "short values",                              # the fold wrote past it into `big`
+    {"src": np.empty(1, np.int64)},
+    {"values": np.empty(3, np.int64)},           # right size, wrong type
+    {"gpus": np.empty(3)},
+    {"src": np.empty(6, np.int32)},              # same bytes, wrong itemsize
+    {"required": np.empty(1, np.int64)},
+])
+def test_compiled_fold_refuses_buffers_of_the_wrong_length_or_type(bad: object) -> None:
+    from policies import elastic_dp
+
+    if elastic_dp._maxplus is None:
+        pytest.skip("the C kernel is not built in this checkout")
+    big = np.full(4, -7.0)
+    buffers = {**_fold_buffers(3, 1), **({"values": big[:1]} if bad == "short values" else bad)}
+    jobs = [JobChoices("a", [Choice(1, 8, 1.0), Choice(2, 8, 2.0), Choice(3, 8, 3.0)])]
+    with pytest.raises(ValueError, match="fold: "):
+        elastic_dp._maxplus.fold(jobs, 8, buffers["gpus"], buffers["values"], buffers["src"],
+                                 buffers["offsets"], buffers["required"], buffers["concave"])
+    assert (big == -7.0).all()
+
+
+def test_compiled_forward_and_backtrack_refuse_offsets_outside_the_choices() -> None:
+    from policies import elastic_dp
+
+    if elastic_dp._maxplus is None:
+        pytest.skip("the C kernel is not built in this checkout")
+    rows = np.zeros((2, 5))
+    offsets = np.array([0, 9], np.int64)  # job 1 claims 9 choices; there is one
+    gpus, values, req = np.ones(1, np.int64), np.ones(1), b"\0"
+    with pytest.raises(ValueError, match="forward: "):
+        elastic_dp._maxplus.forward(rows, 5, offsets, gpus, values, req)
+    with pytest.raises(ValueError, match="backtrack: "):
+        elastic_dp._maxplus.backtrack(rows, 5, 0, offsets, gpus, values, req,
+                                      np.empty(1, np.int64))
+    with pytest.raises(ValueError, match="forward: "):  # a float table where int64 is expected
+        elastic_dp._maxplus.forward(rows, 5, offsets.astype(float), gpus, values, req)
+
+
+def test_compiled_and_numpy_paths_agree_on_counts_beyond_int64(monkeypatch) -> None:
+    """A choice with more GPUs than int64 holds is skipped as larger than the capacity, and a
+    fitting choice with such a batch size still wins its tie by the smaller batch, in both paths."""
+    from policies import elastic_dp
+
+    if elastic_dp._maxplus is None:
+        pytest.skip("the C kernel is not built in this checkout")
+    jobs = [JobChoices("a", [Choice(2**70, 8, 9.0), Choice(2, 8, 1.0)]),
+            JobChoices("b", [Choice(1, 2**71, 2.0), Choice(1, 2**70, 2.0), Choice(1, 8, 1.0)])]
+    compiled = allocate(jobs, 4)
+    monkeypatch.setattr(elastic_dp, "_maxplus", None)
+    assert allocate(jobs, 4) == compiled
+    assert compiled["a"] is jobs[0].choices[1]
+    assert compiled["b"] is jobs[1].choices[1]
+
+
+def test_compiled_fold_survives_lists_mutated_while_read() -> None:
+    """Reading an attribute may run Python code that empties the list being read; the fold stops
+    at the list's new end (choices) or refuses (jobs: its buffers are sized for them)."""
+    from policies import elastic_dp
+
+    if elastic_dp._maxplus is None:
+        pytest.skip("the C kernel is not built in this checkout")
+
+    class Emptying:
+        def __init__(self, victim: list) -> None:
+            self.victim, self.batch_size, self.value, self.choices = victim, 8, 1.0, ()
+
+        @property
+        def gpus(self) -> int:
+            self.victim.clear()
+            return 1
+
+        @property
+        def required(self) -> bool:
+            self.victim.clear()
+            return False
+
+    choices: list = []
+    choices += [Emptying(choices) for _ in range(3)]
+    b = _fold_buffers(3, 1)
+    job = JobChoices.__new__(JobChoices)
+    object.__setattr__(job, "choices", choices)
+    object.__setattr__(job, "required", False)
+    elastic_dp._maxplus.fold([job], 8, *b.values())
+    assert b["offsets"].tolist() == [0, 1] and b["gpus"][0] == 1
+    jobs: list = []
+    jobs += [Emptying(jobs) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="jobs list changed"):
+        elastic_dp._maxplus.fold(jobs, 8, *_fold_buffers(0, 2).values())

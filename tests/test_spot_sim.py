@@ -1,6 +1,7 @@
 """The spot simulation on tiny cases: traces, preemptions, costs by hand, spot policies, errors."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,9 @@ def test_trace_bounds_nodes_and_wraps_around(tmp_path: Path) -> None:
     ({"data": [1]}, "gap_seconds"),
     ({"metadata": {"gap_seconds": 60}, "data": []}, "non-empty list"),
     ({"metadata": {"gap_seconds": 60}, "data": [1, -1]}, r"data\[1\]"),
+    ({"metadata": {"gap_seconds": 60}, "data": [1, math.inf]}, r"data\[1\] = inf is not"),
+    ({"metadata": {"gap_seconds": 60}, "data": [math.nan]}, r"data\[0\] = nan is not"),
+    ({"metadata": {"gap_seconds": math.inf}, "data": [1]}, "gap_seconds > 0"),
 ])
 def test_bad_trace_files_say_what_is_wrong(tmp_path: Path, doc: dict, message: str) -> None:
     f = tmp_path / "bad.json"
@@ -138,6 +142,19 @@ def test_failover_stays_in_region_eager_moves(tmp_path: Path) -> None:
     assert eager.cost_usd < fail.cost_usd
 
 
+def test_fleet_moving_a_running_job_to_another_region_counts_as_a_migration(
+        tmp_path: Path) -> None:
+    """No preemption: us-west-2's spot pool, far cheaper, opens at 600 s and fleet moves the job
+    there; that move restarts it in another region, as a preemption's relaunch there would."""
+    name = _trace(tmp_path / "t.json", [0] + [1] * 50, gap=600)
+    pools = _cluster(tmp_path, _v100("us-east-1", "spot", 0.9),
+                     _v100("us-west-2", "spot", 0.1, extra=f", trace: {name}"),
+                     _v100("us-east-1", "on-demand", 3.0))
+    res = simulate_spot([_job()], pools, CFG, SpotConfig(MarketPolicy.FLEET))
+    assert res.preemptions == 0 and res.migrations == 1
+    assert res.cost_usd < 0.9 * res.spot_gpu_h  # part of it ran at us-west-2's price
+
+
 def test_fleet_falls_back_to_on_demand_to_meet_a_deadline(tmp_path: Path) -> None:
     name = _trace(tmp_path / "t.json", [0])  # no spot at all
     pools = _cluster(tmp_path, _v100("us-east-1", "spot", 0.3, extra=f", trace: {name}"),
@@ -183,7 +200,15 @@ def test_spot_only_costs_no_more_than_on_demand(tmp_path: Path, spot: float, mar
                      _v100("us-east-1", "on-demand", spot * markup))
     res = simulate_spot([_job("a"), _job("b", "cifar10", 4, 512)], pools,
                         SimConfig(max_hours=2), SpotConfig(policy))
-    assert res.cost_usd <= res.ondemand_cost_usd + 1e-9
+    # SkyPilot-like policies run on spot only; the trace wraps within the 2 h, so any sample
+    # with an instance gives the jobs spot GPU-hours, and none leaves them waiting
+    assert res.ondemand_gpu_h == 0
+    if any(values):
+        assert res.spot_gpu_h > 0 and res.cost_usd < res.ondemand_cost_usd
+    else:
+        assert res.spot_gpu_h == res.cost_usd == 0
+        assert all(r.completed is None for r in res.result.records)
+    assert res.spot_gpu_h == pytest.approx(sum(r.gpu_seconds for r in res.result.records) / 3600)
 
 
 def test_deadline_column_and_its_errors(tmp_path: Path) -> None:
@@ -231,6 +256,7 @@ def test_cli_defaults_to_fleet_on_spot_clusters_and_stays_classic_otherwise(tmp_
 
 @pytest.mark.parametrize("setup, message", [
     ("trace", "field 'trace': trace file"),
+    ("infinite trace", "data[1] = inf is not a count >= 0"),
     ("deadline", "line 2, column 'deadline'"),
     ("policy", "--spot-policy 'cheap' is not one of"),
     ("ondemand", "needs on-demand pools"),
@@ -243,6 +269,11 @@ def test_cli_bad_inputs_fail_clearly(tmp_path: Path, setup: str, message: str) -
     if setup == "trace":
         cluster.write_text("pools:\n  - {" + _v100("us-east-1", "spot", 0.5,
                                                    extra=", trace: nowhere.json") + "}\n")
+    elif setup == "infinite trace":
+        (tmp_path / "inf.json").write_text(
+            '{"metadata": {"gap_seconds": 60}, "data": [1, Infinity]}')
+        cluster.write_text("pools:\n  - {" + _v100("us-east-1", "spot", 0.5,
+                                                   extra=", trace: inf.json") + "}\n")
     elif setup == "deadline":
         w.write_text("name,time,application,num_replicas,batch_size,deadline\na,0,ncf,1,256,-5\n")
     elif setup == "policy":

@@ -3,9 +3,12 @@ checks, the fenced leader lease, the intents outbox, events, logs and heartbeats
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 
 import pytest
+import redis
 
 from broker.models import Intent, IntentKind, JobState, Placement, check_transition
 from broker.store import CHECKPOINT_EXIT, CONTINUE, Conflict, Plan, StaleFence, Store
@@ -82,6 +85,37 @@ def test_plan_is_all_or_nothing(store: Store) -> None:
     with pytest.raises(Conflict):
         store.apply(plan)
     assert store.get_job(a.id).state is JobState.QUEUED  # type: ignore[union-attr]
+
+
+def test_non_finite_node_hours_are_skipped_and_the_rest_applies(
+        store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    a = store.submit(spec("a"), team="t")
+    plan = Plan()
+    plan.change(a, JobState.LAUNCHING)
+    plan.count_preemption("p1")
+    with caplog.at_level(logging.WARNING, logger="broker.store"):
+        for hours in (math.inf, math.nan, 2.0):
+            plan.add_node_hours("p1", hours)
+    assert "non-finite node-hours" in caplog.text
+    store.apply(plan)
+    assert store.get_job(a.id).state is JobState.LAUNCHING  # type: ignore[union-attr]
+    stats = store.pool_stats()
+    assert stats.node_hours == {"p1": 2.0} and stats.preemptions == {"p1": 1}
+
+
+@pytest.mark.parametrize("by", ["inf", "-inf", "nan", "lots"])
+def test_a_non_finite_increment_refuses_the_whole_plan(store: Store, by: str) -> None:
+    """Redis refuses such an increment only when it runs, after the plan's other writes: the
+    script checks it first, so nothing is half-applied."""
+    a = store.submit(spec("a"), team="t")
+    plan = Plan()
+    plan.change(a, JobState.LAUNCHING)
+    plan.count_preemption("p1")
+    plan.incr.append({"key": "pool:node_hours", "field": "p1", "by": by})
+    with pytest.raises(redis.ResponseError, match=f"BADPLAN pool:node_hours p1: increment {by} "):
+        store.apply(plan)
+    assert store.get_job(a.id).state is JobState.QUEUED  # type: ignore[union-attr]
+    assert store.pool_stats().preemptions == {}
 
 
 def test_lease_fencing_refuses_a_stale_leader(store: Store) -> None:

@@ -167,7 +167,7 @@ class SpotResult:
     cost_usd: float = 0.0
     ondemand_cost_usd: float = 0.0
     deadline_misses: int = 0
-    migrations: int = 0
+    migrations: int = 0  # relaunches in another region than the job last ran in, forced or chosen
     preemptions: int = 0
     lost_work_gpu_h: float = 0.0
     spot_gpu_h: float = 0.0
@@ -572,10 +572,13 @@ class _SpotSim:
                 a.accelerator, a.gpus, a.placement):
             s.current = a  # a batch change alone needs no restart
             return
+        # a change of region costs a restart elsewhere, whether a preemption forced it or fleet
+        # chose it for a cheaper pool (the broker counts every MIGRATE alike)
+        came_from = job.pool.region if job.pool is not None else job.preempted_from
+        if came_from is not None and pool.region != came_from:
+            self.out.migrations += 1
         if old is not None:
             self._stop(job)  # rescale or move: checkpoint first
-        if job.preempted_from is not None and pool.region != job.preempted_from:
-            self.out.migrations += 1
         job.preempted_from = None
         job.sim.restart_left = s.restart_s
         if job.sim.started:

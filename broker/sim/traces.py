@@ -9,6 +9,7 @@ trace wraps around (starts again at v0), so any workload length runs on any trac
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,13 +38,16 @@ def read_trace(path: Path) -> SpotTrace:
         raise TraceError(f"trace file {path} is not readable JSON: {e}") from None
     meta = doc.get("metadata") if isinstance(doc, dict) else None
     gap = meta.get("gap_seconds") if isinstance(meta, dict) else None
-    if isinstance(gap, bool) or not isinstance(gap, int | float) or not gap > 0:
+    if isinstance(gap, bool) or not isinstance(gap, int | float) or not (
+            math.isfinite(gap) and gap > 0):
         raise TraceError(f"trace file {path}: needs metadata.gap_seconds > 0, as in "
                          '{"metadata": {"gap_seconds": 300}, "data": [1, 0, ...]}')
     data = doc.get("data")
     if not isinstance(data, list) or not data:
         raise TraceError(f"trace file {path}: needs a non-empty list 'data' of instance counts")
     for i, v in enumerate(data):
-        if isinstance(v, bool) or not isinstance(v, int | float) or v < 0 or v != int(v):
+        # json reads Infinity and NaN as floats; int() of them raises, so test finiteness first
+        if (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+                or v < 0 or v != int(v)):
             raise TraceError(f"trace file {path}: data[{i}] = {v!r} is not a count >= 0")
     return SpotTrace(str(path), float(gap), tuple(int(v) for v in data))
