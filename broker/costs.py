@@ -36,7 +36,9 @@ def ondemand_reference(pool: Pool, pools: Iterable[Pool]) -> float | None:
 
 @lru_cache(maxsize=1)
 def _catalog_ondemand() -> dict[tuple[Accelerator, str | None, str | None], float]:
-    """Cheapest on-demand $/GPU-h by (accelerator, cloud, region), (acc, cloud, -), (acc, -, -)."""
+    """Cheapest on-demand $/GPU-h by (accelerator, cloud, region), (acc, cloud, -), (acc, -, -).
+    Read once per process: a refreshed catalog (``fleet prices --refresh``) counts for
+    placements opened after the broker restarts; recorded intervals keep their reference."""
     from providers.catalog import load_offers
 
     best: dict[tuple[Accelerator, str | None, str | None], float] = {}

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from broker.costs import ondemand_reference
 from broker.sim.cluster import (
     ClusterError,
     PoolSpec,
@@ -104,8 +105,8 @@ class SimPool:
 
 def sim_pools(specs: Sequence[PoolSpec]) -> list[SimPool]:
     """Resolve prices: a pool without ``price_per_gpu_hour`` takes the catalog's; the on-demand
-    reference of a pool is the price of an on-demand pool of the cluster with the same cloud,
-    region and accelerator, else the catalog's on-demand price there."""
+    reference of a pool is the broker's (``broker.costs.ondemand_reference``: the cheapest
+    on-demand pool of the accelerator in the cluster, else the catalog's on-demand price)."""
     priced = []
     for s in specs:
         pool = s.pool
@@ -118,21 +119,14 @@ def sim_pools(specs: Sequence[PoolSpec]) -> list[SimPool]:
                     f"{pool.region}; add price_per_gpu_hour to the pool")
             pool = pool.model_copy(update={"price_per_gpu_hour": price})
         priced.append((s, pool))
-    ondemand = {(p.cloud, p.region, p.accelerator): p.price_per_gpu_hour
-                for _, p in reversed(priced) if p.market is Market.ON_DEMAND}
+    pools = [p for _, p in priced]
     out = []
     for s, pool in priced:
-        if pool.market is Market.ON_DEMAND:
-            ref = pool.price_per_gpu_hour
-        else:
-            ref = ondemand.get((pool.cloud, pool.region, pool.accelerator))
-            if ref is None:
-                ref = catalog_price(pool, Market.ON_DEMAND)
+        ref = ondemand_reference(pool, pools)
         if ref is None:
             raise ClusterError(
                 f"{s.where}: no on-demand reference price for this spot pool (ondemand_cost_usd "
-                f"needs one); add an on-demand {pool.accelerator.value} pool in {pool.cloud} "
-                f"{pool.region} to the cluster")
+                f"needs one); add an on-demand {pool.accelerator.value} pool to the cluster")
         out.append(SimPool(pool, s.trace, ref, catalog_prior(pool)))
     return out
 
