@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from broker.models import JobRecord, JobState
 from broker.store import AgentReport, Conflict, Plan, Store
 from policies.migration import DEFAULT_DECAY_S, expire, location_keys, mark_preempted, register
-from policies.models import Market, Pool
+from policies.models import Market
 from providers.base import Node, NodeState, Provider
 
 log = logging.getLogger(__name__)
@@ -110,9 +110,14 @@ class Reconciler:
             return
         now = time.time()
         blocklist, read = self.store.blocklist(self.blocklist_decay_s)
-        spot = [location(p) for p in pools.values() if p.market is Market.SPOT]
-        where = location(pool)
-        blocklist = mark_preempted(expire(register(blocklist, spot), now), where, now)
+        spot = [k for p in pools.values() if p.market is Market.SPOT for k in location_keys(p)]
+        blocklist = expire(register(blocklist, spot), now)
+        # The region and, where it has one, the zone: a reclaim says the region is short too
+        # (the simulator's fleet policy, which the benchmarks measure, does the same).
+        keys = location_keys(pool)
+        for key in keys:
+            blocklist = mark_preempted(blocklist, key, now)
+        where = keys[-1]
         plan.set_blocklist(blocklist, read=read)
         # "blocked" is False when SpotHedge's rule reset every mark (fewer than two active)
         plan.event("location-blocked", job.id, {
@@ -180,7 +185,3 @@ def _count_preemption(plan: Plan, job: JobRecord) -> None:
     if job.pool:
         plan.count_preemption(job.pool)
 
-
-def location(pool: Pool) -> str:
-    """The blocklist key of a pool: its zone when it has one, else its region."""
-    return location_keys(pool)[-1]
