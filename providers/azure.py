@@ -97,6 +97,7 @@ class AzureProvider(Provider):
         max_price: float = -1.0,
         offers: list[CatalogOffer] | None = None,
         polling_interval: float = 15.0,
+        agent_install: str | None = None,
     ) -> None:
         self.subscription_id = subscription_id or os.environ.get("AZURE_SUBSCRIPTION_ID")
         self.resource_group = resource_group or os.environ.get("FLEET_AZURE_RESOURCE_GROUP")
@@ -117,6 +118,7 @@ class AzureProvider(Provider):
         self.eviction_policy = eviction_policy
         self.max_price = max_price  # -1: pay up to the on-demand price, never evicted for price
         self.polling_interval = polling_interval
+        self.agent_install = bootstrap.agent_install_spec(agent_install)
         self._offers = offers if offers is not None else load_offers(["azure"])
         self.regions = list(regions or sorted({o.region for o in self._offers}))
 
@@ -155,7 +157,7 @@ class AzureProvider(Provider):
 
     def vm_body(self, request: LaunchRequest, name: str) -> dict[str, Any]:
         """The ARM JSON of one VM (the documented ``Microsoft.Compute/virtualMachines`` shape)."""
-        script = bootstrap.agent_script(request, "azure")
+        script = bootstrap.agent_script(request, "azure", self.agent_install)
         properties: dict[str, Any] = {
             "hardwareProfile": {"vmSize": self.vm_size_for(request)},
             "storageProfile": {

@@ -45,6 +45,7 @@ def azure() -> AzureProvider:
     return AzureProvider(
         "sub-1", "rg-fleet", SUBNET, ["eastus"], broker_id="b1", credential=FakeCredential(),
         ssh_public_key="ssh-ed25519 AAAA test", offers=OFFERS, polling_interval=0,
+        agent_install="https://host/fleetbroker.whl",
     )  # fmt: skip
 
 
@@ -124,6 +125,8 @@ def test_spot_vm_with_eviction_policy_and_agent(azure: AzureProvider, http) -> N
     assert props["hardwareProfile"]["vmSize"] == azure.vm_size_for(request())
     script = base64.b64decode(props["osProfile"]["customData"]).decode()
     assert "exec python3 -m broker.runtime.agent -- python train.py" in script
+    install = "pip install --quiet --disable-pip-version-check https://host/fleetbroker.whl"
+    assert script.index(install) < script.index("exec python3")  # the option, before the agent
     tags = json.loads(put.request.body)["tags"]
     assert tags[bootstrap.BROKER_TAG] == "b1" and tags[bootstrap.KEY_TAG] == "job-5:2:0"
 
