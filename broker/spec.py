@@ -7,6 +7,7 @@ field, the value and the fix; nothing a user wrote is dropped without an error o
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import json
 import math
 import re
@@ -241,6 +242,7 @@ def parse_spec_data(doc: Any, *, default_name: str | None = None) -> ParsedSpec:
 _DURATION = re.compile(r"^\s*(?:(\d+)\s*d)?\s*(?:(\d+)\s*h)?\s*(?:(\d+)\s*m)?\s*(?:(\d+)\s*s)?\s*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REGION_PATTERN = re.compile(r"^[a-z0-9*?\[\]!-]+:[a-z0-9*?\[\]!_-]+$")
+CLOUDS = ("aws", "gcp", "azure", "local")  # the clouds a region pattern may name
 _RESERVED_ENV_PREFIX = "FLEET_"
 
 
@@ -438,8 +440,26 @@ def _parse_region_list(p: _Problems, field: str, value: Any) -> list[str] | None
             p.add(f"{field}[{i}]", item, "write cloud:region with optional * wildcards, "
                   "like aws:us-east-1, aws:us-*, local:*")
             continue
+        if unknown := _unknown_cloud(pat, bare=":" not in item):
+            p.add(f"{field}[{i}]", item, unknown)
+            continue
         out.append(pat)
     return out
+
+
+def _unknown_cloud(pattern: str, *, bare: bool) -> str | None:
+    """Why ``pattern``'s cloud matches no known cloud (a region written alone, a typo), or None."""
+    cloud, _, region = pattern.partition(":")
+    if any(fnmatch.fnmatchcase(c, cloud) for c in CLOUDS):
+        return None
+    close = difflib.get_close_matches(cloud, CLOUDS, n=1)
+    if close:
+        fix = f"did you mean '{close[0]}" + ("'?" if bare else f":{region}'?")
+    elif bare:  # `us-east-1` alone would read as a cloud named us-east-1
+        fix = f"for a region write cloud:region, like aws:{cloud}"
+    else:
+        fix = "write cloud:region, like aws:us-east-1"
+    return f"unknown cloud {cloud!r} (the clouds are {', '.join(CLOUDS)}); {fix}"
 
 
 def _parse_regions(p: _Problems, value: Any) -> dict[str, list[str]] | None:
@@ -608,7 +628,6 @@ def _validate(p: _Problems, fields: dict[str, Any]) -> JobSpec:
 
 # --- SkyPilot task YAML ---------------------------------------------------------------------
 
-_SKY_CLOUDS = {"aws", "gcp", "azure", "local"}
 _SKY_RESOURCE_KEYS = {
     "accelerators", "use_spot", "infra", "cloud", "region", "zone", "any_of", "ordered",
     "job_recovery", "spot_recovery", "cpus", "memory", "disk_size", "disk_tier",
@@ -859,9 +878,9 @@ def _sky_infra(p: _Problems, where: str, alt: Mapping[str, Any],
         p.add(field, "/".join(parts), "write cloud[/region[/zone]], like aws/us-east-1")
         return None
     cloud = parts[0]
-    if cloud not in _SKY_CLOUDS and cloud != "*":
+    if cloud not in CLOUDS and cloud != "*":
         p.add(field, cloud, "this cloud is not supported; use one of: "
-              + ", ".join(sorted(_SKY_CLOUDS)))
+              + ", ".join(CLOUDS))
         return None
     region = parts[1] if len(parts) > 1 else "*"
     pattern = f"{cloud}:{region}"

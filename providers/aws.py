@@ -103,6 +103,7 @@ class AwsProvider(Provider):
         session: Any = None,
         endpoint_url: str | None = None,
         offers: list[CatalogOffer] | None = None,
+        agent_install: str | None = None,
     ) -> None:
         import boto3
 
@@ -113,6 +114,7 @@ class AwsProvider(Provider):
         self.regions = list(regions or sorted({o.region for o in self._offers}))
         self.broker_id = broker_id
         self.image_id = image_id
+        self.agent_install = bootstrap.agent_install_spec(agent_install)
         self._endpoint_url = endpoint_url
         self._clients: dict[tuple[str, str], Any] = {}
 
@@ -195,7 +197,7 @@ class AwsProvider(Provider):
             "MinCount": request.nodes,
             "MaxCount": request.nodes,
             "ClientToken": bootstrap.token(request.idempotency_key),
-            "UserData": bootstrap.agent_script(request, "aws"),
+            "UserData": bootstrap.agent_script(request, "aws", self.agent_install),
             "TagSpecifications": [
                 {"ResourceType": "instance", "Tags": tag_list},
                 {"ResourceType": "volume", "Tags": tag_list},

@@ -11,6 +11,7 @@ import base64
 import os
 import re
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from providers.base import (
     Node,
     NodeState,
     NotConfiguredError,
+    PreemptionNotice,
     Provider,
     ProviderError,
     QuotaError,
@@ -48,6 +50,8 @@ STATE = {
     "Updating": NodeState.PENDING,
     "Succeeded": NodeState.RUNNING,
 }
+# Power states (instance view) of a VM whose workload is gone though ARM still lists it.
+STOPPED_POWER = {"deallocating", "deallocated", "stopping", "stopped"}
 IMAGE = {  # Ubuntu 22.04 with NVIDIA drivers and CUDA (Microsoft's HPC image)
     "publisher": "microsoft-dsvm",
     "offer": "ubuntu-hpc",
@@ -97,6 +101,7 @@ class AzureProvider(Provider):
         max_price: float = -1.0,
         offers: list[CatalogOffer] | None = None,
         polling_interval: float = 15.0,
+        agent_install: str | None = None,
     ) -> None:
         self.subscription_id = subscription_id or os.environ.get("AZURE_SUBSCRIPTION_ID")
         self.resource_group = resource_group or os.environ.get("FLEET_AZURE_RESOURCE_GROUP")
@@ -117,6 +122,8 @@ class AzureProvider(Provider):
         self.eviction_policy = eviction_policy
         self.max_price = max_price  # -1: pay up to the on-demand price, never evicted for price
         self.polling_interval = polling_interval
+        self.agent_install = bootstrap.agent_install_spec(agent_install)
+        self._stopped: dict[str, tuple[Node, str]] = {}  # the last nodes(): VM -> power state
         self._offers = offers if offers is not None else load_offers(["azure"])
         self.regions = list(regions or sorted({o.region for o in self._offers}))
 
@@ -155,7 +162,7 @@ class AzureProvider(Provider):
 
     def vm_body(self, request: LaunchRequest, name: str) -> dict[str, Any]:
         """The ARM JSON of one VM (the documented ``Microsoft.Compute/virtualMachines`` shape)."""
-        script = bootstrap.agent_script(request, "azure")
+        script = bootstrap.agent_script(request, "azure", self.agent_install)
         properties: dict[str, Any] = {
             "hardwareProfile": {"vmSize": self.vm_size_for(request)},
             "storageProfile": {
@@ -265,12 +272,51 @@ class AzureProvider(Provider):
             vms = list(self._compute.virtual_machines.list(self.resource_group))
         except Exception as exc:
             raise map_error(exc, "virtualMachines.list") from exc
-        return [
-            self._node(vm)
+        owned = [
+            vm
             for vm in vms
             if (vm.tags or {}).get(bootstrap.BROKER_TAG) == self.broker_id
             and vm.location in self.regions
         ]
+        out, stopped = [], {}
+        for vm in owned:
+            node = self._node(vm)
+            power = self._power(vm) if node.state is NodeState.RUNNING else None
+            if power in STOPPED_POWER:
+                node = node.model_copy(update={"state": NodeState.TERMINATED})
+                stopped[node.node_id] = (node, power)
+            out.append(node)
+        self._stopped = stopped
+        return out
+
+    def _power(self, vm: Any) -> str | None:
+        """The VM's power state (``running``, ``deallocated``...) where the provisioning state
+        cannot tell: a Spot VM evicted under the ``Deallocate`` policy stays ``Succeeded``.
+        (Under ``Delete`` an evicted VM leaves the listing, so other VMs cost no extra call.)"""
+        props = vm.properties
+        if props.priority != "Spot" or props.eviction_policy != "Deallocate":
+            return None
+        try:
+            view = self._compute.virtual_machines.instance_view(self.resource_group, vm.name)
+        except Exception as exc:
+            raise map_error(exc, f"virtualMachines.instanceView {vm.name}") from exc
+        codes = [s.code or "" for s in view.statuses or []]
+        return next((c.split("/", 1)[1] for c in codes if c.startswith("PowerState/")), None)
+
+    def notices(self) -> list[PreemptionNotice]:
+        """Spot VMs the last ``nodes()`` found deallocated: Azure evicted them (a stopped one was
+        shut down from inside, not evicted)."""
+        now = datetime.now(UTC)
+        return [
+            PreemptionNotice(node_id=node.node_id, region=node.region, deadline=now)
+            for node, power in self._stopped.values()
+            if power.startswith("dealloc")
+        ]
+
+    def forget(self, node_id: str) -> None:
+        """A stopped or deallocated VM still bills (its disk at least): delete it once settled."""
+        if self._stopped.pop(node_id, None) is not None:
+            self.terminate(node_id)
 
     def _node(self, vm: Any) -> Node:
         tags = vm.tags or {}

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shlex
 import uuid
+from importlib import metadata
 
 from policies.models import Market
 from providers.base import LaunchRequest
@@ -29,6 +31,10 @@ NOTICE_URLS = {
     "azure": ("FLEET_NOTICE_AZURE_URL",
               "http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01"),
 }
+
+
+# What a start script pip-installs when the image lacks the agent (see ``agent_install_spec``).
+AGENT_INSTALL_ENV = "FLEET_AGENT_INSTALL"
 
 
 def request_uuid(key: str) -> str:
@@ -80,14 +86,65 @@ def agent_env(request: LaunchRequest, cloud: str) -> dict[str, str]:
     }
 
 
-def agent_script(request: LaunchRequest, cloud: str) -> str:
-    """A shell start script (user data / startup-script / custom data) that runs the agent."""
+def agent_install_spec(option: str | None = None) -> str:
+    """The pip requirement a start script installs when the image has no agent: the cloud's
+    ``agent_install`` option, else ``$FLEET_AGENT_INSTALL``, else this broker's own release
+    (``fleetbroker==<version>``), so the agent matches the broker that starts it.
+
+    One argument to ``pip install``: a requirement (``fleetbroker==0.1.0``) or a wheel URL/path.
+    """
+    spec = option or os.environ.get(AGENT_INSTALL_ENV)
+    if spec is None:
+        try:
+            return f"fleetbroker=={metadata.version('fleetbroker')}"
+        except metadata.PackageNotFoundError:  # run from a source tree: the newest release
+            return "fleetbroker"
+    if not spec.strip() or re.search(r"\s", spec) or spec.startswith("-"):
+        raise ValueError(
+            f"agent_install {redact(spec)!r}: give one pip requirement or wheel URL with no "
+            "spaces or pip flags, e.g. 'fleetbroker==0.1.0' or 'https://host/fleetbroker.whl'"
+        )
+    return spec
+
+
+def redact(spec: str) -> str:
+    """``spec`` fit for a log: a URL's user:password and query string (tokens, signatures) go."""
+    spec = re.sub(r"//[^/@]*@", "//****@", spec)
+    return re.sub(r"\?.*$", "?****", spec)
+
+
+def install_step(spec: str) -> str:
+    """Shell lines that pip-install the agent unless ``python3`` can already import it (a
+    prepared image, or a rerun of the script): a stock GPU image has no fleetbroker."""
+    return (
+        "if ! python3 -c 'import broker.runtime.agent' 2>/dev/null; then\n"
+        f"  echo {shlex.quote(f'fleet: installing the agent: {redact(spec)}')} >&2\n"
+        # Ubuntu's python3 comes without pip; the cloud images run user data as root.
+        "  if ! python3 -m pip --version >/dev/null 2>&1 && command -v apt-get >/dev/null; then\n"
+        "    apt-get update -q && apt-get install -y -q python3-pip\n"
+        "  fi\n"
+        # The VM exists for this job: installing into the image's python (PEP 668) is intended.
+        "  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet "
+        f"--disable-pip-version-check {shlex.quote(spec)}\n"
+        "fi\n"
+    )
+
+
+def agent_command(request: LaunchRequest) -> str:
+    """The line that replaces the shell with the agent running ``request.command``."""
+    command = " ".join(shlex.quote(part) for part in request.command)
+    return f"exec python3 -m broker.runtime.agent -- {command}\n"
+
+
+def agent_script(request: LaunchRequest, cloud: str, agent_install: str) -> str:
+    """A shell start script (user data / startup-script / custom data) that installs the agent
+    from ``agent_install`` where the image lacks it, then runs it."""
     exports = "\n".join(
         f"export {k}={shlex.quote(v)}" for k, v in sorted(agent_env(request, cloud).items())
     )
-    command = " ".join(shlex.quote(part) for part in request.command)
     return (
         "#!/bin/bash\nset -euo pipefail\n"
         f"{exports}\n"
-        f"exec python3 -m broker.runtime.agent -- {command}\n"
+        f"{install_step(agent_install)}"
+        f"{agent_command(request)}"
     )

@@ -127,6 +127,7 @@ class GcpProvider(Provider):
         image: str = DEFAULT_IMAGE,
         offers: list[CatalogOffer] | None = None,
         termination_action: str = "DELETE",
+        agent_install: str | None = None,
     ) -> None:
         if credentials is None:
             import google.auth
@@ -146,6 +147,7 @@ class GcpProvider(Provider):
         self.project = project
         self.broker_id = broker_id
         self.image = image
+        self.agent_install = bootstrap.agent_install_spec(agent_install)
         self.termination_action = termination_action
         self._offers = offers if offers is not None else load_offers(["gcp"])
         self.regions = list(regions or sorted({o.region for o in self._offers}))
@@ -213,7 +215,8 @@ class GcpProvider(Provider):
         metadata = compute_v1.Metadata(
             items=[
                 compute_v1.Items(
-                    key="startup-script", value=bootstrap.agent_script(request, "gcp")
+                    key="startup-script",
+                    value=bootstrap.agent_script(request, "gcp", self.agent_install),
                 ),
                 compute_v1.Items(key=bootstrap.KEY_TAG, value=request.idempotency_key),
                 compute_v1.Items(key=bootstrap.JOB_TAG, value=request.job_id),

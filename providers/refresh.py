@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -183,19 +184,44 @@ def _http_get_json(session: Any) -> Callable[[str, dict], dict]:
     return get_json
 
 
-def refresh_clouds(clouds: list[str], root: Any = None) -> dict[str, str]:
-    """Refresh each cloud that can be refreshed; return a one-line outcome per cloud."""
-    outcome: dict[str, str] = {}
+@dataclass
+class RefreshReport:
+    """What ``refresh_clouds`` did: a one-line outcome per cloud, and which clouds failed."""
+
+    outcome: dict[str, str] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+    refreshed: list[str] = field(default_factory=list)
+
+    @property
+    def all_failed(self) -> bool:
+        """Every cloud that could be tried failed (unconfigured, skipped clouds do not count)."""
+        return bool(self.failed) and not self.refreshed
+
+
+def _one_line(exc: Exception) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def refresh_clouds(clouds: list[str], root: Any = None) -> RefreshReport:
+    """Refresh each cloud that can be refreshed; one cloud's failure keeps its previous offers
+    and does not stop the others."""
+    report = RefreshReport()
     for cloud in clouds:
         try:
             offers = _REFRESHERS[cloud]()
         except NotConfiguredError as exc:
-            outcome[cloud] = f"skipped: {exc}"
+            report.outcome[cloud] = f"skipped: {exc}"
+            continue
+        except Exception as exc:  # network, HTTP, API or parse errors: any of them, per cloud
+            report.outcome[cloud] = f"failed: {_one_line(exc)}; kept the previous offers"
+            report.failed.append(cloud)
             continue
         result = catalog.write_user_catalog(cloud, offers, root)
         note = " (your edited vms.csv was kept)" if result.kept_user_file else ""
-        outcome[cloud] = f"{len(offers)} offers -> {result.path}{note}"
-    return outcome
+        report.outcome[cloud] = f"{len(offers)} offers -> {result.path}{note}"
+        report.refreshed.append(cloud)
+    return report
 
 
 def _aws_now() -> list[CatalogOffer]:

@@ -9,7 +9,6 @@ the package pulls ~98 dependencies and is not a requirement of FleetBroker.
 from __future__ import annotations
 
 import json
-import shlex
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -98,8 +97,11 @@ class SkySdk:
             return
 
 
-def task_for(request: LaunchRequest, offer: CatalogOffer | None, broker_id: str) -> dict[str, Any]:
-    """The SkyPilot task (as the dict its YAML holds) for one launch, pinned where we chose."""
+def task_for(
+    request: LaunchRequest, offer: CatalogOffer | None, broker_id: str, agent_install: str
+) -> dict[str, Any]:
+    """The SkyPilot task (as the dict its YAML holds) for one launch, pinned where we chose; its
+    setup installs the agent from ``agent_install`` where the image lacks it."""
     accelerator = offer.accelerator_name if offer else request.accelerator.value
     cloud = offer.cloud if offer else None
     labels = {
@@ -120,13 +122,14 @@ def task_for(request: LaunchRequest, offer: CatalogOffer | None, broker_id: str)
         resources["zone"] = request.zone
     if request.instance_type or offer:
         resources["instance_type"] = request.instance_type or offer.instance_type
-    command = " ".join(shlex.quote(part) for part in request.command)
     return {
         "name": f"fleet-{bootstrap.label_value(request.job_id)}",
         "num_nodes": request.nodes,
         "resources": {k: v for k, v in resources.items() if v is not None},
-        "envs": bootstrap.agent_env(request, "skypilot"),
-        "run": f"exec python3 -m broker.runtime.agent -- {command}\n",
+        # The VM's own cloud: its agent polls that cloud's metadata for the spot notice.
+        "envs": bootstrap.agent_env(request, cloud or "skypilot"),
+        "setup": "set -euo pipefail\n" + bootstrap.install_step(agent_install),
+        "run": bootstrap.agent_command(request),
     }
 
 
@@ -158,8 +161,10 @@ class SkyPilotProvider(Provider):
         backend: SkyBackend | None = None,
         broker_id: str = "fleetbroker",
         offers: list[CatalogOffer] | None = None,
+        agent_install: str | None = None,
     ) -> None:
         self.cloud = cloud
+        self.agent_install = bootstrap.agent_install_spec(agent_install)
         self.broker_id = broker_id
         self._offers = offers if offers is not None else load_offers([cloud])
         self._backend = backend if backend is not None else SkySdk()
@@ -196,7 +201,7 @@ class SkyPilotProvider(Provider):
                 f"skypilot {self.cloud} {request.region}: no {request.gpus_per_node}x "
                 f"{request.accelerator.value} on {request.market.value} in the catalog"
             )
-        task = task_for(request, offer, self.broker_id)
+        task = task_for(request, offer, self.broker_id, self.agent_install)
         validate_task(task)
         try:
             self._backend.launch(task, name)

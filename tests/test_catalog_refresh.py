@@ -181,3 +181,44 @@ def test_prices_refresh_cli_skips_unconfigured_and_keeps_user_edits(
     assert (user.parent / "vms.refreshed.csv").exists()
     assert len(catalog.load_offers(["azure"], tmp_path)) == 3  # the user's file still rules
     assert catalog.cheapest(catalog.load_offers(["azure"], tmp_path), Market.SPOT)
+
+
+@pytest.mark.parametrize(
+    ("failure", "reason"),
+    [
+        ({"body": requests.exceptions.ConnectionError("Max retries exceeded: no network")},
+         "Max retries exceeded: no network"),
+        ({"status": 500, "json": {"error": "boom"}}, "500 Server Error"),
+    ],
+)  # fmt: skip
+@responses.activate
+def test_refresh_one_cloud_failing_keeps_its_offers_and_the_others_go_on(
+    no_aws_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: dict, reason: str
+) -> None:
+    monkeypatch.setenv("FLEET_CONFIG_DIR", str(tmp_path))  # aws and gcp are unconfigured
+    responses.add(responses.GET, refresh.AZURE_PRICES_URL, **failure)
+    gcp_offers = catalog.snapshot_gcp()[:2]
+    monkeypatch.setitem(refresh._REFRESHERS, "gcp", lambda: gcp_offers)  # gcp refreshes fine
+    previous = catalog.snapshot_azure()[:3]
+    catalog.write_user_catalog("azure", previous, tmp_path)
+    result = CliRunner().invoke(app, ["prices", "--refresh", "--json"])
+    assert result.exit_code == 0, result.output  # gcp was refreshed: a partial success
+    lines = [line for line in result.output.splitlines() if line.startswith("refresh azure:")]
+    assert len(lines) == 1 and reason in lines[0], result.output
+    assert lines[0].endswith("; kept the previous offers") and "Traceback" not in result.output
+    assert "refresh aws: skipped: aws is not configured" in result.output
+    assert "refresh gcp: 2 offers" in result.output
+    assert catalog.load_offers(["azure"], tmp_path) == previous  # the last good offers stay
+    assert catalog.load_offers(["gcp"], tmp_path) == gcp_offers
+
+
+@responses.activate
+def test_refresh_exits_non_zero_only_when_every_tried_cloud_failed(
+    no_aws_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLEET_CONFIG_DIR", str(tmp_path))  # aws and gcp are unconfigured
+    responses.add(responses.GET, refresh.AZURE_PRICES_URL, status=503)
+    result = CliRunner().invoke(app, ["prices", "--refresh", "--json"])
+    assert result.exit_code == 1, result.output  # aws, gcp skipped; azure, the one tried, failed
+    assert "refresh azure: failed: 503 Server Error" in result.output
+    assert json.loads(result.stdout)  # the (previous) offers are still listed

@@ -86,12 +86,14 @@ def test_user_catalog_file_replaces_the_snapshot(_empty_config: Path) -> None:
         (["prices", "-a", "TPU"], "--accelerator"),
         (["prices", "-c", "ibm"], "--cloud 'ibm'"),
         (["gpus", "B200", "-c", "aws"], "no offers for B200 on aws"),
+        (["gpus", "V200"], "NAME: unknown accelerator 'V200'"),  # positional: no flag to name
     ],
 )
 def test_bad_input_is_one_clear_line(args: list[str], message: str) -> None:
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
+    assert args[0] != "gpus" or "--accelerator" not in result.output
 
 
 def test_broken_user_catalog_is_named(_empty_config: Path) -> None:

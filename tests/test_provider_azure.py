@@ -45,6 +45,7 @@ def azure() -> AzureProvider:
     return AzureProvider(
         "sub-1", "rg-fleet", SUBNET, ["eastus"], broker_id="b1", credential=FakeCredential(),
         ssh_public_key="ssh-ed25519 AAAA test", offers=OFFERS, polling_interval=0,
+        agent_install="https://host/fleetbroker.whl",
     )  # fmt: skip
 
 
@@ -124,6 +125,8 @@ def test_spot_vm_with_eviction_policy_and_agent(azure: AzureProvider, http) -> N
     assert props["hardwareProfile"]["vmSize"] == azure.vm_size_for(request())
     script = base64.b64decode(props["osProfile"]["customData"]).decode()
     assert "exec python3 -m broker.runtime.agent -- python train.py" in script
+    install = "pip install --quiet --disable-pip-version-check https://host/fleetbroker.whl"
+    assert script.index(install) < script.index("exec python3")  # the option, before the agent
     tags = json.loads(put.request.body)["tags"]
     assert tags[bootstrap.BROKER_TAG] == "b1" and tags[bootstrap.KEY_TAG] == "job-5:2:0"
 
@@ -213,3 +216,43 @@ def test_not_configured_names_what_to_set(monkeypatch: pytest.MonkeyPatch) -> No
         NotConfiguredError, match="azure is not configured: set AZURE_SUBSCRIPTION_ID"
     ):
         AzureProvider()
+
+
+def test_deallocated_spot_vm_is_an_eviction_not_a_running_node(http) -> None:
+    """Under ``Deallocate`` an evicted Spot VM stays listed as ``Succeeded``: its instance view's
+    power state tells it is gone (preempted), and it is deleted once the broker forgets it."""
+    azure = AzureProvider(
+        "sub-1", "rg-fleet", SUBNET, ["eastus"], broker_id="b1", credential=FakeCredential(),
+        ssh_public_key="ssh-ed25519 AAAA test", offers=OFFERS, polling_interval=0,
+        eviction_policy="Deallocate",
+    )  # fmt: skip
+    store: dict[str, dict] = {}
+    serve_vms(http, store, {"status": "Succeeded"})
+    evicted, running = (azure.launch(request(key=f"job-5:2:{i}"))[0].node_id for i in (0, 1))
+    stopped = azure.launch(request(key="job-5:2:2"))[0].node_id
+    regular = azure.launch(request(key="job-5:2:3", market=Market.ON_DEMAND))[0].node_id
+    put = next(c for c in http.calls if c.request.method == "PUT")
+    assert json.loads(put.request.body)["properties"]["evictionPolicy"] == "Deallocate"
+    http.add(responses.GET, re.compile(rf"{RG}/virtualMachines\?"),
+             json={"value": [store[n] for n in (evicted, running, stopped, regular)]})  # fmt: skip
+    power = {evicted: "deallocated", running: "running", stopped: "stopped"}
+
+    def instance_view(req):
+        name = re.search(r"virtualMachines/([\w-]+)/instanceView", req.url).group(1)
+        statuses = [{"code": "ProvisioningState/succeeded", "level": "Info"},
+                    {"code": f"PowerState/{power[name]}", "level": "Info"}]  # fmt: skip
+        return 200, {}, json.dumps({"statuses": statuses})
+
+    http.add_callback(responses.GET, re.compile(rf"{RG}/virtualMachines/[\w-]+/instanceView"),
+                      callback=instance_view)  # fmt: skip
+    state = {n.node_id: n.state for n in azure.nodes()}
+    assert state == {evicted: NodeState.TERMINATED, running: NodeState.RUNNING,
+                     stopped: NodeState.TERMINATED, regular: NodeState.RUNNING}  # fmt: skip
+    viewed = [c.request.url for c in http.calls if "/instanceView" in c.request.url]
+    assert len(viewed) == 3 and not [u for u in viewed if regular in u]  # on-demand: no call
+    assert [n.node_id for n in azure.notices()] == [evicted]  # stopped from inside: no eviction
+    http.add(responses.DELETE, VM_URL, status=200)
+    azure.forget(running)  # still running: forget deletes nothing
+    azure.forget(evicted)
+    deleted = [c.request.url for c in http.calls if c.request.method == "DELETE"]
+    assert len(deleted) == 1 and f"/virtualMachines/{evicted}?" in deleted[0]

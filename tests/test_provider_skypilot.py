@@ -22,7 +22,8 @@ from providers.base import (
 from providers.catalog import load_offers
 from providers.skypilot import SkyPilotProvider, SkySdk, task_for, task_yaml, validate_task
 
-OFFERS = {c: load_offers([c], root=Path("/nonexistent")) for c in ("aws", "gcp")}
+OFFERS = {c: load_offers([c], root=Path("/nonexistent")) for c in ("aws", "gcp", "azure")}
+AGENT = "fleetbroker==0.1.0"
 
 
 class RecordingSky:
@@ -63,7 +64,7 @@ def request(**kw) -> LaunchRequest:
 def test_task_is_pinned_to_cloud_region_and_market() -> None:
     provider = SkyPilotProvider("gcp", backend=RecordingSky(), offers=OFFERS["gcp"])
     offer = provider.offer_for(request())
-    task = task_for(request(), offer, "b1")
+    task = task_for(request(), offer, "b1", AGENT)
     validate_task(task)
     assert yaml.safe_load(task_yaml(task)) == task
     res = task["resources"]
@@ -72,6 +73,7 @@ def test_task_is_pinned_to_cloud_region_and_market() -> None:
     assert res["instance_type"] == offer.instance_type and task["num_nodes"] == 2
     assert task["envs"]["FLEET_JOB_ID"] == "job-3" and task["envs"]["FLEET_MARKET"] == "spot"
     assert task["run"].startswith("exec python3 -m broker.runtime.agent -- torchrun train.py")
+    assert "python3 -m pip install" in task["setup"] and AGENT in task["setup"]
     assert all(v == v.lower() for v in res["labels"].values())  # GCE label rules
 
 
@@ -79,11 +81,31 @@ def test_on_demand_aws_task_keeps_raw_tags() -> None:
     req = request(region="us-east-1", zone=None, accelerator=Accelerator.V100, gpus_per_node=8,
                   market=Market.ON_DEMAND)  # fmt: skip
     provider = SkyPilotProvider("aws", backend=RecordingSky(), offers=OFFERS["aws"])
-    task = task_for(req, provider.offer_for(req), "b1")
+    task = task_for(req, provider.offer_for(req), "b1", AGENT)
     validate_task(task)
     assert task["resources"]["use_spot"] is False and "zone" not in task["resources"]
     assert task["resources"]["instance_type"] in {"p3.16xlarge", "p3dn.24xlarge"}
     assert task["resources"]["labels"][bootstrap.KEY_TAG] == "job-3:4:0"
+    assert task["envs"]["FLEET_CLOUD"] == "aws"
+    assert not [k for k in task["envs"] if k.startswith("FLEET_NOTICE_")]  # on-demand: no notice
+
+
+@pytest.mark.parametrize(
+    ("cloud", "region", "zone", "accelerator", "gpus"),
+    [
+        ("aws", "us-east-1", None, Accelerator.V100, 1),
+        ("gcp", "us-central1", "us-central1-a", Accelerator.A100, 8),
+        ("azure", "eastus", None, Accelerator.V100, 1),
+    ],
+)
+def test_spot_task_polls_its_own_clouds_notice_url(cloud, region, zone, accelerator, gpus) -> None:
+    sky = RecordingSky()
+    provider = SkyPilotProvider(cloud, backend=sky, offers=OFFERS[cloud])
+    provider.launch(request(region=region, zone=zone, accelerator=accelerator, gpus_per_node=gpus))
+    envs = sky.launched[0][1]["envs"]
+    variable, url = bootstrap.NOTICE_URLS[cloud]
+    assert (envs["FLEET_CLOUD"], envs[variable]) == (cloud, url)
+    assert [k for k in envs if k.startswith("FLEET_NOTICE_")] == [variable]
 
 
 def test_schema_accepts_the_documented_example() -> None:
@@ -113,7 +135,7 @@ def test_schema_accepts_the_documented_example() -> None:
     ],
 )
 def test_schema_rejects_bad_tasks_naming_the_field(mutate, where: str) -> None:
-    task = task_for(request(), None, "b1")
+    task = task_for(request(), None, "b1", AGENT)
     task["resources"]["cloud"] = "gcp"
     mutate(task)
     with pytest.raises(ValueError, match=f"invalid at {where}"):

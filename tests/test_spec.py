@@ -68,6 +68,13 @@ model: cifar10
     assert (s.priority, s.team, s.deadline_s, s.model) == (5, "ml", 5400.0, "cifar10")
 
 
+def test_region_patterns_may_glob_the_cloud() -> None:
+    text = BASE + "regions: {allow: ['*:us-*', 'a*:eu-*', '*'], deny: [AZURE, 'g?p:asia-*']}"
+    s = parse_spec_text(text).spec
+    assert s.regions.allow == ["*:us-*", "a*:eu-*", "*"]
+    assert s.regions.deny == ["azure:*", "g?p:asia-*"]
+
+
 @pytest.mark.parametrize(("work", "samples"), [
     ("{samples: 1000}", 1000), ("{epochs: 3, dataset_size: 1797}", 5391), ("{steps: 10}", 640),
 ])
@@ -114,6 +121,11 @@ def test_examples_all_parse() -> None:
     (BASE + "deadline: tomorrow", "deadline", "like 90m"),
     (BASE + "deadline: .inf", "deadline", "like 90m"),
     (BASE + "regions: {allow: ['us east']}", "regions.allow[0]", "cloud:region"),
+    (BASE + "regions: [us-east-1]", "regions[0]",
+     "unknown cloud 'us-east-1' (the clouds are aws, gcp, azure, local); for a region write "
+     "cloud:region, like aws:us-east-1"),
+    (BASE + "regions: {deny: ['gpc:*']}", "regions.deny[0]", "did you mean 'gcp:*'?"),
+    (BASE + "regions: {allow: [aws, 'x*:eu-*']}", "regions.allow[1]", "unknown cloud 'x*'"),
     (BASE + "checkpoint: {interval: often}", "checkpoint.interval", "500steps"),
     (BASE + "envs: {FLEET_RANK: 1}", "envs.FLEET_RANK", "set by the broker"),
     (BASE + "envs: {'1BAD': x}", "envs", "environment variable name"),

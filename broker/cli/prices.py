@@ -12,13 +12,14 @@ from policies.models import Accelerator, Market
 from providers.catalog import CLOUDS, CatalogOffer, cheapest, load_offers
 
 
-def _accelerator(name: str | None) -> Accelerator | None:
+def _accelerator(name: str | None, argument: str) -> Accelerator | None:
+    """``name`` parsed; a bad one fails naming ``argument`` as the user gave it (flag or NAME)."""
     if name is None:
         return None
     try:
         return Accelerator.parse(name)
     except ValueError as exc:
-        fail(f"--accelerator: {exc}")
+        fail(f"{argument}: {exc}")
 
 
 def _clouds(cloud: str | None) -> list[str]:
@@ -86,11 +87,22 @@ def prices(
     if refresh:
         from providers.refresh import refresh_clouds
 
-        for name, outcome in refresh_clouds(_clouds(cloud)).items():
+        report = refresh_clouds(_clouds(cloud))
+        for name, outcome in report.outcome.items():
             err_console.print(f"refresh {name}: {outcome}", highlight=False)
-    pairs = cheapest_pairs(_offers(_accelerator(accelerator), cloud))
+    pairs = cheapest_pairs(_offers(_accelerator(accelerator, "--accelerator"), cloud))
     if spot:
         pairs = [(a, None, s) for a, _, s in pairs if s is not None]
+    _print_prices(pairs, spot, as_json)
+    if refresh and report.all_failed:  # the previous offers were listed, but nothing is new
+        raise typer.Exit(1)
+
+
+def _print_prices(
+    pairs: list[tuple[Accelerator, CatalogOffer | None, CatalogOffer | None]],
+    spot: bool,
+    as_json: bool,
+) -> None:
     if as_json:
         rows = []
         for acc, o, s in pairs:
@@ -132,7 +144,7 @@ def gpus(
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
     """Accelerators on offer (clouds, regions, cheapest prices), or one accelerator's offers."""
-    acc = _accelerator(name)
+    acc = _accelerator(name, "NAME")
     offers = _offers(acc, cloud)
     if acc is None:
         _summary(offers, as_json)
