@@ -17,8 +17,16 @@ from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
 from broker.store import Conflict, Plan, Store
+from policies.migration import expire, mark_refused
 from policies.models import Pool
-from providers.base import CapacityError, LaunchRequest, NodeState, Provider, ProviderError
+from providers.base import (
+    CapacityError,
+    LaunchRequest,
+    NodeState,
+    Provider,
+    ProviderError,
+    QuotaError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +117,22 @@ class Actuator:
         self.store.apply(plan, fence=fence)
         return 1
 
+    def _refused(self, job: JobRecord, pool: Pool, exc: ProviderError, fence: int,
+                 plan: Plan) -> None:
+        """The cloud refused the launch for want of capacity or quota, which says nothing
+        about the job: suspend it without counting a failure, and block the pool in the stored
+        blocklist for ``refusal_decay_s`` (the same atomic step) so the next round places the
+        job elsewhere while any other pool has room."""
+        now = time.time()
+        blocklist, read = self.store.blocklist()
+        blocklist = mark_refused(expire(blocklist, now), pool.id, now)
+        plan.set_blocklist(blocklist, read=read)
+        what = "no capacity" if isinstance(exc, CapacityError) else "no quota"
+        plan.change(job, JobState.SUSPENDED, reason=f"{what}: {exc}", fence=fence)
+        plan.event("pool-refused", job.id, {"pool": pool.id, "error": what,
+                                            "decay_s": blocklist.refusal_decay_s})
+        self.store.apply(plan, fence=fence)
+
     def _launch(self, job: JobRecord, intent: Intent, fence: int, pools: dict[str, Pool],
                 plan: Plan) -> int:
         if job.state is not JobState.LAUNCHING or job.launch_key != intent.key:
@@ -137,9 +161,8 @@ class Actuator:
             starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
             nodes = self.provider.launch(launch_request(
                 job, intent, pool, self.config, backend_starts_agent=starts_agent))
-        except CapacityError as exc:
-            plan.change(job, JobState.SUSPENDED, reason=f"no capacity: {exc}", fence=fence)
-            self.store.apply(plan, fence=fence)
+        except (CapacityError, QuotaError) as exc:
+            self._refused(job, pool, exc, fence, plan)
             return 1
         except ProviderError as exc:
             failures = job.failures + 1

@@ -12,14 +12,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.models import Accelerator, Market, Offer, Pool
-from providers.base import LaunchRequest, Node, PreemptionNotice, Provider, ProviderError
+from providers.base import (
+    LaunchRequest,
+    Node,
+    NodeState,
+    PreemptionNotice,
+    Provider,
+    ProviderError,
+    Quota,
+    share,
+)
 from providers.catalog import CLOUDS, interruption_priors, pool_prior
 from providers.local import LocalFleet, LocalProvider, LocalRegion
 from providers.registry import build_providers
@@ -86,12 +95,15 @@ class FleetFile(LocalFleet):
 
 
 def cloud_pools(cloud: str, config: CloudConfig, offers: list[Offer],
-                capacity: dict[str, int]) -> list[Pool]:
+                quotas: Sequence[Quota] = (), held: Mapping[str, int] | None = None,
+                ) -> list[Pool]:
     """One pool per (region, accelerator, market) that the provider's offers price: the
     cheapest per-GPU price among instance types of at most ``max_gpus`` GPUs there, each size's
-    own cheapest price (``Pool.gpu_prices``: the launchable counts), and ``max_gpus`` GPUs (fewer
-    when the quota headroom is known)."""
-    pools = []
+    own cheapest price (``Pool.gpu_prices``: the launchable counts), and ``max_gpus`` GPUs, fewer
+    where a quota is known: the GPUs the broker ``held`` there (its live nodes, which the
+    headroom already counts as used) plus the pool's even share of its quota's headroom among
+    the fleet's pools that draw on it (``providers.base.share``)."""
+    priced = []
     for region in config.regions:
         for acc in config.accelerators:
             for market in config.markets:
@@ -99,20 +111,34 @@ def cloud_pools(cloud: str, config: CloudConfig, offers: list[Offer],
                          if o.region == region and o.accelerator is acc
                          and o.accelerator_count <= config.max_gpus  # a node it may hold
                          and (h := o.hourly(market)) is not None]
-                prices = [price for _, price in sizes]
-                if not prices:
+                if not sizes:
                     log.info("%s %s: no %s %s offer in the catalog; no pool", cloud, region,
                              acc.value, market.value)
                     continue
-                pool_id = Pool(cloud=cloud, region=region, accelerator=acc, market=market,
-                               nodes=0, gpus_per_node=1).id
-                gpus = min(config.max_gpus, capacity.get(pool_id, config.max_gpus))
-                pool = Pool(cloud=cloud, region=region, accelerator=acc, market=market,
-                            nodes=int(gpus > 0), gpus_per_node=max(gpus, 1),
-                            price_per_gpu_hour=round(min(prices), 6),
-                            gpu_prices=_cheapest_per_size(sizes))
-                pools.append(pool)
+                priced.append((Pool(cloud=cloud, region=region, accelerator=acc, market=market,
+                                    nodes=0, gpus_per_node=1), sizes))
+    free = share(quotas, {pool.id for pool, _ in priced})
+    held = held or {}
+    pools = []
+    for pool, sizes in priced:
+        gpus = config.max_gpus if pool.id not in free else \
+            min(config.max_gpus, held.get(pool.id, 0) + free[pool.id])
+        pools.append(pool.model_copy(update={
+            "nodes": int(gpus > 0), "gpus_per_node": max(gpus, 1),
+            "price_per_gpu_hour": round(min(price for _, price in sizes), 6),
+            "gpu_prices": _cheapest_per_size(sizes)}))
     return pools
+
+
+def held_gpus(cloud: str, nodes: Sequence[Node]) -> dict[str, int]:
+    """GPUs of ``cloud``'s live nodes per pool id: what the broker holds there."""
+    out: dict[str, int] = {}
+    for n in nodes:
+        if n.state is not NodeState.TERMINATED:
+            pool = Pool(cloud=cloud, region=n.region, accelerator=n.accelerator, market=n.market,
+                        nodes=0, gpus_per_node=1).id
+            out[pool] = out.get(pool, 0) + n.gpus
+    return out
 
 
 def _cheapest_per_size(sizes: list[tuple[int, float]]) -> dict[int, float]:
@@ -168,8 +194,11 @@ class FleetProvider(Provider):
             found: dict[str, list[Pool]] = {}
             for name, provider in self.clouds.items():
                 try:
+                    # Nodes before quotas: a launch in between then counts in the quota's use
+                    # and not yet as held (a pool a bit small), never twice (one too large).
+                    held = held_gpus(name, provider.nodes())
                     found[name] = cloud_pools(name, self.configs[name], provider.offers(),
-                                              provider.capacity())
+                                              provider.quotas(), held)
                 except Exception as exc:  # keep what it last offered; the others go on
                     log.warning("%s: cannot read offers/capacity (%s); keeping its last pools",
                                 name, exc)

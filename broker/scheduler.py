@@ -141,11 +141,12 @@ def _accelerator(job: JobRecord, pools_by_id: dict[str, Pool],
 
 
 def blocked_pools(pools: list[Pool], blocklist: Blocklist | None, now: float) -> frozenset[str]:
-    """Spot pools in a location the blocklist holds (a reclaim says nothing about on-demand)."""
+    """Spot pools in a location the blocklist holds (a reclaim says nothing about on-demand),
+    and pools of either market where the cloud just refused a launch (stock-out, quota)."""
     if blocklist is None:
         return frozenset()
-    return frozenset(p.id for p in pools if p.market is Market.SPOT and
-                     any(blocklist.is_blocked(k, now) for k in location_keys(p)))
+    return frozenset(p.id for p in pools if blocklist.is_refused(p.id, now) or (
+        p.market is Market.SPOT and any(blocklist.is_blocked(k, now) for k in location_keys(p))))
 
 
 def checkpoint_interval_s(spec: JobSpec, batch: int, samples_per_s: float) -> float:

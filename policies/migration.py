@@ -3,6 +3,9 @@
 A location (``cloud:region`` or ``cloud:region/zone``) that loses a node is marked preempted; a
 launch goes to the cheapest active location not in use; when fewer than two remain active, all are
 reset to active. Marks also decay after ``decay_s`` so a reclaimed location comes back on its own.
+A launch the cloud refused (stock-out, quota) blocks that one pool (not a location: V100 spot
+being out says nothing of A100, nor of on-demand) for the shorter ``refusal_decay_s``; SpotHedge's
+reset leaves those marks alone.
 The state is a plain pydantic object (JSON round-trip) so the broker can keep it in Redis.
 """
 
@@ -16,6 +19,7 @@ from pydantic import BaseModel, Field
 from policies.models import Pool
 
 DEFAULT_DECAY_S = 3600.0  # SpotHedge resets on its own rule; the decay bounds how long a mark lasts
+DEFAULT_REFUSAL_DECAY_S = 600.0  # a stock-out often clears within minutes; quotas show in capacity
 
 
 class Blocklist(BaseModel):
@@ -24,13 +28,22 @@ class Blocklist(BaseModel):
     locations: list[str] = Field(default_factory=list, description="every location known")
     preempted: dict[str, float] = Field(default_factory=dict)
     decay_s: float = Field(default=DEFAULT_DECAY_S, gt=0)
+    refused: dict[str, float] = Field(
+        default_factory=dict, description="pool id -> when a launch there was last refused")
+    refusal_decay_s: float = Field(default=DEFAULT_REFUSAL_DECAY_S, gt=0)
 
     def active(self, now: float) -> list[str]:
         return [loc for loc in self.locations if not self.is_blocked(loc, now)]
 
     def is_blocked(self, location: str, now: float) -> bool:
-        marked = self.preempted.get(location)
-        return marked is not None and now - marked < self.decay_s
+        return _fresh(self.preempted.get(location), now, self.decay_s)
+
+    def is_refused(self, pool_id: str, now: float) -> bool:
+        return _fresh(self.refused.get(pool_id), now, self.refusal_decay_s)
+
+
+def _fresh(marked: float | None, now: float, decay_s: float) -> bool:
+    return marked is not None and now - marked < decay_s
 
 
 def register(state: Blocklist, locations: Iterable[str]) -> Blocklist:
@@ -54,10 +67,16 @@ def mark_launched(state: Blocklist, location: str) -> Blocklist:
     )
 
 
+def mark_refused(state: Blocklist, pool_id: str, now: float) -> Blocklist:
+    """The cloud refused a launch in ``pool_id`` (stock-out, quota): block that pool."""
+    return state.model_copy(update={"refused": {**state.refused, pool_id: now}})
+
+
 def expire(state: Blocklist, now: float) -> Blocklist:
-    """Drop marks older than ``decay_s`` (keeps the stored object small)."""
-    kept = {k: t for k, t in state.preempted.items() if now - t < state.decay_s}
-    return state.model_copy(update={"preempted": kept})
+    """Drop marks past their decay (keeps the stored object small)."""
+    return state.model_copy(update={
+        "preempted": {k: t for k, t in state.preempted.items() if state.is_blocked(k, now)},
+        "refused": {k: t for k, t in state.refused.items() if state.is_refused(k, now)}})
 
 
 def _reset_if_starved(state: Blocklist, now: float) -> Blocklist:

@@ -22,7 +22,9 @@ from providers.base import (
     PreemptionNotice,
     Provider,
     ProviderError,
+    Quota,
     QuotaError,
+    share,
 )
 from providers.catalog import CatalogOffer, cheapest_type_for, load_offers, vcpus_per_gpu
 
@@ -117,6 +119,7 @@ class AwsProvider(Provider):
         self.agent_install = bootstrap.agent_install_spec(agent_install)
         self._endpoint_url = endpoint_url
         self._clients: dict[tuple[str, str], Any] = {}
+        self._zones: dict[str, dict[str, str]] = {}  # region -> AZ id or name -> name
 
     def _client(self, service: str, region: str) -> Any:
         key = (service, region)
@@ -132,19 +135,27 @@ class AwsProvider(Provider):
         return [o for o in self._offers if o.region in self.regions]
 
     def capacity(self) -> dict[str, int]:
-        """GPU headroom per pool: the P and G families' vCPU quotas minus the vCPUs in use."""
-        out: dict[str, int] = {}
+        """GPU headroom per pool: each family's free vCPUs split evenly among the accelerators
+        of that family in the catalog (``quotas()`` has the shared budgets)."""
+        return share(self.quotas())
+
+    def quotas(self) -> list[Quota]:
+        """One budget per region, family (P, G) and market: its vCPU quota minus the vCPUs in
+        use (every instance counts, this broker's too), shared by the family's accelerators."""
+        out = []
         for region in self.regions:
             used = self._vcpus_in_use(region)
             for (family, market), code in QUOTA_CODE.items():
                 quota = self._quota(region, code)
                 if quota is None:
                     continue
-                free = max(quota - used.get((family, market), 0), 0)
-                for acc, per_gpu in vcpus_per_gpu(self._offers, region, family).items():
-                    pool = Pool(cloud="aws", region=region, accelerator=acc, market=market, nodes=0,
-                                gpus_per_node=1)  # fmt: skip
-                    out[pool.id] = out.get(pool.id, 0) + int(free // per_gpu)
+                per_gpu = {
+                    Pool(cloud="aws", region=region, accelerator=acc, market=market, nodes=0,
+                         gpus_per_node=1).id: vcpus
+                    for acc, vcpus in vcpus_per_gpu(self._offers, region, family).items()
+                }  # fmt: skip
+                if per_gpu:
+                    out.append(Quota(max(quota - used.get((family, market), 0), 0), per_gpu))
         return out
 
     def _quota(self, region: str, code: str) -> float | None:
@@ -191,9 +202,10 @@ class AwsProvider(Provider):
             {"Key": k, "Value": v} for k, v in bootstrap.tags(request, self.broker_id).items()
         ]
         tag_list.append({"Key": "Name", "Value": f"fleet-{request.job_id}"})
+        instance_type = self.instance_type_for(request)
         kwargs: dict[str, Any] = {
             "ImageId": self.image_id or self._default_image(request.region),
-            "InstanceType": self.instance_type_for(request),
+            "InstanceType": instance_type,
             "MinCount": request.nodes,
             "MaxCount": request.nodes,
             "ClientToken": bootstrap.token(request.idempotency_key),
@@ -203,8 +215,9 @@ class AwsProvider(Provider):
                 {"ResourceType": "volume", "Tags": tag_list},
             ],
         }
-        if request.zone:
-            kwargs["Placement"] = {"AvailabilityZone": request.zone}
+        zone = request.zone or self._priced_zone(request, instance_type)
+        if zone:
+            kwargs["Placement"] = {"AvailabilityZone": zone}
         if request.market is Market.SPOT:
             kwargs["InstanceMarketOptions"] = {
                 "MarketType": "spot",
@@ -218,6 +231,36 @@ class AwsProvider(Provider):
         except Exception as exc:
             raise map_error(exc, f"run_instances in {request.region}") from exc
         return [self._node(request.region, inst) for inst in resp["Instances"]]
+
+    def _priced_zone(self, request: LaunchRequest, instance_type: str) -> str | None:
+        """For spot, the AZ (by name) of the type's cheapest spot price in the region: the price
+        the pool carries and the placement records, so the launch must go there (unpinned, EC2
+        picks any AZ, often a dearer one). On-demand costs the same in every AZ: EC2 picks."""
+        if request.market is not Market.SPOT:
+            return None
+        names = self._zone_names(request.region)
+        priced = [
+            (o.spot_price, names[o.zone])
+            for o in self._offers
+            if o.region == request.region and o.instance_type == instance_type
+            and o.spot_price is not None and o.zone in names
+        ]  # fmt: skip
+        return min(priced)[1] if priced else None
+
+    def _zone_names(self, region: str) -> dict[str, str]:
+        """AZ id (the catalog's ``use1-az1``, the same in every account) and name -> the name
+        this account launches with (``us-east-1b``), for the region's available AZs."""
+        if region not in self._zones:
+            try:
+                found = self._client("ec2", region).describe_availability_zones(
+                    Filters=[{"Name": "state", "Values": ["available"]}]
+                )["AvailabilityZones"]
+            except Exception as exc:
+                raise map_error(exc, f"describe_availability_zones in {region}") from exc
+            self._zones[region] = {
+                key: z["ZoneName"] for z in found for key in (z["ZoneId"], z["ZoneName"])
+            }
+        return self._zones[region]
 
     def _default_image(self, region: str) -> str:
         """The Deep Learning Base AMI (NVIDIA driver) from its public SSM parameter."""

@@ -8,7 +8,8 @@ second call with the same key returns the node the first one made, never a secon
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
@@ -86,6 +87,28 @@ class PreemptionNotice(BaseModel):
     reason: str = "spot-reclaim"
 
 
+@dataclass(frozen=True)
+class Quota:
+    """One account quota's headroom and the pools that draw on it: ``free`` units left (an AWS
+    instance family's vCPUs, a GCP region's GPUs of one type) and, per pool id, the units one GPU
+    there takes. Pools under one quota share it: the fleet must not promise it to each in full."""
+
+    free: float
+    per_gpu: Mapping[str, float]
+
+
+def share(quotas: Iterable[Quota], pools: Container[str] | None = None) -> dict[str, int]:
+    """Whole GPUs of free quota per pool: each quota's headroom split evenly among the pools it
+    covers (of ``pools`` only, when given: the pools a fleet declares), so together they never
+    exceed it. A pool under several quotas (either may serve it) gets the sum."""
+    out: dict[str, int] = {}
+    for quota in quotas:
+        mine = {p: units for p, units in quota.per_gpu.items() if pools is None or p in pools}
+        for pool, units in mine.items():
+            out[pool] = out.get(pool, 0) + int(quota.free / len(mine) // units)
+    return out
+
+
 class Provider(abc.ABC):
     """One capacity backend. Implementations must be safe to call again after any failure."""
 
@@ -101,6 +124,12 @@ class Provider(abc.ABC):
     @abc.abstractmethod
     def capacity(self) -> dict[str, int]:
         """Free accelerators (or quota headroom) per pool id, as far as the backend knows."""
+
+    def quotas(self) -> list[Quota]:
+        """The quota headroom behind ``capacity()``, one entry per quota, so pools that share
+        one (an AWS family's vCPUs cover its V100, A100 and H100 pools) can split it. The
+        default: each pool its own quota of ``capacity()`` GPUs."""
+        return [Quota(free, {pool: 1.0}) for pool, free in self.capacity().items()]
 
     @abc.abstractmethod
     def launch(self, request: LaunchRequest) -> list[Node]:

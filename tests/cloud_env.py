@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
+from botocore.awsrequest import AWSResponse
 
 _CREDENTIAL_VARS = (
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN",
@@ -32,3 +36,45 @@ def fake_aws_keys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     no_cloud_config(monkeypatch, tmp_path)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+
+
+class RawBody:
+    """A reply body botocore reads as it reads a real endpoint's."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def stream(self, **_: Any) -> Iterator[bytes]:
+        yield self.body
+
+
+def aws_quotas(client: Any, values: Mapping[str, float]) -> None:
+    """Answer ``client``'s (Service Quotas) GetServiceQuota as AWS does, from ``values`` (quota
+    code -> vCPUs; read at each call, so a test may change it), NoSuchResourceException for the
+    other codes: moto knows no EC2 quotas. botocore parses the replies as real ones."""
+
+    def reply(request: Any, **_: Any) -> AWSResponse:
+        code = json.loads(request.body)["QuotaCode"]
+        if code in values:
+            status, body = 200, {"Quota": {"ServiceCode": "ec2", "QuotaCode": code,
+                                           "Value": values[code]}}
+        else:
+            status, body = 400, {"__type": "NoSuchResourceException",
+                                 "message": f"no quota {code}"}
+        return AWSResponse(request.url, status, {}, RawBody(json.dumps(body).encode()))
+
+    client.meta.events.register("before-send.service-quotas.GetServiceQuota", reply)
+
+
+def ec2_refuses(client: Any, code: str) -> None:
+    """Make ``client``'s (EC2) RunInstances fail with error ``code`` in EC2's XML shape (HTTP
+    500 for the Insufficient* capacity codes, 400 else): moto never runs out of anything."""
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error><Code>{code}</Code>'
+        f"<Message>injected {code}</Message></Error></Errors><RequestID>r-1</RequestID></Response>"
+    ).encode()
+
+    def reply(request: Any, **_: Any) -> AWSResponse:
+        return AWSResponse(request.url, 500 if "Insufficient" in code else 400, {}, RawBody(body))
+
+    client.meta.events.register("before-send.ec2.RunInstances", reply)

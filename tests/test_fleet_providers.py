@@ -33,9 +33,9 @@ from policies.models import (
 from policies.placement import PlacementRequest, PlacementResult, place
 from providers import catalog
 from providers.aws import AwsProvider
-from providers.base import LaunchRequest, NodeState, ProviderError
+from providers.base import LaunchRequest, NodeState, ProviderError, Quota
 from providers.local import LocalProvider
-from tests.cloud_env import no_cloud_config
+from tests.cloud_env import aws_quotas, ec2_refuses, no_cloud_config
 from tests.redis_server import RedisServer
 
 SECRET = "wJalrXUtnFEMI-not-a-real-secret"
@@ -111,7 +111,7 @@ def test_cloud_pools_offer_the_instance_sizes_of_their_region() -> None:
     offers = [o for o in catalog.load_offers(("aws",)) if o.region == "us-east-1"]
     config = CloudConfig(regions=["us-east-1"], accelerators=[Accelerator.V100],
                          markets=[Market.SPOT], max_gpus=4)
-    (v100,) = cloud_pools("aws", config, offers, {})
+    (v100,) = cloud_pools("aws", config, offers)
     assert v100.gpu_counts == (1, 4)  # p3.2xlarge and p3.8xlarge; p3.16xlarge holds 8 > 4
     assert v100.capacity == 4 and not v100.launchable(2)
     for n in (1, 4):  # each size at its own cheapest type's price per GPU
@@ -119,6 +119,24 @@ def test_cloud_pools_offer_the_instance_sizes_of_their_region() -> None:
                    and o.accelerator_count == n and o.hourly(Market.SPOT) is not None)
         assert v100.price_for(n) == pytest.approx(want, abs=1e-6)
     assert v100.price_per_gpu_hour == min(v100.gpu_prices.values())  # type: ignore[union-attr]
+
+
+def test_pools_share_a_family_quota_and_keep_the_gpus_the_broker_holds() -> None:
+    offers = [o for o in catalog.load_offers(("aws",)) if o.region == "us-east-1"]
+    config = CloudConfig(regions=["us-east-1"], accelerators=[Accelerator.V100, Accelerator.A100],
+                         markets=[Market.SPOT], max_gpus=8)
+    v100, a100, h100 = (f"aws:us-east-1:spot:{a}" for a in ("V100", "A100", "H100"))
+    # A 96-vCPU spot P quota; the broker's two 1-GPU p3.2xlarge nodes use 16 of it.
+    family = Quota(free=96 - 16, per_gpu={v100: 8, a100: 12, h100: 24})
+    pools = {p.id: p.capacity for p in cloud_pools("aws", config, offers, [family], {v100: 2})}
+    # The 80 free vCPUs split between the two declared pools (H100 is not in this fleet): V100
+    # keeps its 2 GPUs plus 40 vCPUs' worth, A100 gets 40 vCPUs' worth; never 96 each.
+    assert pools == {v100: 2 + 40 // 8, a100: 40 // 12}
+    assert pools[v100] * 8 + pools[a100] * 12 <= 96
+    alone = CloudConfig(regions=["us-east-1"], accelerators=[Accelerator.V100],
+                        markets=[Market.SPOT], max_gpus=8)
+    (v,) = cloud_pools("aws", alone, offers, [family], {v100: 2})
+    assert v.capacity == 8  # the whole family (2 + 80 // 8 = 12), capped at max_gpus
 
 
 def test_example_fleet_files_load() -> None:
@@ -429,3 +447,102 @@ def test_pool_priors_come_from_the_spot_advisor_once_per_fleet(
     assert priors["local:lab:spot:V100"] == catalog.UNKNOWN_RATE  # no advisor data
     monkeypatch.setattr("broker.fleet.interruption_priors", lambda: pytest.fail("read again"))
     assert mixed.interruption_priors(pools) == priors
+
+
+# ---- AWS quotas, refused launches and the AZ a spot launch goes to (moto) ----------------------
+
+EAST, WEST = "aws:us-east-1:spot:V100", "aws:us-west-2:spot:V100"
+SPOT_P = "L-7212CCBC"  # the spot P-family vCPU quota
+
+
+@pytest.fixture
+def aws_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FleetProvider]:
+    """AWS spot V100 in us-east-1 (cheaper) and us-west-2, on moto; pools re-read every pass."""
+    aws_keys(monkeypatch)
+    with mock_aws():
+        provider, _ = build_fleet_provider(fleet_file(tmp_path, """
+grace_period_s: 1
+clouds:
+  aws:
+    regions: [us-east-1, us-west-2]
+    accelerators: [V100]
+    markets: [spot]
+    max_gpus: 2
+    options: {image_id: ami-12c6146b, broker_id: unit}
+"""), tmp_path / "state", tmp_path)
+        provider.pool_ttl_s = 0
+        yield provider
+        for node in provider.nodes():
+            provider.terminate(node.node_id)
+
+
+def broker_pass(store: Store, provider: FleetProvider, fence: int) -> None:
+    """One pass of the leader loop (``broker.server.Broker.step``)."""
+    store.set_pools(provider.pools())
+    Reconciler(store, provider).run(fence)
+    Scheduler(store).run_round(fence)
+    Actuator(store, provider, ActuatorConfig(use_agent=False)).run(fence)
+
+
+def v100_spec(name: str) -> JobSpec:
+    return spec(name).model_copy(update={"accelerators": [Accelerator.V100]})
+
+
+def test_a_running_job_keeps_its_pool_when_the_quota_has_no_headroom_left(
+        aws_fleet: FleetProvider, store: Store) -> None:
+    fence = store.acquire_lease("me", 60)
+    job = store.submit(v100_spec("stays"), team="t")
+    broker_pass(store, aws_fleet, fence)
+    running = store.get_job(job.id)
+    assert running is not None and running.state is JobState.RUNNING and running.pool == EAST
+    # The launch went to the AZ whose price the pool carries and the placement recorded:
+    # use1-az1 (us-east-1b on moto), $0.5197 for a p3.2xlarge, the region's cheapest.
+    (node,) = aws_fleet.nodes()
+    assert node.zone == "us-east-1b"
+    assert [p.price_per_gpu_hour for p in store.placements(job.id)] == [0.5197]
+    # Now the spot P quota in us-east-1 is exactly the 8 vCPUs the job's instance uses.
+    aws = aws_fleet.for_cloud("aws")
+    assert isinstance(aws, AwsProvider)
+    aws_quotas(aws._client("service-quotas", "us-east-1"), {SPOT_P: 8.0})
+    aws_quotas(aws._client("service-quotas", "us-west-2"), {SPOT_P: 64.0})
+    broker_pass(store, aws_fleet, fence)
+    pools = {p.id: p.capacity for p in store.pools()}
+    assert pools == {EAST: 1, WEST: 2}  # the GPU the job holds (headroom 0), and max_gpus
+    stayed = store.get_job(job.id)
+    assert stayed is not None and stayed.state is JobState.RUNNING
+    assert (stayed.pool, stayed.attempt, stayed.migrations) == (EAST, 1, 0)
+    assert store.intents() == []  # no MIGRATE, no SUSPEND
+    newcomer = store.submit(v100_spec("newcomer"), team="t")
+    broker_pass(store, aws_fleet, fence)
+    assert store.get_job(newcomer.id).pool == WEST  # type: ignore[union-attr]
+    assert store.get_job(job.id).pool == EAST  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("code", "reason"), [("InsufficientInstanceCapacity", "no capacity"),
+                                              ("VcpuLimitExceeded", "no quota")])
+def test_a_refused_launch_blocks_the_pool_and_the_job_launches_in_another(
+        aws_fleet: FleetProvider, store: Store, code: str, reason: str) -> None:
+    aws = aws_fleet.for_cloud("aws")
+    assert isinstance(aws, AwsProvider)
+    east = aws._client("ec2", "us-east-1")
+    east.meta.config.retries = {"max_attempts": 0}
+    ec2_refuses(east, code)
+    fence = store.acquire_lease("me", 60)
+    job = store.submit(v100_spec("refused"), team="t")
+    for _ in range(5):  # before, the same cheapest pool every round: a quota error FAILED it
+        broker_pass(store, aws_fleet, fence)
+    done = store.get_job(job.id)
+    assert done is not None and done.state is JobState.RUNNING and done.pool == WEST
+    assert done.failures == 0 and done.attempt == 2
+    refused = [e for e in store.events(job_id=job.id) if e.type == "pool-refused"]
+    assert [(e.data["pool"], e.data["error"]) for e in refused] == [(EAST, reason)]
+    suspended = [e for e in store.events(job_id=job.id) if e.data.get("to") == "suspended"]
+    assert len(suspended) == 1
+    blocklist, _ = store.blocklist()
+    now = time.time()
+    assert blocklist.is_refused(EAST, now) and not blocklist.is_refused(WEST, now)
+    assert not blocklist.is_refused(EAST, now + blocklist.refusal_decay_s)  # a short mark
+    # a newcomer does not try the refused pool either, while the other has room
+    other = store.submit(v100_spec("newcomer"), team="t")
+    broker_pass(store, aws_fleet, fence)
+    assert store.get_job(other.id).pool == WEST  # type: ignore[union-attr]

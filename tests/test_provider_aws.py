@@ -9,8 +9,6 @@ from pathlib import Path
 
 import boto3
 import pytest
-from botocore.awsrequest import AWSResponse
-from botocore.stub import Stubber
 from moto import mock_aws
 from moto.core import DEFAULT_ACCOUNT_ID
 from moto.ec2.models import ec2_backends
@@ -27,7 +25,7 @@ from providers.base import (
     ProviderError,
     QuotaError,
 )
-from tests.cloud_env import fake_aws_keys
+from tests.cloud_env import aws_quotas, ec2_refuses, fake_aws_keys
 
 REGIONS = ["us-east-1", "us-west-2"]
 IMAGE = "ami-12c6146b"  # moto accepts any AMI id; this one is in its default image list
@@ -122,26 +120,6 @@ def test_terminate_is_final_and_repeatable(aws: AwsProvider) -> None:
     assert aws.launch(request(nodes=1, key="job-1:7:1"))[0].node_id != node.node_id
 
 
-def _inject_error(aws: AwsProvider, code: str) -> None:
-    body = (
-        f'<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error><Code>{code}</Code>'
-        f"<Message>injected {code}</Message></Error></Errors><RequestID>r-1</RequestID></Response>"
-    ).encode()
-
-    def reply(request, **_):  # botocore parses this like a real EC2 error response
-        return AWSResponse(request.url, 500 if "Insufficient" in code else 400, {}, _Raw(body))
-
-    aws._client("ec2", "us-east-1").meta.events.register("before-send.ec2.RunInstances", reply)
-
-
-class _Raw:
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-
-    def stream(self, **_):
-        yield self.body
-
-
 @pytest.mark.parametrize(
     ("code", "error"),
     [
@@ -155,7 +133,7 @@ class _Raw:
 )
 def test_ec2_errors_map_to_broker_errors(aws: AwsProvider, code: str, error: type) -> None:
     aws._client("ec2", "us-east-1").meta.config.retries = {"max_attempts": 0}
-    _inject_error(aws, code)
+    ec2_refuses(aws._client("ec2", "us-east-1"), code)
     with pytest.raises(error, match=code):
         aws.launch(request())
 
@@ -172,25 +150,40 @@ def test_missing_credentials_name_the_cloud(monkeypatch: pytest.MonkeyPatch) -> 
         AwsProvider(REGIONS)
 
 
-def test_capacity_from_vcpu_quotas(aws: AwsProvider) -> None:
+def test_capacity_from_vcpu_quotas_shared_by_each_family(aws: AwsProvider) -> None:
     aws.launch(request(market=Market.ON_DEMAND, nodes=1))  # one p3.2xlarge = 8 vCPUs in use
     assert aws.capacity() == {}  # moto knows no EC2 quotas: headroom unknown, nothing claimed
-    quotas = session().client("service-quotas", "us-east-1")
-    stub = Stubber(quotas)
-    for code in ("L-417A185B", "L-DB2E81BA", "L-7212CCBC", "L-3819A6DF"):
-        value = {"L-417A185B": 64.0, "L-7212CCBC": 96.0}.get(code)
-        if value is None:
-            stub.add_client_error("get_service_quota", "NoSuchResourceException")
-        else:
-            stub.add_response("get_service_quota", {"Quota": {"QuotaCode": code, "Value": value}})
     aws.regions = ["us-east-1"]
-    aws._clients[("service-quotas", "us-east-1")] = quotas
-    with stub:
-        cap = aws.capacity()
-    # 64 on-demand P vCPUs - 8 in use = 56 -> 7 V100 at 8 vCPUs each (p3.2xlarge), 96 spot -> 12.
-    assert cap["aws:us-east-1:on-demand:V100"] == 56 // 8
-    assert cap["aws:us-east-1:spot:V100"] == 96 // 8
-    assert cap["aws:us-east-1:spot:A100"] == 96 // 12  # p4d.24xlarge: 96 vCPUs / 8 GPUs
+    aws_quotas(aws._client("service-quotas", "us-east-1"), {"L-417A185B": 64.0, "L-7212CCBC": 96.0})
+    on_demand, spot = aws.quotas()  # the P family's on-demand and spot vCPUs; no G quota known
+    pool = "aws:us-east-1:{}:{}".format
+    assert on_demand.free == 64 - 8 and spot.free == 96  # the instance in use counts
+    assert spot.per_gpu == {pool("spot", "V100"): 8, pool("spot", "A100"): 12,
+                            pool("spot", "H100"): 24}  # p3.2xlarge, p4d.24xlarge / 8, p5 / 8
+    cap = aws.capacity()
+    # One budget per family: 96 spot vCPUs give each of V100, A100, H100 a third (32 vCPUs),
+    # never 96 each (12 V100 and 8 A100 and 4 H100 from one 96-vCPU quota overcommitted it).
+    assert [cap[pool("spot", a)] for a in ("V100", "A100", "H100")] == [4, 2, 1]
+    assert [cap[pool("on-demand", a)] for a in ("V100", "A100", "H100")] == [2, 1, 0]
+    for quota in (on_demand, spot):
+        assert sum(cap[p] * vcpus for p, vcpus in quota.per_gpu.items()) <= quota.free
+
+
+def test_spot_launch_goes_to_the_az_whose_price_the_pool_carries(aws: AwsProvider) -> None:
+    east = aws.launch(request(nodes=1))[0]
+    west = aws.launch(request(nodes=1, key="k-west", region="us-west-2"))[0]
+    # use1-az1 has the cheapest p3.2xlarge spot price ($0.5197), usw2-az2 ($0.9362); moto names
+    # them us-east-1b and us-west-2a (unpinned, moto and EC2 may pick any AZ).
+    assert (east.zone, west.zone) == ("us-east-1b", "us-west-2a")
+    prices = {o.zone: o.spot_price for o in aws.offers()
+              if o.instance_type == "p3.2xlarge" and o.spot_price is not None}
+    assert min(prices, key=prices.__getitem__) == "use1-az1"
+    assert _describe(east.node_id.partition("/")[2])["Placement"]["AvailabilityZone"] == \
+        "us-east-1b"
+    named = aws.launch(request(nodes=1, key="k-named", zone="us-east-1d"))[0]
+    assert named.zone == "us-east-1d"  # a pool with a zone keeps it
+    on_demand = aws.launch(request(nodes=1, key="k-od", market=Market.ON_DEMAND))[0]
+    assert on_demand.zone is not None  # one price everywhere: EC2 picks the AZ
 
 
 def test_spot_interruption_warning_becomes_a_notice(aws: AwsProvider) -> None:
