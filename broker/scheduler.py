@@ -1,8 +1,9 @@
 """One scheduling round: snapshot -> per-accelerator allocation (``policies.elastic_dp``) ->
 placement (``policies.placement``, by expected cost: price, preemption risk from the Spot Advisor
-prior and the preemptions the broker counted per pool, restart and checkpoint egress) -> diff
-against what runs -> a plan of job transitions and intents written atomically with the leader's
-fencing token.
+prior and the preemptions the broker counted per pool, restart and checkpoint egress; a running
+job moves only past the stickiness margin), with a deadline job's market chosen by Can't Be
+Late's rule (``policies.spot.choose_market``, see :func:`deadline_job`) -> diff against what
+runs -> a plan of job transitions and intents written atomically with the leader's fencing token.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from pydantic import BaseModel, Field
@@ -22,8 +23,9 @@ from broker.store import Plan, PoolStats, Snapshot, Store
 from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
 from policies.migration import Blocklist, location_keys
 from policies.models import Accelerator, JobSpec, Market, Pool
-from policies.placement import PlacementRequest, PoolRisk, place
-from policies.region_score import DEFAULT_RESTART_S, Egress
+from policies.placement import PlacementRequest, PlacementResult, PoolRisk, place
+from policies.region_score import DEFAULT_RESTART_S, Egress, Stickiness
+from policies.spot import DeadlineJob, choose_market, must_not_preempt, preemption_h
 from policies.throughput import ThroughputModel, batch_candidates
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,13 @@ class SchedulerConfig(BaseModel):
         default=0.0, ge=0, description="checkpoint size assumed for egress on a move to another "
         "region or cloud for a job whose agent has not reported its checkpoint's size yet")
     egress: Egress = Field(default_factory=Egress, description="checkpoint transfer prices")
+    reaction_s: float = Field(
+        default=6.0, ge=0, description="from a preemption to the broker's relaunch decision (a "
+        "heartbeat, 5 s, and a loop tick, 1 s, by default): the deadline rule counts it with "
+        "restart_s and a checkpoint interval in what one preemption can cost")
+    move_margin: Stickiness = Field(
+        default_factory=Stickiness, description="the saving a running job's move to a cheaper "
+        "pool must beat (its restart counted): max(min_saving_usd, min_saving_fraction x cost)")
 
 
 @dataclass
@@ -192,6 +201,59 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
         checkpoint_cloud=where[0], checkpoint_region=where[1])
 
 
+def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool],
+                 config: SchedulerConfig, now: float) -> DeadlineJob:
+    """Where the job stands against its deadline for ``policies.spot.choose_market``.
+
+    Hours of work are counted at this round's choice (GPUs, batch) and the scheduler's throughput
+    estimate there (the agent's measurement where it has one, else the calibrated model): the
+    total is ``work_samples`` at that rate, the progress the samples done at that rate (so the
+    fraction done is exact; the hours are as good as the rate estimate). One preemption costs
+    ``reaction_s``, ``restart_s`` and up to a checkpoint interval of work (a preemption notice
+    may come too late to checkpoint). ``spot: never`` is ``must_not_preempt``."""
+    spec = job.spec
+    rate = samples_per_sec(job, choice.gpus, choice.batch_size)
+    total_h = spec.work_samples / rate / 3600
+    progress_h = min(job.samples_done, spec.work_samples) / rate / 3600
+    pool = pools_by_id.get(job.pool or "") if job.state is JobState.RUNNING else None
+    return DeadlineJob(
+        total_h=total_h, progress_h=progress_h, elapsed_h=max(0.0, now - job.submitted_at) / 3600,
+        deadline_h=None if spec.deadline_s is None else spec.deadline_s / 3600,
+        restart_h=preemption_h(config.reaction_s / 3600, config.restart_s / 3600,
+                               checkpoint_interval_s(spec, choice.batch_size, rate) / 3600,
+                               total_h - progress_h),
+        must_not_preempt=must_not_preempt(spec.spot),
+        current=None if pool is None else pool.market)
+
+
+def place_by_deadline(requests: Sequence[PlacementRequest], views: Mapping[str, DeadlineJob],
+                      pools: Sequence[Pool], used: Mapping[str, int],
+                      risk: Mapping[str, PoolRisk],
+                      config: SchedulerConfig) -> dict[str, PlacementResult | None]:
+    """Placement with each job in ``views`` (the jobs with a deadline) on the market
+    ``choose_market`` picks while spot is there; one it sends to spot that finds no spot pool
+    with room is asked again with spot gone: on-demand when behind its pace, else it waits this
+    round (holds no GPUs), as the simulator's fleet policy does. Others use any market."""
+    first = {k: choose_market(v, spot_available=True) for k, v in views.items()}
+    placed = place([_on(r, first.get(r.job_id)) for r in requests], pools, dict(used), risk,
+                   config.egress, config.move_margin)
+    retry = [_on(r, Market.ON_DEMAND) for r in requests
+             if first.get(r.job_id) is Market.SPOT and placed[r.job_id] is None and
+             choose_market(views[r.job_id], spot_available=False) is Market.ON_DEMAND]
+    if retry:
+        held = defaultdict(int, used)
+        for got in placed.values():
+            if got is not None:
+                held[got.pool] += got.gpus
+        placed.update(place(retry, pools, held, risk, config.egress, config.move_margin))
+    return placed
+
+
+def _on(req: PlacementRequest, market: Market | None) -> PlacementRequest:
+    """The request narrowed to ``market`` (``None``: as it is)."""
+    return req if market is None else replace(req, markets=frozenset({market}))
+
+
 def pool_risk(pools: Sequence[Pool], priors: Mapping[str, float], stats: PoolStats,
               jobs: Sequence[JobRecord], now: float) -> dict[str, PoolRisk]:
     """Each pool's preemption prior and what the broker saw there: the preemptions counted,
@@ -259,14 +321,16 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
         t0 = time.perf_counter()
         chosen = _allocate(jobs, choices, capacity, pools_by_id, config, now)
         res.solve_s += time.perf_counter() - t0
-        requests = []
+        requests, views = [], {}
         for job in jobs:
             c = chosen.get(job.id)
             if c is None:
                 continue
             fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
             requests.append(placement_request(job, c, fallbacks, blocked, pools_by_id, config))
-        placed = place(requests, pools, used, risk, config.egress)
+            if job.spec.deadline_s is not None:
+                views[job.id] = deadline_job(job, c, pools_by_id, config, now)
+        placed = place_by_deadline(requests, views, pools, used, risk, config)
         # GPUs free right now: running jobs hold theirs until they have checkpointed, so a
         # launch into GPUs a resizing job still holds waits for a later round.
         free_now = {p.id: p.capacity - used.get(p.id, 0) for p in pools}
@@ -291,7 +355,8 @@ def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity:
               pools_by_id: dict[str, Pool], config: SchedulerConfig,
               now: float) -> dict[str, Choice | None]:
     """Run the allocator with running jobs' current config favoured (``stickiness``) and, for
-    jobs started less than ``min_rescale_interval_s`` ago (or under the static policy), pinned;
+    jobs started less than ``min_rescale_interval_s`` ago (or under the static policy) and jobs
+    that must not be preempted (``spot: never``: no suspension or rescale to rebalance), pinned;
     pins are dropped when they cannot all be honoured (capacity was lost)."""
     def build(pin: bool) -> list[JobChoices]:
         out = []
@@ -300,9 +365,9 @@ def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity:
             if job.state is JobState.RUNNING:
                 pool = pools_by_id.get(job.pool or "")
                 cur = [c for c in opts if (c.gpus, c.batch_size) == (job.gpus, job.batch_size)]
-                young = (config.policy is Policy.STATIC or
-                         now - (job.launched_at or 0) < config.min_rescale_interval_s)
-                if pin and cur and young and pool is not None and pool.capacity >= job.gpus:
+                pinned = (config.policy is Policy.STATIC or must_not_preempt(job.spec.spot) or
+                          now - (job.launched_at or 0) < config.min_rescale_interval_s)
+                if pin and cur and pinned and pool is not None and pool.capacity >= job.gpus:
                     out.append(JobChoices(job.id, cur, required=True))
                     continue
                 bonus = 1.0 + config.stickiness
