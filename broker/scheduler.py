@@ -229,24 +229,27 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
 def place_by_deadline(requests: Sequence[PlacementRequest], views: Mapping[str, DeadlineJob],
                       pools: Sequence[Pool], used: Mapping[str, int],
                       risk: Mapping[str, PoolRisk],
-                      config: SchedulerConfig) -> dict[str, PlacementResult | None]:
+                      config: SchedulerConfig,
+                      ) -> tuple[dict[str, PlacementResult | None], set[str]]:
     """Placement with each job in ``views`` (the jobs with a deadline) on the market
     ``choose_market`` picks while spot is there; one it sends to spot that finds no spot pool
     with room is asked again with spot gone: on-demand when behind its pace, else it waits this
-    round (holds no GPUs), as the simulator's fleet policy does. Others use any market."""
+    round (holds no GPUs), as the simulator's fleet policy does. Others use any market.
+    Returns the placements and the ids of the jobs that wait."""
     first = {k: choose_market(v, spot_available=True) for k, v in views.items()}
     placed = place([_on(r, first.get(r.job_id)) for r in requests], pools, dict(used), risk,
                    config.egress, config.move_margin)
-    retry = [_on(r, Market.ON_DEMAND) for r in requests
-             if first.get(r.job_id) is Market.SPOT and placed[r.job_id] is None and
-             choose_market(views[r.job_id], spot_available=False) is Market.ON_DEMAND]
+    missed = [r for r in requests if first.get(r.job_id) is Market.SPOT and
+              placed[r.job_id] is None]
+    second = {r.job_id: choose_market(views[r.job_id], spot_available=False) for r in missed}
+    retry = [_on(r, Market.ON_DEMAND) for r in missed if second[r.job_id] is Market.ON_DEMAND]
     if retry:
         held = defaultdict(int, used)
         for got in placed.values():
             if got is not None:
                 held[got.pool] += got.gpus
         placed.update(place(retry, pools, held, risk, config.egress, config.move_margin))
-    return placed
+    return placed, {k for k, m in second.items() if m is None}
 
 
 def _on(req: PlacementRequest, market: Market | None) -> PlacementRequest:
@@ -318,19 +321,28 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if counts is not None and j.state is JobState.QUEUED and not any(
                     g.min <= n <= g.max for n in counts):
                 _unlaunchable(res, j, accel, sorted(counts), config)
-        t0 = time.perf_counter()
-        chosen = _allocate(jobs, choices, capacity, pools_by_id, config, now)
-        res.solve_s += time.perf_counter() - t0
-        requests, views = [], {}
-        for job in jobs:
-            c = chosen.get(job.id)
-            if c is None:
-                continue
-            fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
-            requests.append(placement_request(job, c, fallbacks, blocked, pools_by_id, config))
-            if job.spec.deadline_s is not None:
-                views[job.id] = deadline_job(job, c, pools_by_id, config, now)
-        placed = place_by_deadline(requests, views, pools, used, risk, config)
+        placed: dict[str, PlacementResult | None] = {}
+        waiting: set[str] = set()
+        for _ in range(2):  # again without the deadline jobs that wait: their GPUs go to others
+            active = [j for j in jobs if j.id not in waiting]
+            t0 = time.perf_counter()
+            chosen = _allocate(active, choices, capacity, pools_by_id, config, now)
+            res.solve_s += time.perf_counter() - t0
+            requests, views = [], {}
+            for job in active:
+                c = chosen.get(job.id)
+                if c is None:
+                    continue
+                fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus),
+                                   reverse=True)
+                requests.append(placement_request(job, c, fallbacks, blocked, pools_by_id,
+                                                  config))
+                if job.spec.deadline_s is not None:
+                    views[job.id] = deadline_job(job, c, pools_by_id, config, now)
+            placed, waits = place_by_deadline(requests, views, pools, used, risk, config)
+            if not waits:
+                break
+            waiting |= waits
         # GPUs free right now: running jobs hold theirs until they have checkpointed, so a
         # launch into GPUs a resizing job still holds waits for a later round.
         free_now = {p.id: p.capacity - used.get(p.id, 0) for p in pools}

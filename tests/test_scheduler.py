@@ -316,9 +316,10 @@ def test_a_tight_deadline_behind_pace_takes_on_demand_while_ample_slack_takes_sp
 
 def test_without_spot_room_a_job_behind_pace_takes_on_demand_and_one_ahead_waits(
         store: Store) -> None:
-    """The spot pool is full. Behind its pace (0.5 h done of 2 h at 1 h of a 3 h deadline) a job
-    takes on-demand; ahead of its pace (10 h deadline) one waits for spot, holding no GPUs, while
-    a job without a deadline takes on-demand as before."""
+    """The spot pool is full; 4 on-demand GPUs are free. Behind its pace (0.5 h done of 2 h at
+    1 h of a 3 h deadline) a job takes on-demand; ahead of its pace (10 h deadline) one waits
+    for spot and holds no GPUs: its share goes to a job without a deadline, which takes the
+    other 3 on-demand GPUs as before."""
     store.set_pools([SPOT_T4, OD_T4])
     fence = store.acquire_lease("t", ttl_s=30)
     filler = store.submit(spec("filler"), team="t")
@@ -326,14 +327,14 @@ def test_without_spot_room_a_job_behind_pace_takes_on_demand_and_one_ahead_waits
     plan.change(filler, JobState.LAUNCHING, attempt=1, gpus=4, pool=SPOT_T4.id)
     store.apply(plan)
     behind, ahead = paced_job(store, "behind", 3.0), paced_job(store, "ahead", 10.0)
-    plain = paced_job(store, "plain", None)
+    wide = store.submit(spec("wide", gmax=4), team="t").id
     Scheduler(store).run_round(fence)
-    state = {n: store.get_job(i) for n, i in (("behind", behind), ("ahead", ahead),
-                                              ("plain", plain))}
-    assert state["behind"].pool == OD_T4.id  # type: ignore[union-attr]
-    assert state["plain"].pool == OD_T4.id  # type: ignore[union-attr]
-    assert state["ahead"].state is JobState.SUSPENDED  # type: ignore[union-attr]
-    assert {i.job_id for i in store.intents()} == {behind, plain}  # no launch for "ahead"
+    got = {n: store.get_job(i) for n, i in (("behind", behind), ("ahead", ahead),
+                                            ("wide", wide))}
+    assert got["behind"].pool == OD_T4.id  # type: ignore[union-attr]
+    assert (got["wide"].pool, got["wide"].gpus) == (OD_T4.id, 3)  # type: ignore[union-attr]
+    assert got["ahead"].state is JobState.SUSPENDED  # type: ignore[union-attr]
+    assert {i.job_id for i in store.intents()} == {behind, wide}  # no launch for "ahead"
 
 
 def test_a_spot_never_job_is_not_shrunk_or_suspended_to_make_room(store: Store) -> None:
