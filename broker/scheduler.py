@@ -359,6 +359,9 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
                     if free_now[where.pool] < where.gpus:
                         continue  # deferred, not dropped: it waits for the GPUs to free up
                     free_now[where.pool] -= where.gpus
+            if job.id in waiting:
+                _wait_for_spot(res, job, fence)
+                continue
             _diff(res, job, target, fence, config)
     return res
 
@@ -442,6 +445,21 @@ def _stop(res: RoundResult, job: JobRecord, fence: int, kind: IntentKind, reason
         res.stops += 1
     else:
         res.suspends += 1
+
+
+WAIT_FOR_SPOT = ("waiting for spot: ahead of its deadline's pace, so no on-demand yet (it takes "
+                 "on-demand once behind that pace)")
+
+
+def _wait_for_spot(res: RoundResult, job: JobRecord, fence: int) -> None:
+    """A deadline job the market rule keeps off GPUs this round: a running one checkpoints and
+    waits; a waiting one says why (once) instead of staying queued without a word."""
+    if job.state is JobState.RUNNING:
+        _stop(res, job, fence, IntentKind.SUSPEND, WAIT_FOR_SPOT)
+    elif job.reason != WAIT_FOR_SPOT:
+        res.plan.change(job, event="waiting-for-spot", event_data={"reason": WAIT_FOR_SPOT},
+                        reason=WAIT_FOR_SPOT)
+        res.changed.append(job.id)
 
 
 def _unlaunchable(res: RoundResult, job: JobRecord, accel: Accelerator, sizes: list[int],

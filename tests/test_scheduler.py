@@ -1,5 +1,6 @@
 """Scheduling rounds against a real redis-server: launches, shrink on arrival, stop on cancel,
-admission drop, and a stale fence refused; what placement is told about each job and pool."""
+admission drop, and a stale fence refused; what placement is told about each job and pool; the
+deadline rule's market, spot: never jobs kept whole, and moves past the stickiness margin."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from broker.models import IntentKind, JobState
 from broker.scheduler import (
+    WAIT_FOR_SPOT,
     Admission,
     Policy,
     Scheduler,
@@ -328,13 +330,17 @@ def test_without_spot_room_a_job_behind_pace_takes_on_demand_and_one_ahead_waits
     store.apply(plan)
     behind, ahead = paced_job(store, "behind", 3.0), paced_job(store, "ahead", 10.0)
     wide = store.submit(spec("wide", gmax=4), team="t").id
-    Scheduler(store).run_round(fence)
+    sched = Scheduler(store)
+    sched.run_round(fence)
     got = {n: store.get_job(i) for n, i in (("behind", behind), ("ahead", ahead),
                                             ("wide", wide))}
     assert got["behind"].pool == OD_T4.id  # type: ignore[union-attr]
     assert (got["wide"].pool, got["wide"].gpus) == (OD_T4.id, 3)  # type: ignore[union-attr]
     assert got["ahead"].state is JobState.SUSPENDED  # type: ignore[union-attr]
     assert {i.job_id for i in store.intents()} == {behind, wide}  # no launch for "ahead"
+    assert got["ahead"].reason == WAIT_FOR_SPOT  # type: ignore[union-attr]
+    sched.run_round(fence)
+    assert store.get_job(ahead).version == got["ahead"].version  # type: ignore[union-attr]
 
 
 def test_a_spot_never_job_is_not_shrunk_or_suspended_to_make_room(store: Store) -> None:
