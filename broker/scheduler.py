@@ -321,28 +321,8 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if counts is not None and j.state is JobState.QUEUED and not any(
                     g.min <= n <= g.max for n in counts):
                 _unlaunchable(res, j, accel, sorted(counts), config)
-        placed: dict[str, PlacementResult | None] = {}
-        waiting: set[str] = set()
-        for _ in range(2):  # again without the deadline jobs that wait: their GPUs go to others
-            active = [j for j in jobs if j.id not in waiting]
-            t0 = time.perf_counter()
-            chosen = _allocate(active, choices, capacity, pools_by_id, config, now)
-            res.solve_s += time.perf_counter() - t0
-            requests, views = [], {}
-            for job in active:
-                c = chosen.get(job.id)
-                if c is None:
-                    continue
-                fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus),
-                                   reverse=True)
-                requests.append(placement_request(job, c, fallbacks, blocked, pools_by_id,
-                                                  config))
-                if job.spec.deadline_s is not None:
-                    views[job.id] = deadline_job(job, c, pools_by_id, config, now)
-            placed, waits = place_by_deadline(requests, views, pools, used, risk, config)
-            if not waits:
-                break
-            waiting |= waits
+        placed, waiting = _allocate_and_place(res, jobs, choices, capacity, pools, pools_by_id,
+                                              used, risk, blocked, config, now)
         # GPUs free right now: running jobs hold theirs until they have checkpointed, so a
         # launch into GPUs a resizing job still holds waits for a later round.
         free_now = {p.id: p.capacity - used.get(p.id, 0) for p in pools}
@@ -364,6 +344,38 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
                 continue
             _diff(res, job, target, fence, config)
     return res
+
+
+def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
+                        choices: dict[str, list[Choice]], capacity: int, pools: list[Pool],
+                        pools_by_id: dict[str, Pool], used: Mapping[str, int],
+                        risk: Mapping[str, PoolRisk], blocked: frozenset[str],
+                        config: SchedulerConfig, now: float,
+                        ) -> tuple[dict[str, PlacementResult | None], set[str]]:
+    """One accelerator's allocation and placement; the deadline jobs that wait for spot (see
+    :func:`place_by_deadline`) give their share back: the others are allocated and placed again
+    without them. Returns the placements and the waiting jobs' ids."""
+    placed: dict[str, PlacementResult | None] = {}
+    waiting: set[str] = set()
+    for _ in range(2):
+        active = [j for j in jobs if j.id not in waiting]
+        t0 = time.perf_counter()
+        chosen = _allocate(active, choices, capacity, pools_by_id, config, now)
+        res.solve_s += time.perf_counter() - t0
+        requests, views = [], {}
+        for job in active:
+            c = chosen.get(job.id)
+            if c is None:
+                continue
+            fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
+            requests.append(placement_request(job, c, fallbacks, blocked, pools_by_id, config))
+            if job.spec.deadline_s is not None:
+                views[job.id] = deadline_job(job, c, pools_by_id, config, now)
+        placed, waits = place_by_deadline(requests, views, pools, used, risk, config)
+        if not waits:
+            break
+        waiting |= waits
+    return placed, waiting
 
 
 def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity: int,
