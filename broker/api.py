@@ -263,8 +263,9 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
     ) -> dict[str, Any]:
         jobs = visible_jobs(who, team, state)
-        shown = jobs[-min(limit, config.max_list):]  # the newest, as GET /v1/jobs
-        report = cost_report(shown, store.placements_of([j.id for j in shown]))
+        # rows: the newest, as GET /v1/jobs; the team sums and the total: every visible job
+        report = cost_report(jobs, store.placements_of([j.id for j in jobs]),
+                             rows=min(limit, config.max_list))
         return {**report, "jobs_total": len(jobs)}
 
     @app.get("/v1/events", tags=["fleet"], summary="Events after a stream id, oldest first")

@@ -91,20 +91,28 @@ def job_cost(placements: Sequence[Placement]) -> CostLine:
     return line
 
 
-def cost_report(jobs: Sequence[JobRecord],
-                placements: Mapping[str, Sequence[Placement]]) -> dict[str, object]:
-    """Per job (with the regions it ran in and its recoveries), per team, and in all."""
-    rows, teams, total = [], {}, CostLine()
+def cost_report(jobs: Sequence[JobRecord], placements: Mapping[str, Sequence[Placement]],
+                rows: int | None = None) -> dict[str, object]:
+    """Per job (with the regions it ran in and its recoveries), per team, and in all.
+
+    ``rows`` keeps only the newest that many per-job rows (``jobs`` are oldest first); the team
+    sums and the total always count every job given, so a short listing never shrinks them.
+    """
+    lines, teams, total = [], {}, CostLine()
     for job in jobs:
-        ps = placements.get(job.id, [])
-        line = job_cost(ps)
-        regions = list(dict.fromkeys(f"{p.cloud}:{p.region}" for p in ps))
-        rows.append({"job": job.id, "team": job.team, "state": job.state.value,
-                     "regions": regions, "preemptions": job.preemptions,
-                     "migrations": job.migrations,
-                     **line.view()})
+        line = job_cost(placements.get(job.id, []))
+        lines.append(line)
         teams[job.team] = teams.get(job.team, CostLine()).add(line)
         total = total.add(line)
-    return {"jobs": rows,
+    first = 0 if rows is None else max(0, len(jobs) - rows)
+    return {"jobs": [_row(job, placements.get(job.id, []), line)
+                     for job, line in zip(jobs[first:], lines[first:], strict=True)],
             "teams": [{"team": t, **teams[t].view()} for t in sorted(teams)],
             "total": total.view()}
+
+
+def _row(job: JobRecord, ps: Sequence[Placement], line: CostLine) -> dict[str, object]:
+    """One job's line of the report, with the regions it ran in and its recoveries."""
+    regions = list(dict.fromkeys(f"{p.cloud}:{p.region}" for p in ps))
+    return {"job": job.id, "team": job.team, "state": job.state.value, "regions": regions,
+            "preemptions": job.preemptions, "migrations": job.migrations, **line.view()}

@@ -1,8 +1,9 @@
 """One scheduling round: snapshot -> per-accelerator allocation (``policies.elastic_dp``) ->
 placement (``policies.placement``, by expected cost: price, preemption risk from the Spot Advisor
-prior and the preemptions the broker counted per pool, restart and checkpoint egress) -> diff
-against what runs -> a plan of job transitions and intents written atomically with the leader's
-fencing token.
+prior and the preemptions the broker counted per pool, restart and checkpoint egress; a running
+job moves only past the stickiness margin), with a deadline job's market chosen by Can't Be
+Late's rule (``policies.spot.choose_market``, see :func:`deadline_job`) -> diff against what
+runs -> a plan of job transitions and intents written atomically with the leader's fencing token.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from pydantic import BaseModel, Field
@@ -22,8 +23,9 @@ from broker.store import Plan, PoolStats, Snapshot, Store
 from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
 from policies.migration import Blocklist, location_keys
 from policies.models import Accelerator, JobSpec, Market, Pool
-from policies.placement import PlacementRequest, PoolRisk, place
-from policies.region_score import DEFAULT_RESTART_S, Egress
+from policies.placement import PlacementRequest, PlacementResult, PoolRisk, place
+from policies.region_score import DEFAULT_RESTART_S, Egress, Stickiness
+from policies.spot import DeadlineJob, choose_market, must_not_preempt, preemption_h
 from policies.throughput import ThroughputModel, batch_candidates
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,13 @@ class SchedulerConfig(BaseModel):
         default=0.0, ge=0, description="checkpoint size assumed for egress on a move to another "
         "region or cloud for a job whose agent has not reported its checkpoint's size yet")
     egress: Egress = Field(default_factory=Egress, description="checkpoint transfer prices")
+    reaction_s: float = Field(
+        default=6.0, ge=0, description="from a preemption to the broker's relaunch decision (a "
+        "heartbeat, 5 s, and a loop tick, 1 s, by default): the deadline rule counts it with "
+        "restart_s and a checkpoint interval in what one preemption can cost")
+    move_margin: Stickiness = Field(
+        default_factory=Stickiness, description="the saving a running job's move to a cheaper "
+        "pool must beat (its restart counted): max(min_saving_usd, min_saving_fraction x cost)")
 
 
 @dataclass
@@ -193,6 +202,62 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
         checkpoint_cloud=where[0], checkpoint_region=where[1])
 
 
+def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool],
+                 config: SchedulerConfig, now: float) -> DeadlineJob:
+    """Where the job stands against its deadline for ``policies.spot.choose_market``.
+
+    Hours of work are counted at this round's choice (GPUs, batch) and the scheduler's throughput
+    estimate there (the agent's measurement where it has one, else the calibrated model): the
+    total is ``work_samples`` at that rate, the progress the samples done at that rate (so the
+    fraction done is exact; the hours are as good as the rate estimate). One preemption costs
+    ``reaction_s``, ``restart_s`` and up to a checkpoint interval of work (a preemption notice
+    may come too late to checkpoint). ``spot: never`` is ``must_not_preempt``."""
+    spec = job.spec
+    rate = samples_per_sec(job, choice.gpus, choice.batch_size)
+    total_h = spec.work_samples / rate / 3600
+    progress_h = min(job.samples_done, spec.work_samples) / rate / 3600
+    pool = pools_by_id.get(job.pool or "") if job.state is JobState.RUNNING else None
+    return DeadlineJob(
+        total_h=total_h, progress_h=progress_h, elapsed_h=max(0.0, now - job.submitted_at) / 3600,
+        deadline_h=None if spec.deadline_s is None else spec.deadline_s / 3600,
+        restart_h=preemption_h(config.reaction_s / 3600, config.restart_s / 3600,
+                               checkpoint_interval_s(spec, choice.batch_size, rate) / 3600,
+                               total_h - progress_h),
+        must_not_preempt=must_not_preempt(spec.spot),
+        current=None if pool is None else pool.market)
+
+
+def place_by_deadline(requests: Sequence[PlacementRequest], views: Mapping[str, DeadlineJob],
+                      pools: Sequence[Pool], used: Mapping[str, int],
+                      risk: Mapping[str, PoolRisk],
+                      config: SchedulerConfig,
+                      ) -> tuple[dict[str, PlacementResult | None], set[str]]:
+    """Placement with each job in ``views`` (the jobs with a deadline) on the market
+    ``choose_market`` picks while spot is there; one it sends to spot that finds no spot pool
+    with room is asked again with spot gone: on-demand when behind its pace, else it waits this
+    round (holds no GPUs), as the simulator's fleet policy does. Others use any market.
+    Returns the placements and the ids of the jobs that wait."""
+    first = {k: choose_market(v, spot_available=True) for k, v in views.items()}
+    placed = place([_on(r, first.get(r.job_id)) for r in requests], pools, dict(used), risk,
+                   config.egress, config.move_margin)
+    missed = [r for r in requests if first.get(r.job_id) is Market.SPOT and
+              placed[r.job_id] is None]
+    second = {r.job_id: choose_market(views[r.job_id], spot_available=False) for r in missed}
+    retry = [_on(r, Market.ON_DEMAND) for r in missed if second[r.job_id] is Market.ON_DEMAND]
+    if retry:
+        held = defaultdict(int, used)
+        for got in placed.values():
+            if got is not None:
+                held[got.pool] += got.gpus
+        placed.update(place(retry, pools, held, risk, config.egress, config.move_margin))
+    return placed, {k for k, m in second.items() if m is None}
+
+
+def _on(req: PlacementRequest, market: Market | None) -> PlacementRequest:
+    """The request narrowed to ``market`` (``None``: as it is)."""
+    return req if market is None else replace(req, markets=frozenset({market}))
+
+
 def pool_risk(pools: Sequence[Pool], priors: Mapping[str, float], stats: PoolStats,
               jobs: Sequence[JobRecord], now: float) -> dict[str, PoolRisk]:
     """Each pool's preemption prior and what the broker saw there: the preemptions counted,
@@ -257,17 +322,8 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if counts is not None and j.state is JobState.QUEUED and not any(
                     g.min <= n <= g.max for n in counts):
                 _unlaunchable(res, j, accel, sorted(counts), config)
-        t0 = time.perf_counter()
-        chosen = _allocate(jobs, choices, capacity, pools_by_id, config, now)
-        res.solve_s += time.perf_counter() - t0
-        requests = []
-        for job in jobs:
-            c = chosen.get(job.id)
-            if c is None:
-                continue
-            fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
-            requests.append(placement_request(job, c, fallbacks, blocked, pools_by_id, config))
-        placed = place(requests, pools, used, risk, config.egress)
+        placed, waiting = _allocate_and_place(res, jobs, choices, capacity, pools, pools_by_id,
+                                              used, risk, blocked, config, now)
         # GPUs free right now: running jobs hold theirs until they have checkpointed, so a
         # launch into GPUs a resizing job still holds waits for a later round.
         free_now = {p.id: p.capacity - used.get(p.id, 0) for p in pools}
@@ -284,15 +340,51 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
                     if free_now[where.pool] < where.gpus:
                         continue  # deferred, not dropped: it waits for the GPUs to free up
                     free_now[where.pool] -= where.gpus
+            if job.id in waiting:
+                _wait_for_spot(res, job, fence)
+                continue
             _diff(res, job, target, fence, config)
     return res
+
+
+def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
+                        choices: dict[str, list[Choice]], capacity: int, pools: list[Pool],
+                        pools_by_id: dict[str, Pool], used: Mapping[str, int],
+                        risk: Mapping[str, PoolRisk], blocked: frozenset[str],
+                        config: SchedulerConfig, now: float,
+                        ) -> tuple[dict[str, PlacementResult | None], set[str]]:
+    """One accelerator's allocation and placement; the deadline jobs that wait for spot (see
+    :func:`place_by_deadline`) give their share back: the others are allocated and placed again
+    without them. Returns the placements and the waiting jobs' ids."""
+    placed: dict[str, PlacementResult | None] = {}
+    waiting: set[str] = set()
+    for _ in range(2):
+        active = [j for j in jobs if j.id not in waiting]
+        t0 = time.perf_counter()
+        chosen = _allocate(active, choices, capacity, pools_by_id, config, now)
+        res.solve_s += time.perf_counter() - t0
+        requests, views = [], {}
+        for job in active:
+            c = chosen.get(job.id)
+            if c is None:
+                continue
+            fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
+            requests.append(placement_request(job, c, fallbacks, blocked, pools_by_id, config))
+            if job.spec.deadline_s is not None:
+                views[job.id] = deadline_job(job, c, pools_by_id, config, now)
+        placed, waits = place_by_deadline(requests, views, pools, used, risk, config)
+        if not waits:
+            break
+        waiting |= waits
+    return placed, waiting
 
 
 def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity: int,
               pools_by_id: dict[str, Pool], config: SchedulerConfig,
               now: float) -> dict[str, Choice | None]:
     """Run the allocator with running jobs' current config favoured (``stickiness``) and, for
-    jobs started less than ``min_rescale_interval_s`` ago (or under the static policy), pinned;
+    jobs started less than ``min_rescale_interval_s`` ago (or under the static policy) and jobs
+    that must not be preempted (``spot: never``: no suspension or rescale to rebalance), pinned;
     pins are dropped when they cannot all be honoured (capacity was lost)."""
     def build(pin: bool) -> list[JobChoices]:
         out = []
@@ -301,9 +393,9 @@ def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity:
             if job.state is JobState.RUNNING:
                 pool = pools_by_id.get(job.pool or "")
                 cur = [c for c in opts if (c.gpus, c.batch_size) == (job.gpus, job.batch_size)]
-                young = (config.policy is Policy.STATIC or
-                         now - (job.launched_at or 0) < config.min_rescale_interval_s)
-                if pin and cur and young and pool is not None and pool.capacity >= job.gpus:
+                pinned = (config.policy is Policy.STATIC or must_not_preempt(job.spec.spot) or
+                          now - (job.launched_at or 0) < config.min_rescale_interval_s)
+                if pin and cur and pinned and pool is not None and pool.capacity >= job.gpus:
                     out.append(JobChoices(job.id, cur, required=True))
                     continue
                 bonus = 1.0 + config.stickiness
@@ -366,6 +458,21 @@ def _stop(res: RoundResult, job: JobRecord, fence: int, kind: IntentKind, reason
         res.stops += 1
     else:
         res.suspends += 1
+
+
+WAIT_FOR_SPOT = ("waiting for spot: ahead of its deadline's pace, so no on-demand yet (it takes "
+                 "on-demand once behind that pace)")
+
+
+def _wait_for_spot(res: RoundResult, job: JobRecord, fence: int) -> None:
+    """A deadline job the market rule keeps off GPUs this round: a running one checkpoints and
+    waits; a waiting one says why (once) instead of staying queued without a word."""
+    if job.state is JobState.RUNNING:
+        _stop(res, job, fence, IntentKind.SUSPEND, WAIT_FOR_SPOT)
+    elif job.reason != WAIT_FOR_SPOT:
+        res.plan.change(job, event="waiting-for-spot", event_data={"reason": WAIT_FOR_SPOT},
+                        reason=WAIT_FOR_SPOT)
+        res.changed.append(job.id)
 
 
 def _unlaunchable(res: RoundResult, job: JobRecord, accel: Accelerator, sizes: list[int],

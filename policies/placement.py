@@ -1,10 +1,15 @@
 """Region placement: map each job's GPU count to one pool (cloud, region, market).
 
-A job's GPUs stay in one pool. Jobs that already run keep their pool when it still has room (no
-churn); others go to the eligible pool with the lowest expected cost to finish their work there
+A job's GPUs stay in one pool. Jobs that already run keep their pool when it still has room;
+others go to the eligible pool with the lowest expected cost to finish their work there
 (``policies.region_score.expected_cost``: price, preemption risk, the move's restart and
-checkpoint egress), spot first for ``preferred``, on-demand only for ``never``; at equal cost the
-cheaper price, then the lower risk (on-demand before spot). With no risk or job details every
+checkpoint egress), spot first for ``preferred``, on-demand only for a job that must not be
+preempted (``spot: never``, ``policies.spot.must_not_preempt``) and only the ``markets`` the
+request allows (the deadline rule's choice); at equal cost the cheaper price, then the lower risk
+(on-demand before spot). Then, as in the simulator, a running job moves into the room left in
+another pool only when that saves more than the stickiness margin
+(``policies.region_score.Stickiness``) with the move's restart counted; no job is displaced, and
+a job that must not be preempted never moves. With no risk or job details every
 spot pool is as safe as on-demand and every move costs alike, so the order is the price order.
 Allowed/denied regions are ``cloud:region`` globs; ``blocked`` pools (spot locations just
 reclaimed, from ``policies.migration``) take no new jobs while any other pool has room for them.
@@ -25,9 +30,11 @@ from policies.region_score import (
     Candidate,
     Egress,
     JobNeeds,
+    Stickiness,
     expected_cost,
     hazard_per_hour,
 )
+from policies.spot import must_not_preempt
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,8 @@ class PlacementRequest:
     The fields from ``remaining_h`` on describe the job for the expected cost: hours of work left
     at ``gpus`` (the default, one hour, compares pools by what an hour costs), what a relaunch
     loses, the checkpoint interval, and the checkpoint's size and location (its egress on a move
-    to another region or cloud; ``None`` for a job without one).
+    to another region or cloud; ``None`` for a job without one). ``markets`` are those the job
+    may use this round (the broker narrows them by the deadline rule, ``policies.spot``).
     """
 
     job_id: str
@@ -54,6 +62,7 @@ class PlacementRequest:
     checkpoint_gb: float = 0.0
     checkpoint_cloud: str | None = None
     checkpoint_region: str | None = None
+    markets: frozenset[Market] = frozenset(Market)
 
     def needs(self, gpus: int) -> JobNeeds:
         """The job as ``policies.region_score`` scores it, at ``gpus`` GPUs."""
@@ -103,7 +112,9 @@ def region_allowed(pool: Pool, allow: Sequence[str], deny: Sequence[str]) -> boo
 
 
 def eligible(pool: Pool, req: PlacementRequest) -> bool:
-    if req.spot is SpotPolicy.NEVER and pool.market is Market.SPOT:
+    if pool.market not in req.markets:
+        return False
+    if pool.market is Market.SPOT and must_not_preempt(req.spot):
         return False
     if pool.id in req.blocked and pool.id != req.current_pool:
         return False
@@ -112,13 +123,14 @@ def eligible(pool: Pool, req: PlacementRequest) -> bool:
 
 def place(requests: Sequence[PlacementRequest], pools: Sequence[Pool],
           used: dict[str, int] | None = None, risk: Mapping[str, PoolRisk] | None = None,
-          egress: Egress | None = None) -> dict[str, PlacementResult | None]:
+          egress: Egress | None = None,
+          stickiness: Stickiness | None = None) -> dict[str, PlacementResult | None]:
     """Place every request; ``used`` are GPUs already held per pool by jobs not placed here,
     ``risk`` what is known of each pool's preemptions (by pool id), ``egress`` the transfer
-    prices of a checkpoint.
+    prices of a checkpoint, ``stickiness`` the saving a running job's move must beat.
 
     Order: jobs staying in their current pool first, then larger jobs first (first-fit
-    decreasing keeps big gangs placeable).
+    decreasing keeps big gangs placeable); then running jobs move where that pays (``_move``).
     """
     risk, used, egress = risk or {}, used or {}, egress or Egress()
     free = {p.id: _free(p, used.get(p.id, 0), risk.get(p.id, PoolRisk())) for p in pools}
@@ -132,6 +144,11 @@ def place(requests: Sequence[PlacementRequest], pools: Sequence[Pool],
                 free[pool].free -= gpus
                 out[req.job_id] = PlacementResult(pool, gpus)
                 break
+    margin = stickiness or Stickiness()
+    for req in order:
+        got = out[req.job_id]
+        if got is not None and got.pool == req.current_pool and not must_not_preempt(req.spot):
+            out[req.job_id] = PlacementResult(_move(req, got.gpus, free, egress, margin), got.gpus)
     return out
 
 
@@ -141,19 +158,48 @@ def _pick(req: PlacementRequest, gpus: int, free: dict[str, _Free],
     if cur is not None and cur.free >= gpus and cur.pool.launchable(gpus) and \
             eligible(cur.pool, req):
         return cur.pool.id
+    best = _best(req, gpus, _fits(req, gpus, free), egress)
+    return None if best is None else best.pool.id
+
+
+def _move(req: PlacementRequest, gpus: int, free: dict[str, _Free], egress: Egress,
+          stickiness: Stickiness) -> str:
+    """Where a running job placed in its own pool ends up: the best pool with room now when
+    moving there saves more than the stickiness margin over its remaining work (the move's
+    restart and egress counted, as ``region_score.choose`` does in the simulator), else its
+    own pool. Its own GPUs count as room where it is; the other jobs keep theirs."""
+    cur = free[req.current_pool or ""]
+    cur.free += gpus
+    best = _best(req, gpus, _fits(req, gpus, free), egress) or cur
+    needs = req.needs(gpus)
+    if best is not cur and stickiness.keeps(
+            expected_cost(needs, _sized(cur.candidate, gpus), egress),
+            expected_cost(needs, _sized(best.candidate, gpus), egress)):
+        best = cur
+    best.free -= gpus
+    return best.pool.id
+
+
+def _fits(req: PlacementRequest, gpus: int, free: dict[str, _Free]) -> list[_Free]:
+    """Eligible pools with room for ``gpus``."""
     room = [f for f in free.values() if f.free >= gpus and f.pool.launchable(gpus)]
     fits = [f for f in room if eligible(f.pool, req)]
     if not fits and req.blocked:
         # Every pool with room was just reclaimed: better there than waiting out the decay
         # (SpotHedge resets its marks when too few locations stay active).
         fits = [f for f in room if eligible(f.pool, replace(req, blocked=frozenset()))]
+    return fits
+
+
+def _best(req: PlacementRequest, gpus: int, fits: list[_Free], egress: Egress) -> _Free | None:
+    """The cheapest of ``fits`` by expected cost (spot first for ``preferred``)."""
     if len(fits) < 2:
-        return fits[0].pool.id if fits else None
+        return fits[0] if fits else None
     needs = req.needs(gpus)
     spot_first = req.spot is SpotPolicy.PREFERRED
     return min(fits, key=lambda f: (
         not (spot_first and f.pool.market is Market.SPOT),
-        expected_cost(needs, _sized(f.candidate, gpus), egress), *f.tie)).pool.id
+        expected_cost(needs, _sized(f.candidate, gpus), egress), *f.tie))
 
 
 def _sized(c: Candidate, gpus: int) -> Candidate:

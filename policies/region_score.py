@@ -81,6 +81,11 @@ class Stickiness(BaseModel):
     def threshold(self, current_cost: float) -> float:
         return max(self.min_saving_usd, self.min_saving_fraction * current_cost)
 
+    def keeps(self, current_cost: float, best_cost: float) -> bool:
+        """Does a running job stay where it costs ``current_cost`` rather than move to a pool
+        where it costs ``best_cost`` (the move's restart and egress included)?"""
+        return current_cost - best_cost < self.threshold(current_cost)
+
 
 class Scored(BaseModel):
     candidate: Candidate
@@ -162,8 +167,7 @@ def choose(
         return None
     best = ranked[0]
     current = next((s for s in ranked if s.pool_id == needs.current_pool), None)
-    if current is not None and current is not best:
-        margin = (stickiness or Stickiness()).threshold(current.cost_usd)
-        if current.cost_usd - best.cost_usd < margin:
-            return current
+    if current is not None and current is not best and \
+            (stickiness or Stickiness()).keeps(current.cost_usd, best.cost_usd):
+        return current
     return best

@@ -2,20 +2,34 @@
 
 Spot while it is there; when it is not, fall back to on-demand only if the job is behind a uniform
 pace to its deadline (else wait for spot); switch to on-demand for good once the slack left is no
-more than the restarts it could still cost. A job that must not be preempted stays on on-demand.
-A job close to that point should hold its pace on spot, without rescales (``holds_pace``).
+more than the restarts it could still cost. A job that must not be preempted (``spot: never``,
+``must_not_preempt``) stays on on-demand. A job close to that point should hold its pace on spot,
+without rescales (``holds_pace``). The simulator and the live broker both build a job's
+``restart_h`` with ``preemption_h``.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.models import Market
+from policies.models import Market, SpotPolicy
 
 # Slack kept, in restarts: one to switch to on-demand, one for the preemption that forces it.
 SAFETY_RESTARTS = 2.0
 # Leaving on-demand for spot costs a restart: only with clearly more slack than the safety net.
 RETURN_TO_SPOT_RESTARTS = 3.0
+
+
+def must_not_preempt(spot: SpotPolicy) -> bool:
+    """The one mapping of a job's spot setting to "must not be preempted": ``spot: never``."""
+    return spot is SpotPolicy.NEVER
+
+
+def preemption_h(reaction_h: float, restart_h: float, loss_h: float, remaining_h: float) -> float:
+    """What one preemption can cost a job, in hours (``DeadlineJob.restart_h``): the time until
+    the broker reacts, the restart, and the work lost since the last checkpoint (``loss_h``),
+    never more than the work the job has left to do."""
+    return reaction_h + restart_h + min(loss_h, remaining_h)
 
 
 class DeadlineJob(BaseModel):

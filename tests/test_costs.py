@@ -79,6 +79,9 @@ def test_costs_add_up_across_attempts_regions_and_teams() -> None:
     assert math.isclose(ml["cost_usd"], line.cost_usd) and ml["intervals"] == 3
     assert math.isclose(report["total"]["cost_usd"], line.cost_usd + 0.9)
     assert math.isclose(report["total"]["ondemand_cost_usd"], 30.0 + 0.9)
+    newest = cost_report(jobs, {"a-1": a, "b-1": b}, rows=1)
+    assert [r["job"] for r in newest["jobs"]] == ["c-1"]  # only the newest row...
+    assert newest["teams"] == report["teams"] and newest["total"] == report["total"]  # all sums
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +96,13 @@ def fleet(server: ApiServer, who: str, *args: str) -> tuple[int, str, str]:
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.stdout, result.stderr
+
+
+def report_total(server: ApiServer) -> dict[str, object]:
+    """The admin's total with no limit on the rows."""
+    code, out, _ = fleet(server, "admin", "cost-report", "--json")
+    assert code == 0
+    return json.loads(out)["total"]
 
 
 def test_cost_report_through_the_api_and_cli(stack: tuple[ApiServer, Store]) -> None:
@@ -123,5 +133,10 @@ def test_cost_report_through_the_api_and_cli(stack: tuple[ApiServer, Store]) -> 
     code, out, _ = fleet(server, "admin", "cost-report", "--json", "--limit", "1")
     newest = json.loads(out)
     assert [r["job"] for r in newest["jobs"]] == [theirs.id] and newest["jobs_total"] == 2
+    # --limit shortens the per-job rows only: the teams and the total still count both jobs
+    assert [t["team"] for t in newest["teams"]] == ["ml", "vision"]
+    assert math.isclose(newest["teams"][0]["cost_usd"], 4 * 0.9 + 2 * 1.1)
+    assert math.isclose(newest["total"]["cost_usd"], 4 * 0.9 + 2 * 1.1 + 1 * 2.5)
+    assert newest["total"] == report_total(server)
     code, _, err = fleet(server, "ml", "cost-report", "--team", "vision")
     assert code == 3 and "no team 'vision'" in err

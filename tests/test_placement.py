@@ -149,3 +149,40 @@ def test_without_risk_or_checkpoint_the_order_is_the_price_order(
         p.price_per_gpu_hour, p.market is Market.SPOT, p.id)).id if fits else None
     got = place([req], pools)["j"]
     assert (got and got.pool) == want
+
+
+# ---- stickiness: a running job moves only past the margin (policies.region_score.Stickiness) ---
+
+def test_a_running_job_moves_only_when_the_saving_beats_the_stickiness_margin() -> None:
+    """Ten hours left on 2 GPUs: its pool became much dearer ($0.9 against $0.2: $14 saved, well
+    past max($1, 10%)), so it moves; a saving of $0.2 (0.21 against 0.20) keeps it where it is;
+    a job that must not be preempted never moves; a move never displaces another job."""
+    dear = pool("dear", Market.SPOT, 0.9, 4)
+    near = pool("near", Market.SPOT, 0.21, 4)
+    cheap = pool("cheap", Market.SPOT, 0.2, 4)
+    running = PlacementRequest("j", 2, current_pool=dear.id, remaining_h=10)
+    assert place([running], [dear, cheap])["j"] == PlacementResult(cheap.id, 2)
+    small = PlacementRequest("j", 2, current_pool=near.id, remaining_h=10)
+    assert place([small], [near, cheap])["j"] == PlacementResult(near.id, 2)
+    # the move's restart counts: 35 h of restart at $0.40/h eat the $14 saving
+    slow = PlacementRequest("j", 2, current_pool=dear.id, remaining_h=10, restart_h=35)
+    assert place([slow], [dear, cheap])["j"].pool == dear.id
+    od_dear = pool("od", Market.ON_DEMAND, 3.0, 4)
+    never = PlacementRequest("n", 2, current_pool=od_dear.id, remaining_h=10,
+                             spot=SpotPolicy.NEVER)
+    cheap_od = pool("od2", Market.ON_DEMAND, 0.5, 4)
+    assert place([never], [od_dear, cheap_od])["n"].pool == od_dear.id
+    # the cheap pool's room goes to the queued job first; the running job stays
+    queued = PlacementRequest("q", 4, remaining_h=10)
+    got = place([running, queued], [dear, cheap])
+    assert got == {"j": PlacementResult(dear.id, 2), "q": PlacementResult(cheap.id, 4)}
+
+
+def test_markets_narrow_the_eligible_pools() -> None:
+    only_od = PlacementRequest("j", 1, markets=frozenset({Market.ON_DEMAND}))
+    assert place([only_od], [SPOT_A, SPOT_B, OD_C])["j"].pool == OD_C.id
+    only_spot = PlacementRequest("j", 1, markets=frozenset({Market.SPOT}))
+    assert place([only_spot], [OD_C])["j"] is None
+    # spot: never wins over a market list that allows spot
+    never = PlacementRequest("j", 1, spot=SpotPolicy.NEVER, markets=frozenset({Market.SPOT}))
+    assert place([never], [SPOT_A, OD_C])["j"] is None

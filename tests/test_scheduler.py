@@ -1,17 +1,22 @@
 """Scheduling rounds against a real redis-server: launches, shrink on arrival, stop on cancel,
-admission drop, and a stale fence refused; what placement is told about each job and pool."""
+admission drop, and a stale fence refused; what placement is told about each job and pool; the
+deadline rule's market, spot: never jobs kept whole, and moves past the stickiness margin."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from broker.models import IntentKind, JobState
 from broker.scheduler import (
+    WAIT_FOR_SPOT,
     Admission,
     Policy,
     Scheduler,
     SchedulerConfig,
     checkpoint_interval_s,
+    deadline_job,
     job_choices,
     placement_request,
     pool_risk,
@@ -27,6 +32,7 @@ from policies.models import (
     JobSpec,
     Market,
     Pool,
+    SpotPolicy,
 )
 
 
@@ -247,3 +253,131 @@ def test_a_measured_checkpoint_size_prices_the_move(store: Store) -> None:
     Scheduler(store, config).run_round(fence)
     where = {n: store.get_job(i).pool for n, i in ids.items()}  # type: ignore[union-attr]
     assert where == {"big": west.id, "small": east.id, "unmeasured": west.id}
+
+
+# ---- deadlines (policies.spot.choose_market), spot: never, stickiness in the live broker ------
+
+HOUR = 3600.0
+SPOT_T4 = Pool(cloud="aws", region="east", accelerator=Accelerator.T4, market=Market.SPOT,
+               nodes=1, gpus_per_node=4, price_per_gpu_hour=0.2)
+OD_T4 = Pool(cloud="aws", region="west", accelerator=Accelerator.T4, market=Market.ON_DEMAND,
+             nodes=1, gpus_per_node=4, price_per_gpu_hour=0.9)
+
+
+def paced_job(store: Store, name: str, deadline_h: float | None, elapsed_h: float = 1.0,
+              done_h: float = 0.5, total_h: float = 2.0, running_in: Pool | None = None) -> str:
+    """A 1-GPU job (fixed batch 32) its agent measured at 1000 samples/s: ``total_h`` hours of
+    work of which ``done_h`` are done, submitted ``elapsed_h`` ago; suspended after its first
+    attempt, or running in ``running_in``."""
+    deadline = None if deadline_h is None else deadline_h * HOUR
+    job = store.submit(spec(name, gmax=1, batch_mode="fixed", deadline_s=deadline).model_copy(
+        update={"work_samples": int(total_h * HOUR * 1000)}), team="t")
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=1, batch_size=32,
+                pool=running_in and running_in.id, submitted_at=time.time() - elapsed_h * HOUR)
+    store.apply(plan)
+    store.record_heartbeat(job.id, 1, samples_done=int(done_h * HOUR * 1000),
+                           samples_per_sec=1000.0, world_size=1, global_batch_size=32)
+    plan = Plan()
+    if running_in is None:
+        plan.change(store.get_job(job.id), JobState.SUSPENDED, gpus=0)  # type: ignore[arg-type]
+    else:
+        plan.change(store.get_job(job.id), JobState.RUNNING, launched_at=0.0)  # type: ignore[arg-type]
+    store.apply(plan)
+    return job.id
+
+
+def test_deadline_job_in_hours_of_work_at_the_measured_rate(store: Store) -> None:
+    job = store.get_job(paced_job(store, "d", deadline_h=2.55))
+    assert job is not None
+    view = deadline_job(job, Choice(1, 32, 1.0), {}, SchedulerConfig(), now=time.time())
+    assert view.total_h == pytest.approx(2.0) and view.progress_h == pytest.approx(0.5)
+    assert view.elapsed_h == pytest.approx(1.0, abs=1e-3) and view.deadline_h == 2.55
+    # a preemption costs the reaction (6 s), the restart (60 s) and a checkpoint interval (100 s)
+    assert view.restart_h == pytest.approx(166 / HOUR)
+    assert view.behind_pace and view.slack_h == pytest.approx(0.05, abs=1e-3)
+    assert not view.must_not_preempt and view.current is None
+    never = job.model_copy(update={"spec": job.spec.model_copy(update={"spot": SpotPolicy.NEVER})})
+    assert deadline_job(never, Choice(1, 32, 1.0), {}, SchedulerConfig(), 0.0).must_not_preempt
+
+
+def test_a_tight_deadline_behind_pace_takes_on_demand_while_ample_slack_takes_spot(
+        store: Store) -> None:
+    """Both pools have room. 1.5 h of work left, 1 h after submission: with the deadline at
+    2.55 h its slack (3 min) is under two preemptions' cost (2 x 166 s), so it finishes on
+    on-demand; with the deadline at 10 h it runs on the cheaper spot."""
+    store.set_pools([SPOT_T4, OD_T4])
+    fence = store.acquire_lease("t", ttl_s=30)
+    tight, ample = paced_job(store, "tight", 2.55), paced_job(store, "ample", 10.0)
+    Scheduler(store).run_round(fence)
+    got = {n: store.get_job(i) for n, i in (("tight", tight), ("ample", ample))}
+    assert all(j is not None and j.state is JobState.LAUNCHING for j in got.values())
+    assert got["tight"].pool == OD_T4.id  # type: ignore[union-attr]
+    assert got["ample"].pool == SPOT_T4.id  # type: ignore[union-attr]
+
+
+def test_without_spot_room_a_job_behind_pace_takes_on_demand_and_one_ahead_waits(
+        store: Store) -> None:
+    """The spot pool is full; 4 on-demand GPUs are free. Behind its pace (0.5 h done of 2 h at
+    1 h of a 3 h deadline) a job takes on-demand; ahead of its pace (10 h deadline) one waits
+    for spot and holds no GPUs: its share goes to a job without a deadline, which takes the
+    other 3 on-demand GPUs as before."""
+    store.set_pools([SPOT_T4, OD_T4])
+    fence = store.acquire_lease("t", ttl_s=30)
+    filler = store.submit(spec("filler"), team="t")
+    plan = Plan()
+    plan.change(filler, JobState.LAUNCHING, attempt=1, gpus=4, pool=SPOT_T4.id)
+    store.apply(plan)
+    behind, ahead = paced_job(store, "behind", 3.0), paced_job(store, "ahead", 10.0)
+    wide = store.submit(spec("wide", gmax=4), team="t").id
+    sched = Scheduler(store)
+    sched.run_round(fence)
+    got = {n: store.get_job(i) for n, i in (("behind", behind), ("ahead", ahead),
+                                            ("wide", wide))}
+    assert got["behind"].pool == OD_T4.id  # type: ignore[union-attr]
+    assert (got["wide"].pool, got["wide"].gpus) == (OD_T4.id, 3)  # type: ignore[union-attr]
+    assert got["ahead"].state is JobState.SUSPENDED  # type: ignore[union-attr]
+    assert {i.job_id for i in store.intents()} == {behind, wide}  # no launch for "ahead"
+    assert got["ahead"].reason == WAIT_FOR_SPOT  # type: ignore[union-attr]
+    sched.run_round(fence)
+    assert store.get_job(ahead).version == got["ahead"].version  # type: ignore[union-attr]
+
+
+def test_a_spot_never_job_is_not_shrunk_or_suspended_to_make_room(store: Store) -> None:
+    """Two GPUs, a running 2-GPU job and a high-priority newcomer: an ordinary job is resized
+    or suspended for it; one that must not be preempted (spot: never) keeps both GPUs and the
+    newcomer waits."""
+    sched = Scheduler(store, SchedulerConfig(min_rescale_interval_s=0))
+    for policy, kept in (("allowed", False), ("never", True)):
+        store.r.flushdb()
+        fence = store.acquire_lease("t", ttl_s=30)
+        store.set_pools([POOLS[1]])
+        a = store.submit(spec(f"a-{policy}", gmax=2, spot=policy), team="t")
+        sched.run_round(fence)
+        run_all(store, fence)
+        b = store.submit(spec(f"b-{policy}", gmax=2, priority=50), team="t")
+        sched.run_round(fence)
+        kinds = [i.kind for i in store.intents() if i.job_id == a.id]
+        assert (kinds == []) is kept, (policy, kinds)
+        if kept:
+            assert store.get_job(a.id).gpus == 2  # type: ignore[union-attr]
+            assert store.get_job(b.id).state is JobState.QUEUED  # type: ignore[union-attr]
+        else:
+            assert kinds in ([IntentKind.RESIZE], [IntentKind.SUSPEND])
+
+
+def test_a_running_job_moves_when_its_pool_became_much_dearer(store: Store) -> None:
+    """A 1-GPU job with 10 h of work left runs in west. At $0.21 against $0.20 in east it stays
+    (a $0.10 saving is under the $1 margin); when west goes to $0.90 it migrates to east ($7
+    saved, restart counted)."""
+    east = SPOT_T4
+    west = SPOT_T4.model_copy(update={"region": "west", "price_per_gpu_hour": 0.21})
+    store.set_pools([east, west])
+    fence = store.acquire_lease("t", ttl_s=30)
+    paced_job(store, "mover", None, done_h=0.0, total_h=10.0, running_in=west)
+    sched = Scheduler(store, SchedulerConfig(min_rescale_interval_s=0))
+    assert sched.run_round(fence).plan.empty()  # a small saving: it stays
+    store.set_pools([east, west.model_copy(update={"price_per_gpu_hour": 0.9})])
+    res = sched.run_round(fence)
+    (intent,) = store.intents()
+    assert res.suspends == 1 and intent.kind is IntentKind.MIGRATE and intent.pool == east.id

@@ -25,7 +25,8 @@ def cost_report(
     team: str | None = typer.Option(None, "--team", help="Only this team (admin; a team token "
                                     "sees its own)"),
     state: list[str] | None = typer.Option(None, "--state", help="Only jobs in this state"),
-    limit: int = typer.Option(1000, "--limit", min=1, help="The newest this many jobs"),
+    limit: int = typer.Option(1000, "--limit", min=1, help="Rows for the newest this many "
+                             "jobs; the team sums and the total count every job"),
     as_json: bool = JsonOpt, url: str | None = UrlOpt, token: str | None = TokenOpt,
 ) -> None:
     """Cost per job and per team, summed over every placement interval, vs all on-demand."""
@@ -51,4 +52,5 @@ def cost_report(
     _print_table(jobs)
     _print_table(teams)
     if out["jobs_total"] > len(out["jobs"]):
-        _print_table(f"the newest {len(out['jobs'])} of {out['jobs_total']} jobs; --limit for more")
+        _print_table(f"rows for the newest {len(out['jobs'])} of {out['jobs_total']} jobs (the "
+                     "sums count all); --limit for more")

@@ -70,7 +70,7 @@ from policies.schedulers import (
     JobState,
     PolicyName,
 )
-from policies.spot import DeadlineJob, choose_market, holds_pace
+from policies.spot import DeadlineJob, choose_market, holds_pace, preemption_h
 from providers.catalog import UNKNOWN_RATE
 
 DEFAULT_CHECKPOINT_S = 100.0  # the job spec's default (policies.models.CheckpointSpec)
@@ -445,17 +445,12 @@ class _SpotSim:
         return DeadlineJob(
             total_h=total, progress_h=progress, elapsed_h=(now - job.state.submitted) / 3600,
             deadline_h=None if job.deadline is None else job.deadline / 3600,
-            # what one preemption can cost: the round until the broker reacts, the restart and
-            # the work lost since the last checkpoint
-            restart_h=self.cfg.interval / 3600 + job.restart_h + self._loss_h(total - progress),
+            # the round until the broker reacts, the restart, and the work since the last
+            # checkpoint (none with a checkpoint on notice)
+            restart_h=preemption_h(self.cfg.interval / 3600, job.restart_h,
+                                   0.0 if self.spot.checkpoint_on_notice
+                                   else self.spot.checkpoint_s / 3600, total - progress),
             current=None if pool is None else pool.pool.market)
-
-    def _loss_h(self, remaining_h: float) -> float:
-        """Work one preemption can lose: none with a checkpoint on notice, else up to a
-        checkpoint interval, and never more than the work the job has left to do."""
-        if self.spot.checkpoint_on_notice:
-            return 0.0
-        return min(self.spot.checkpoint_s / 3600, remaining_h)
 
     def _allocate(self, group: list[_Job], market: Market, now: float,
                   sizes: dict[str, int] | None = None, floors: dict[str, float] | None = None,
