@@ -179,9 +179,11 @@ def test_fleet_keeps_a_job_near_the_safety_net_at_pace_without_rescales(tmp_path
     state = make_job(_job(), CFG).state
     total_s = isolated_pace(state, fleet_capacity([p.pool for p in pools])).hours(
         state.app.efficiency.target) * 3600
-    # slack of 2.9 restarts (a round until the broker reacts + the restart), short of the 3 that
-    # would bring it back from on-demand: the allocator alone rescales it 1 -> 4 -> 8 GPUs
-    job = _job(deadline=total_s + 2.9 * (CFG.interval + state.restart_s))
+    # slack just short of what would bring it back from on-demand (DeadlineJob.return_h: two
+    # preemptions, each a round until the broker reacts + the restart, and a restart onto spot):
+    # the allocator alone rescales it 1 -> 4 -> 8 GPUs
+    slack = 2 * (CFG.interval + state.restart_s) + state.restart_s - 5
+    job = _job(deadline=total_s + slack)
     res = simulate_spot([job], pools, CFG,
                         SpotConfig(MarketPolicy.FLEET, checkpoint_on_notice=True))
     assert res.deadline_misses == 0 and res.ondemand_gpu_h == 0
