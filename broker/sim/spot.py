@@ -514,19 +514,27 @@ class _SpotSim:
 
     def _place(self, jobs: list[_Job], assigned: dict[str, Assignment], pools: list[SimPool],
                free: dict[str, int], now: float) -> dict[str, tuple[Assignment, SimPool]]:
-        """Running jobs keep their pool while it holds their new size, those that keep their
-        configuration first (a rescale must not push a job that would not restart out of its
-        pool); the others go, largest gang first, where the spot policy says; then fleet moves
-        running jobs into the room left elsewhere when that beats region_score's stickiness
-        margin (no job is displaced)."""
+        """One pool per gang. A running job holds its GPUs where it runs until it is placed
+        anew (one whose new size fits nowhere gets them back for the next allocation, not
+        someone else). Running jobs keep their pool while it holds their new size, those that
+        keep their configuration first (a rescale must not push a job that would not restart
+        out of its pool); the others go, largest gang first, where the spot policy says; then
+        fleet moves running jobs into the room left elsewhere when that beats region_score's
+        stickiness margin (no job is displaced)."""
         out: dict[str, tuple[Assignment, SimPool]] = {}
         todo = sorted((j for j in jobs if j.state.id in assigned),
                       key=lambda j: (-assigned[j.state.id].gpus, j.state.submitted, j.state.id))
+        held: dict[str, int] = {}
+        for j in todo:
+            if j.state.current is not None and j.pool is not None and j.pool.pool.id in free:
+                held[j.state.id] = j.state.current.gpus
+                free[j.pool.pool.id] -= j.state.current.gpus
         for j in sorted(todo, key=lambda j: _restarts(j, assigned[j.state.id])):
             a = assigned[j.state.id]
-            if j.pool is not None and j.pool.pool.id in free and \
-                    j.pool.pool.accelerator is a.accelerator and free[j.pool.pool.id] >= a.gpus:
-                free[j.pool.pool.id] -= a.gpus
+            if j.state.id in held and j.pool is not None and \
+                    j.pool.pool.accelerator is a.accelerator and \
+                    free[j.pool.pool.id] + held[j.state.id] >= a.gpus:
+                free[j.pool.pool.id] += held.pop(j.state.id) - a.gpus
                 out[j.state.id] = (a, j.pool)
         for j in todo:
             a = assigned[j.state.id]
@@ -534,12 +542,19 @@ class _SpotSim:
                 if self.spot.market is not MarketPolicy.FLEET:
                     continue
                 free[j.pool.pool.id] += a.gpus  # its own GPUs count as room where it is
+            elif j.state.id in held:
+                free[j.pool.pool.id] += held[j.state.id]
             fits = [p for p in pools if p.pool.accelerator is a.accelerator
                     and free[p.pool.id] >= a.gpus]
             pool = self._pick(j, a, fits, now)
             if pool is not None:
                 free[pool.pool.id] -= a.gpus
                 out[j.state.id] = (a, pool)
+                held.pop(j.state.id, None)
+            elif j.state.id in held:
+                free[j.pool.pool.id] -= held[j.state.id]  # still holds them this pass
+        for jid, gpus in held.items():  # back to the next allocation, its own seat included
+            free[next(j for j in todo if j.state.id == jid).pool.pool.id] += gpus
         return out
 
     def _pick(self, job: _Job, a: Assignment, fits: list[SimPool], now: float) -> SimPool | None:
