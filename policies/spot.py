@@ -76,9 +76,13 @@ class DeadlineJob(BaseModel):
     @property
     def behind_pace(self) -> bool:
         """Progress below the uniform pace ``total * elapsed / deadline``."""
+        return self.progress_h < self.pace_h(self.elapsed_h)
+
+    def pace_h(self, elapsed_h: float) -> float:
+        """Work the uniform pace has done by ``elapsed_h`` (none without a deadline)."""
         if self.deadline_h is None:
-            return False
-        return self.progress_h < self.total_h * min(self.elapsed_h / self.deadline_h, 1.0)
+            return 0.0
+        return self.total_h * min(elapsed_h / self.deadline_h, 1.0)
 
 
 def holds_pace(job: DeadlineJob) -> bool:
@@ -99,4 +103,9 @@ def choose_market(job: DeadlineJob, spot_available: bool) -> Market | None:
         if job.current is Market.ON_DEMAND and job.slack_h <= job.return_h:
             return Market.ON_DEMAND
         return Market.SPOT
+    if job.current is Market.ON_DEMAND:
+        # Can't Be Late's hysteresis: leave on-demand to wait for spot only once clearly ahead
+        # of pace, or the job flaps between waiting and relaunching, a restart each time
+        ahead = job.progress_h >= job.pace_h(job.elapsed_h + job.return_h)
+        return None if ahead else Market.ON_DEMAND
     return Market.ON_DEMAND if job.behind_pace else None

@@ -110,3 +110,16 @@ def test_holds_pace_only_without_slack_to_give_away() -> None:
     assert job.slack_h <= job.return_h and holds_pace(job)
     assert not holds_pace(job.model_copy(update={"deadline_h": 10.5}))
     assert not holds_pace(job.model_copy(update={"deadline_h": None}))
+
+
+def test_on_demand_job_waits_for_spot_only_once_clearly_ahead_of_pace() -> None:
+    # on on-demand, spot gone: a job just ahead of its pace keeps on-demand (leaving it to wait
+    # would have it behind pace and relaunching a round later); one clearly ahead may wait
+    on_od = DeadlineJob(total_h=10, progress_h=5.01, elapsed_h=10, deadline_h=20, restart_h=0.1,
+                        current=Market.ON_DEMAND)
+    assert not on_od.behind_pace and on_od.slack_h > on_od.return_h
+    assert choose_market(on_od, spot_available=False) is Market.ON_DEMAND
+    ahead = on_od.model_copy(update={"progress_h": 6})
+    assert choose_market(ahead, spot_available=False) is None
+    idle = on_od.model_copy(update={"current": None})
+    assert choose_market(idle, spot_available=False) is None  # not on it: CBL's waiting rule
