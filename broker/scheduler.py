@@ -223,7 +223,7 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
         restart_h=preemption_h(config.reaction_s / 3600, config.restart_s / 3600,
                                checkpoint_interval_s(spec, choice.batch_size, rate) / 3600,
                                total_h - progress_h),
-        must_not_preempt=must_not_preempt(spec.spot),
+        switch_h=config.restart_s / 3600, must_not_preempt=must_not_preempt(spec.spot),
         current=None if pool is None else pool.market)
 
 

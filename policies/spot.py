@@ -1,11 +1,14 @@
 """Spot or on-demand per job, deadline-aware as in "Can't Be Late" (NSDI'24): keep on pace.
 
 Spot while it is there; when it is not, fall back to on-demand only if the job is behind a uniform
-pace to its deadline (else wait for spot); switch to on-demand for good once the slack left is no
-more than the restarts it could still cost. A job that must not be preempted (``spot: never``,
-``must_not_preempt``) stays on on-demand. A job close to that point should hold its pace on spot,
-without rescales (``holds_pace``). The simulator and the live broker both build a job's
-``restart_h`` with ``preemption_h``.
+pace to its deadline (else wait for spot); switch to on-demand for good once the slack left could
+not absorb one more preemption: what a preemption costs (``restart_h``: the round until the broker
+reacts, the work lost, the restart that follows), plus, for a job not running on spot yet, the
+restart onto spot (``switch_h``), paid before the risk begins. Can't Be Late's safety net of two
+restarts is this rule for a preemption that costs just a restart. A job that must not be
+preempted (``spot: never``, ``must_not_preempt``) stays on on-demand. A job close to the net
+should hold its pace on spot, without rescales (``holds_pace``). The simulator and the live
+broker both build a job's ``restart_h`` with ``preemption_h``.
 """
 
 from __future__ import annotations
@@ -13,11 +16,6 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.models import Market, SpotPolicy
-
-# Slack kept, in restarts: one to switch to on-demand, one for the preemption that forces it.
-SAFETY_RESTARTS = 2.0
-# Leaving on-demand for spot costs a restart: only with clearly more slack than the safety net.
-RETURN_TO_SPOT_RESTARTS = 3.0
 
 
 def must_not_preempt(spot: SpotPolicy) -> bool:
@@ -41,7 +39,9 @@ class DeadlineJob(BaseModel):
     progress_h: float = Field(ge=0, description="compute hours already done (checkpointed)")
     elapsed_h: float = Field(ge=0, description="hours since submission")
     deadline_h: float | None = Field(default=None, gt=0, description="None: no deadline")
-    restart_h: float = Field(default=0.0, ge=0, description="overhead of one (re)start")
+    restart_h: float = Field(default=0.0, ge=0, description="what one preemption can cost")
+    switch_h: float | None = Field(default=None, ge=0,
+                                   description="one (re)start elsewhere; None: restart_h")
     must_not_preempt: bool = False
     current: Market | None = Field(default=None, description="market the job runs on now")
 
@@ -57,32 +57,55 @@ class DeadlineJob(BaseModel):
         return self.deadline_h - self.elapsed_h - self.remaining_h
 
     @property
+    def net_h(self) -> float:
+        """The safety net: the slack that absorbs one more preemption, plus the restart onto spot
+        for a job not running there yet."""
+        return self.restart_h + (0.0 if self.current is Market.SPOT else self._switch_h)
+
+    @property
+    def return_h(self) -> float:
+        """Slack above which a job off spot goes (back) to spot: the net of a job about to start
+        there, plus one preemption's worth, so that a rescale or a round below pace does not
+        send it straight back."""
+        return 2 * self.restart_h + self._switch_h
+
+    @property
+    def _switch_h(self) -> float:
+        return self.restart_h if self.switch_h is None else self.switch_h
+
+    @property
     def behind_pace(self) -> bool:
         """Progress below the uniform pace ``total * elapsed / deadline``."""
+        return self.progress_h < self.pace_h(self.elapsed_h)
+
+    def pace_h(self, elapsed_h: float) -> float:
+        """Work the uniform pace has done by ``elapsed_h`` (none without a deadline)."""
         if self.deadline_h is None:
-            return False
-        return self.progress_h < self.total_h * min(self.elapsed_h / self.deadline_h, 1.0)
+            return 0.0
+        return self.total_h * min(elapsed_h / self.deadline_h, 1.0)
 
 
 def holds_pace(job: DeadlineJob) -> bool:
-    """Too little slack to give any away: with no more than ``RETURN_TO_SPOT_RESTARTS`` restarts
-    of slack, a round below pace or one more restart (a rescale) can put the job under the safety
-    net, onto on-demand for good, since from there it would not come back to spot. Such a job
-    should run at least at its pace and keep a configuration that does."""
-    return job.slack_h <= RETURN_TO_SPOT_RESTARTS * job.restart_h
+    """Too little slack to give any away: within ``return_h``, a round below pace or one more
+    restart (a rescale) can put the job under the safety net, onto on-demand for good, since from
+    there it would not come back to spot. Such a job should run at least at its pace and keep a
+    configuration that does."""
+    return job.slack_h <= job.return_h
 
 
 def choose_market(job: DeadlineJob, spot_available: bool) -> Market | None:
     """The market to run on now, or ``None`` to wait (hold no capacity) for spot to come back."""
     if job.must_not_preempt:
         return Market.ON_DEMAND
-    if job.slack_h <= SAFETY_RESTARTS * job.restart_h:
+    if job.slack_h <= job.net_h:
         return Market.ON_DEMAND  # past the point of no return: finish on on-demand
     if spot_available:
-        if (
-            job.current is Market.ON_DEMAND
-            and job.slack_h <= RETURN_TO_SPOT_RESTARTS * job.restart_h
-        ):
+        if job.current is Market.ON_DEMAND and job.slack_h <= job.return_h:
             return Market.ON_DEMAND
         return Market.SPOT
+    if job.current is Market.ON_DEMAND:
+        # Can't Be Late's hysteresis: leave on-demand to wait for spot only once clearly ahead
+        # of pace, or the job flaps between waiting and relaunching, a restart each time
+        ahead = job.progress_h >= job.pace_h(job.elapsed_h + job.return_h)
+        return None if ahead else Market.ON_DEMAND
     return Market.ON_DEMAND if job.behind_pace else None

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.models import Market
-from policies.spot import RETURN_TO_SPOT_RESTARTS, DeadlineJob, choose_market, holds_pace
+from policies.spot import DeadlineJob, choose_market, holds_pace
 
 
 def simulate(
@@ -14,12 +14,13 @@ def simulate(
 ) -> tuple[float, float, float]:
     """Run the rule on a spot availability trace; return (finish time, spot hours, on-demand hours).
 
-    Progress is checkpointed every step; a (re)start or a switch costs ``restart`` hours."""
+    Progress is checkpointed every step; a (re)start or a switch costs ``restart`` hours. The
+    finish time is the moment the work completes (within its step)."""
     dt = restart / 2 if restart else 0.05
     t = progress = overhead = spot_h = od_h = 0.0
     current: Market | None = None
     step = 0
-    while progress < total - 1e-9:
+    while True:
         spot = avail[step % len(avail)]
         if current is Market.SPOT and not spot:
             current = None  # preempted
@@ -35,15 +36,18 @@ def simulate(
         if current is not None:
             lost = min(dt, overhead)
             overhead -= lost
-            progress = min(total, progress + dt - lost)
+            done = progress + dt - lost >= total  # completes within this step
+            held = lost + (total - progress) if done else dt
             if current is Market.SPOT:
-                spot_h += dt
+                spot_h += held
             else:
-                od_h += dt
+                od_h += held
+            if done:
+                return t + held, spot_h, od_h
+            progress += dt - lost
         t += dt
         step += 1
         assert t < 10 * deadline, "the job never finishes"
-    return t, spot_h, od_h
 
 
 traces = st.lists(st.booleans(), min_size=1, max_size=60)
@@ -103,6 +107,19 @@ def test_spot_only_saves_money_against_on_demand_on_a_trace() -> None:
 
 def test_holds_pace_only_without_slack_to_give_away() -> None:
     job = DeadlineJob(total_h=10, progress_h=0, elapsed_h=0, deadline_h=10.25, restart_h=0.1)
-    assert job.slack_h <= RETURN_TO_SPOT_RESTARTS * job.restart_h and holds_pace(job)
+    assert job.slack_h <= job.return_h and holds_pace(job)
     assert not holds_pace(job.model_copy(update={"deadline_h": 10.5}))
     assert not holds_pace(job.model_copy(update={"deadline_h": None}))
+
+
+def test_on_demand_job_waits_for_spot_only_once_clearly_ahead_of_pace() -> None:
+    # on on-demand, spot gone: a job just ahead of its pace keeps on-demand (leaving it to wait
+    # would have it behind pace and relaunching a round later); one clearly ahead may wait
+    on_od = DeadlineJob(total_h=10, progress_h=5.01, elapsed_h=10, deadline_h=20, restart_h=0.1,
+                        current=Market.ON_DEMAND)
+    assert not on_od.behind_pace and on_od.slack_h > on_od.return_h
+    assert choose_market(on_od, spot_available=False) is Market.ON_DEMAND
+    ahead = on_od.model_copy(update={"progress_h": 6})
+    assert choose_market(ahead, spot_available=False) is None
+    idle = on_od.model_copy(update={"current": None})
+    assert choose_market(idle, spot_available=False) is None  # not on it: CBL's waiting rule

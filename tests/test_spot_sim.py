@@ -16,13 +16,16 @@ from broker.sim.spot import (
     MarketPolicy,
     SimPool,
     SpotConfig,
+    _SpotSim,
     isolated_pace,
     sim_pools,
     simulate_spot,
 )
 from broker.sim.traces import TraceError, read_trace
 from broker.sim.workload import WorkloadError, WorkloadJob, read_workload
-from policies.schedulers import PolicyName
+from policies.choices import ChoiceTables, placement_for
+from policies.models import Accelerator
+from policies.schedulers import Assignment, PolicyName
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "clusters" / "spot-v100.yaml"
@@ -179,9 +182,11 @@ def test_fleet_keeps_a_job_near_the_safety_net_at_pace_without_rescales(tmp_path
     state = make_job(_job(), CFG).state
     total_s = isolated_pace(state, fleet_capacity([p.pool for p in pools])).hours(
         state.app.efficiency.target) * 3600
-    # slack of 2.9 restarts (a round until the broker reacts + the restart), short of the 3 that
-    # would bring it back from on-demand: the allocator alone rescales it 1 -> 4 -> 8 GPUs
-    job = _job(deadline=total_s + 2.9 * (CFG.interval + state.restart_s))
+    # slack just short of what would bring it back from on-demand (DeadlineJob.return_h: two
+    # preemptions, each a round until the broker reacts + the restart, and a restart onto spot):
+    # the allocator alone rescales it 1 -> 4 -> 8 GPUs
+    slack = 2 * (CFG.interval + state.restart_s) + state.restart_s - 5
+    job = _job(deadline=total_s + slack)
     res = simulate_spot([job], pools, CFG,
                         SpotConfig(MarketPolicy.FLEET, checkpoint_on_notice=True))
     assert res.deadline_misses == 0 and res.ondemand_gpu_h == 0
@@ -284,3 +289,29 @@ def test_cli_bad_inputs_fail_clearly(tmp_path: Path, setup: str, message: str) -
     assert r.exit_code == 2
     assert message in " ".join(r.output.split()) and "Traceback" not in r.output
     assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_a_running_job_whose_growth_fits_nowhere_keeps_its_seat(tmp_path: Path) -> None:
+    # A runs 16 GPUs in the cheap pool and the allocator offers it 32, which no pool has room
+    # for (the big pool is busy with C); B, new, must not take A's seat: it goes to the dear pool
+    pools = _cluster(tmp_path, _v100("us-east-1", "spot", 0.3, nodes=2),
+                     _v100("us-west-2", "spot", 0.5, nodes=2),
+                     _v100("eu-west-1", "spot", 0.6, nodes=4))
+    cheap, dear, big = pools
+    sim = _SpotSim([_job("a"), _job("b"), _job("c")], pools, CFG,
+                   SpotConfig(MarketPolicy.FAILOVER), ChoiceTables())
+    a, b, c = sim.jobs
+
+    def run(job, pool, gpus: int) -> Assignment:
+        job.pool = pool
+        job.state.current = Assignment(Accelerator.V100, gpus, 256, placement_for(gpus, 8))
+        return job.state.current
+
+    run(a, cheap, 16)
+    keep_c = run(c, big, 32)
+    assigned = {"a": Assignment(Accelerator.V100, 32, 512, placement_for(32, 8)),
+                "b": Assignment(Accelerator.V100, 16, 256, placement_for(16, 8)), "c": keep_c}
+    free = {p.pool.id: p.gpus_at(0) for p in pools}
+    out = sim._place([a, b, c], assigned, pools, free, 0.0)
+    assert out["b"][1] is dear and out["c"][1] is big and "a" not in out
+    assert free[cheap.pool.id] == 16  # A's seat goes back to the next allocation, not to B

@@ -269,6 +269,14 @@ class _CappedPolicy(ElasticPolicy):
         return ConfigTable(table.gpus[keep], table.batch[keep], table.rate[keep])
 
 
+def _restarts(job: _Job, a: Assignment) -> bool:
+    """Does running ``job`` with ``a`` (re)start it: it is not running, or its type, GPU count
+    or placement changes (a batch change alone needs no restart)?"""
+    c = job.state.current
+    return c is None or (c.accelerator, c.gpus, c.placement) != (a.accelerator, a.gpus,
+                                                                  a.placement)
+
+
 def simulate_spot(workload: Sequence[WorkloadJob], pools: Sequence[SimPool],
                   cfg: SimConfig = SimConfig(), spot: SpotConfig = SpotConfig(),
                   tables: ChoiceTables | None = None) -> SpotResult:
@@ -296,6 +304,11 @@ class _SpotSim:
             raise SimulationError(f"--spot-policy {spot.market.value} needs {need} pools; the "
                                   "cluster has none")
         self.types = fleet_capacity([p.pool for p in pools])
+        # a gang runs in one pool, so a job's pace refers to the largest pool of its type
+        self.gang_types = [
+            TypeCapacity(t.accelerator, max(p.pool.nodes for p in pools
+                                            if p.pool.accelerator is t.accelerator),
+                         t.gpus_per_node) for t in self.types]
         self.tables = tables
         self.jobs = [self._job(w) for w in sorted(workload, key=lambda w: (w.time, w.name))]
         self.out = SpotResult(SimResult([j.sim.record for j in self.jobs], 0.0, 0))
@@ -307,7 +320,7 @@ class _SpotSim:
 
     def _job(self, w: WorkloadJob) -> _Job:
         sim = make_job(w, self.cfg)
-        return _Job(sim, w.deadline, isolated_pace(sim.state, self.types))
+        return _Job(sim, w.deadline, isolated_pace(sim.state, self.gang_types))
 
     def run(self) -> SpotResult:
         cfg, jobs, cache = self.cfg, self.jobs, {}
@@ -431,6 +444,14 @@ class _SpotSim:
         return job.state.slowdown / per[min(job.state.epoch, len(per) - 1)]
 
     @staticmethod
+    def _hours_left(job: _Job, a: Assignment) -> float:
+        """Hours to finish at the assignment's goodput (at the job's current epoch): what the
+        job will hold the pool's GPUs for, the basis of a pool's expected cost."""
+        s = job.state
+        rate = s.app.rate(a.accelerator, a.placement, a.batch_size, s.epoch)[0]
+        return (s.app.efficiency.target - s.progress) * s.slowdown / rate / 3600
+
+    @staticmethod
     def _rate(job: _Job) -> float:
         """The goodput of the job's current configuration at its epoch."""
         a = job.state.current
@@ -450,7 +471,7 @@ class _SpotSim:
             restart_h=preemption_h(self.cfg.interval / 3600, job.restart_h,
                                    0.0 if self.spot.checkpoint_on_notice
                                    else self.spot.checkpoint_s / 3600, total - progress),
-            current=None if pool is None else pool.pool.market)
+            switch_h=job.restart_h, current=None if pool is None else pool.pool.market)
 
     def _allocate(self, group: list[_Job], market: Market, now: float,
                   sizes: dict[str, int] | None = None, floors: dict[str, float] | None = None,
@@ -493,17 +514,27 @@ class _SpotSim:
 
     def _place(self, jobs: list[_Job], assigned: dict[str, Assignment], pools: list[SimPool],
                free: dict[str, int], now: float) -> dict[str, tuple[Assignment, SimPool]]:
-        """Running jobs keep their pool while it holds their new size; the others go, largest
-        gang first, where the spot policy says; then fleet moves running jobs into the room
-        left elsewhere when that beats region_score's stickiness margin (no job is displaced)."""
+        """One pool per gang. A running job holds its GPUs where it runs until it is placed
+        anew (one whose new size fits nowhere gets them back for the next allocation, not
+        someone else). Running jobs keep their pool while it holds their new size, those that
+        keep their configuration first (a rescale must not push a job that would not restart
+        out of its pool); the others go, largest gang first, where the spot policy says; then
+        fleet moves running jobs into the room left elsewhere when that beats region_score's
+        stickiness margin (no job is displaced)."""
         out: dict[str, tuple[Assignment, SimPool]] = {}
         todo = sorted((j for j in jobs if j.state.id in assigned),
                       key=lambda j: (-assigned[j.state.id].gpus, j.state.submitted, j.state.id))
+        held: dict[str, int] = {}
         for j in todo:
+            if j.state.current is not None and j.pool is not None and j.pool.pool.id in free:
+                held[j.state.id] = j.state.current.gpus
+                free[j.pool.pool.id] -= j.state.current.gpus
+        for j in sorted(todo, key=lambda j: _restarts(j, assigned[j.state.id])):
             a = assigned[j.state.id]
-            if j.pool is not None and j.pool.pool.id in free and \
-                    j.pool.pool.accelerator is a.accelerator and free[j.pool.pool.id] >= a.gpus:
-                free[j.pool.pool.id] -= a.gpus
+            if j.state.id in held and j.pool is not None and \
+                    j.pool.pool.accelerator is a.accelerator and \
+                    free[j.pool.pool.id] + held[j.state.id] >= a.gpus:
+                free[j.pool.pool.id] += held.pop(j.state.id) - a.gpus
                 out[j.state.id] = (a, j.pool)
         for j in todo:
             a = assigned[j.state.id]
@@ -511,12 +542,19 @@ class _SpotSim:
                 if self.spot.market is not MarketPolicy.FLEET:
                     continue
                 free[j.pool.pool.id] += a.gpus  # its own GPUs count as room where it is
+            elif j.state.id in held:
+                free[j.pool.pool.id] += held[j.state.id]
             fits = [p for p in pools if p.pool.accelerator is a.accelerator
                     and free[p.pool.id] >= a.gpus]
             pool = self._pick(j, a, fits, now)
             if pool is not None:
                 free[pool.pool.id] -= a.gpus
                 out[j.state.id] = (a, pool)
+                held.pop(j.state.id, None)
+            elif j.state.id in held:
+                free[j.pool.pool.id] -= held[j.state.id]  # still holds them this pass
+        for jid, gpus in held.items():  # back to the next allocation, its own seat included
+            free[next(j for j in todo if j.state.id == jid).pool.pool.id] += gpus
         return out
 
     def _pick(self, job: _Job, a: Assignment, fits: list[SimPool], now: float) -> SimPool | None:
@@ -536,12 +574,14 @@ class _SpotSim:
         # stickiness margin for a running job, among the locations SpotHedge has not blocked
         open_ = [p for p in fits if p is job.pool or not any(
             self.blocklist.is_blocked(k, now) for k in location_keys(p.pool))] or fits
+        # a job that restarts anyway (start, rescale) pays no extra restart to move, so only a
+        # job that keeps its configuration is held by the stickiness margin
+        stays = job.pool is not None and not _restarts(job, a)
         needs = JobNeeds(
-            gpus=a.gpus, remaining_h=job.pace.hours(job.state.app.efficiency.target)
-            - job.pace.hours(job.state.progress), restart_h=job.restart_h,
+            gpus=a.gpus, remaining_h=self._hours_left(job, a), restart_h=job.restart_h,
             checkpoint_interval_h=0.0 if self.spot.checkpoint_on_notice
             else self.spot.checkpoint_s / 3600,
-            current_pool=None if job.pool is None else job.pool.pool.id)
+            current_pool=job.pool.pool.id if stays and job.pool is not None else None)
         candidates = [Candidate(pool=p.pool, prior_monthly_rate=p.prior,
                                 preemptions_seen=self.preempted.get(p.pool.id, 0),
                                 node_hours_seen=self.node_hours.get(p.pool.id, 0.0))
@@ -557,8 +597,7 @@ class _SpotSim:
             return
         a, pool = new
         old = s.current
-        if old is not None and job.pool is pool and (old.accelerator, old.gpus, old.placement) == (
-                a.accelerator, a.gpus, a.placement):
+        if old is not None and job.pool is pool and not _restarts(job, a):
             s.current = a  # a batch change alone needs no restart
             return
         # a change of region costs a restart elsewhere, whether a preemption forced it or fleet
