@@ -26,7 +26,9 @@ from providers.base import (
     PreemptionNotice,
     Provider,
     ProviderError,
+    Quota,
     QuotaError,
+    share,
 )
 from providers.catalog import CatalogOffer, cheapest_type_for, load_offers, vcpus_per_gpu
 
@@ -133,9 +135,15 @@ class AzureProvider(Provider):
         return [o for o in self._offers if o.region in self.regions]
 
     def capacity(self) -> dict[str, int]:
-        """GPU headroom per pool from the regional vCPU quotas: ``lowPriorityCores`` for spot,
-        ``cores`` for on-demand (VM-family quotas may be tighter; launches still map those)."""
-        out: dict[str, int] = {}
+        """GPU headroom per pool: each regional vCPU budget split among the accelerators it
+        covers (``quotas()`` has the shared budgets)."""
+        return share(self.quotas())
+
+    def quotas(self) -> list[Quota]:
+        """One budget per region and market: ``lowPriorityCores`` for spot, ``cores`` for
+        on-demand, each shared by every accelerator of the region (VM-family quotas may be
+        tighter; launches still map those to ``QuotaError``)."""
+        out = []
         for region in self.regions:
             try:
                 usages = {u.name.value: u for u in self._compute.usage.list(region)}
@@ -144,11 +152,14 @@ class AzureProvider(Provider):
             for market, metric in ((Market.SPOT, "lowPriorityCores"), (Market.ON_DEMAND, "cores")):
                 if metric not in usages:
                     continue
-                free = max(usages[metric].limit - usages[metric].current_value, 0)
-                for acc, per_gpu in vcpus_per_gpu(self._offers, region).items():
-                    pool = Pool(cloud="azure", region=region, accelerator=acc, market=market,
-                                nodes=0, gpus_per_node=1)  # fmt: skip
-                    out[pool.id] = int(free // per_gpu)
+                per_gpu = {
+                    Pool(cloud="azure", region=region, accelerator=acc, market=market, nodes=0,
+                         gpus_per_node=1).id: vcpus
+                    for acc, vcpus in vcpus_per_gpu(self._offers, region).items()
+                }  # fmt: skip
+                if per_gpu:
+                    free = max(usages[metric].limit - usages[metric].current_value, 0)
+                    out.append(Quota(free, per_gpu))
         return out
 
     # --- launch, terminate, inventory -------------------------------------------------------

@@ -200,12 +200,19 @@ def test_capacity_from_regional_vcpu_quotas(azure: AzureProvider, http) -> None:
         ]},
     )  # fmt: skip
     cap = azure.capacity()
-    per_gpu = min(
-        o.vcpus / o.accelerator_count
-        for o in OFFERS
-        if o.region == "eastus" and o.accelerator is Accelerator.V100
-    )
-    assert cap["azure:eastus:spot:V100"] == int(88 // per_gpu)
+    spot, on_demand = azure.quotas()
+    assert (spot.free, on_demand.free) == (88, 0)
+    per_gpu = {
+        a: min(o.vcpus / o.accelerator_count for o in OFFERS
+               if o.region == "eastus" and o.accelerator is a)
+        for a in {o.accelerator for o in OFFERS if o.region == "eastus"}
+    }  # fmt: skip
+    assert spot.per_gpu == {f"azure:eastus:spot:{a}": v for a, v in per_gpu.items()}
+    # One regional budget for every accelerator: each gets an even share, never the whole 88
+    # vCPUs (a V100 pool and a T4 pool each promised all of it would overcommit the region).
+    share = 88 / len(per_gpu)
+    assert cap["azure:eastus:spot:V100"] == int(share // per_gpu[Accelerator.V100])
+    assert sum(cap[p] * v for p, v in spot.per_gpu.items()) <= 88
     assert cap["azure:eastus:on-demand:V100"] == 0
 
 
