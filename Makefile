@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# SkyPilot (about 100 packages, some pinned below ours) lives in its own venv: the tests check our
+# generated tasks with SkyPilot's own parser there, without it in the broker's environment.
+SKYPILOT := skypilot==0.14.1
 
 .PHONY: setup test lint bench demo clean
 
@@ -14,6 +17,8 @@ $(STAMP): pyproject.toml infra/bootstrap.sh
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[all,test]'
+	$(PYTHON) -m venv $(VENV)/skypilot
+	$(VENV)/skypilot/bin/python -m pip install -q '$(SKYPILOT)'
 	touch $(STAMP)
 
 lint: setup

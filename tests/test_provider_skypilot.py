@@ -1,8 +1,11 @@
-"""SkyPilot backend: generated tasks pass our schema of SkyPilot's format; launch/status/down at the
-adapter boundary (SkyPilot itself is not installed)."""
+"""SkyPilot backend: generated tasks pass our schema and SkyPilot's own parser (SkyPilot runs in
+its own venv, ``.venv/skypilot``); launch/status/down at the adapter boundary."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -175,3 +178,81 @@ def test_missing_skypilot_is_a_clear_not_configured(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "sky", None)  # import sky -> ImportError
     with pytest.raises(NotConfiguredError, match="pip install 'skypilot"):
         SkySdk()
+
+
+SKY_PYTHON = Path(sys.prefix) / "skypilot" / "bin" / "python"  # made by `make setup`
+
+
+def in_skypilot(mode: str, tasks: list[dict[str, Any]], home: Path) -> Any:
+    """Run ``tests/skypilot_check.py MODE`` in SkyPilot's venv, offline (HOME in a temp dir:
+    SkyPilot writes ``~/.sky``)."""
+    assert SKY_PYTHON.exists(), f"{SKY_PYTHON} is missing: run `make setup`"
+    out = subprocess.run(
+        [str(SKY_PYTHON), str(Path(__file__).with_name("skypilot_check.py")), mode],
+        input=json.dumps(tasks), capture_output=True, text=True, timeout=120,
+        env={"PATH": os.environ["PATH"], "HOME": str(home),
+             "PYTHONPATH": str(Path(__file__).parents[1])},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_skypilot_itself_parses_every_generated_task(tmp_path: Path) -> None:
+    cases = [
+        ("aws", request(region="us-east-1", zone=None, accelerator=Accelerator.V100,
+                        gpus_per_node=1, nodes=1)),
+        ("aws", request(region="us-east-1", zone=None, accelerator=Accelerator.V100,
+                        gpus_per_node=8, market=Market.ON_DEMAND)),
+        ("gcp", request()),
+        ("gcp", request(accelerator=Accelerator.T4, gpus_per_node=4, market=Market.ON_DEMAND)),
+        ("azure", request(region="eastus", zone=None, accelerator=Accelerator.V100,
+                          gpus_per_node=1)),
+    ]  # fmt: skip
+    tasks = []
+    for cloud, req in cases:
+        sky = RecordingSky()
+        SkyPilotProvider(cloud, backend=sky, offers=OFFERS[cloud]).launch(req)
+        tasks.append(sky.launched[0][1])
+    parsed = in_skypilot("parse", tasks, tmp_path)
+    for (cloud, req), task, got in zip(cases, tasks, parsed, strict=True):
+        assert "error" not in got, got
+        res = task["resources"]
+        assert (got["cloud"], got["region"], got["zone"]) == (cloud, req.region, req.zone)
+        assert got["accelerators"] == {req.accelerator.value: req.gpus_per_node}
+        assert got["use_spot"] is (req.market is Market.SPOT)
+        assert (got["instance_type"], got["num_nodes"]) == (res["instance_type"], req.nodes)
+        assert got["labels"] == res["labels"] and got["envs"] == task["envs"]
+        assert (got["run"], got["setup"]) == (task["run"], task["setup"])
+
+
+@pytest.mark.parametrize(
+    ("mutate", "says"),
+    [
+        (lambda t: t["resources"].update(use_spott=True), "use_spott"),
+        (lambda t: t.update(num_nodes="two"), "num_nodes"),
+        (lambda t: t["resources"].update(cloud="ibmm"), "ibmm"),
+    ],
+)
+def test_skypilot_itself_rejects_a_broken_task(mutate, says: str, tmp_path: Path) -> None:
+    sky = RecordingSky()
+    SkyPilotProvider("gcp", backend=sky, offers=OFFERS["gcp"]).launch(request())
+    task = sky.launched[0][1]
+    mutate(task)
+    (got,) = in_skypilot("parse", [task], tmp_path)
+    assert says in got.get("error", "")
+
+
+def test_the_sdk_adapter_calls_skypilots_real_functions(tmp_path: Path) -> None:
+    sky = RecordingSky()
+    SkyPilotProvider("gcp", backend=sky, offers=OFFERS["gcp"]).launch(request())
+    task = sky.launched[0][1]
+    got = in_skypilot("sdk", [task], tmp_path)
+    assert got["calls"] == [
+        ["launch", ["cluster_name", "down", "retry_until_up"]], ["stream_and_get", []],
+        ["status", ["refresh"]], ["get", []], ["down", []], ["get", []], ["down", []],
+        ["get", []], ["launch", ["cluster_name", "down", "retry_until_up"]],
+        ["stream_and_get", []],
+    ]  # fmt: skip
+    assert got["status"] == [{"name": "c1", "status": "UP", "launched_at": 1_764_680_000,
+                              "labels": task["resources"]["labels"]}]
+    assert got["refused"].startswith("skypilot c2: ") and "no A100 in zone" in got["refused"]

@@ -1,0 +1,81 @@
+"""Run by SkyPilot's own interpreter (``.venv/skypilot``), with the repo on PYTHONPATH.
+
+``parse``: reads a JSON list of tasks on stdin and prints what ``sky.Task.from_yaml_config``
+(SkyPilot's schema check, then its resource validation) made of each, or its error.
+``sdk``: drives ``providers.skypilot.SkySdk`` against the real ``sky`` module with only the calls
+that reach SkyPilot's API server replaced; each replacement first binds its arguments to the
+real function's signature, so a call our adapter makes that SkyPilot does not accept fails.
+"""
+
+import inspect
+import json
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import sky
+
+
+def parsed(config: dict) -> dict:
+    try:
+        task = sky.Task.from_yaml_config(config)
+    except Exception as exc:  # the error text is what the test inspects
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    (res,) = task.resources
+    return {
+        "cloud": str(res.cloud).lower(), "region": res.region, "zone": res.zone,
+        "accelerators": res.accelerators, "use_spot": res.use_spot,
+        "instance_type": res.instance_type, "num_nodes": task.num_nodes,
+        "labels": res.labels, "envs": task.envs, "run": task.run, "setup": task.setup,
+    }
+
+
+def server_call(name: str, calls: list, result: Any) -> Any:
+    """``sky.<name>`` as the API server would answer it, after the real signature check."""
+    signature = inspect.signature(getattr(sky, name))
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        signature.bind(*args, **kwargs)
+        calls.append([name, sorted(kwargs)])
+        if isinstance(result, BaseException):
+            raise result
+        return result(*args, **kwargs) if callable(result) else result
+
+    return call
+
+
+def sdk(task: dict) -> dict:
+    from providers.base import CapacityError
+    from providers.skypilot import SkySdk
+
+    calls: list = []
+    labels = task["resources"]["labels"]
+    record = {"name": "c1", "status": sky.ClusterStatus.UP, "launched_at": 1_764_680_000,
+              "handle": SimpleNamespace(launched_resources=sky.Resources(labels=labels))}
+    sky.launch = server_call("launch", calls, "req-launch")
+    sky.stream_and_get = server_call("stream_and_get", calls, None)
+    sky.status = server_call("status", calls, "req-status")
+    sky.get = server_call("get", calls, lambda request_id: [record] if request_id ==
+                          "req-status" else None)
+    sky.down = server_call("down", calls, "req-down")
+    adapter = SkySdk()
+    adapter.launch(task, "c1")
+    listed = adapter.status()
+    adapter.down("c1")
+    # The server answers a request for a cluster that is gone with ClusterDoesNotExist.
+    sky.get = server_call("get", calls, sky.exceptions.ClusterDoesNotExist("c1 is gone"))
+    adapter.down("c1")  # already gone: not an error
+    sky.stream_and_get = server_call(
+        "stream_and_get", calls, sky.exceptions.ResourcesUnavailableError("no A100 in zone"))
+    try:
+        adapter.launch(task, "c2")
+        refused = None
+    except CapacityError as exc:
+        refused = str(exc)
+    return {"calls": calls, "status": listed, "refused": refused}
+
+
+if __name__ == "__main__":
+    tasks = json.load(sys.stdin)
+    out = [parsed(t) for t in tasks] if sys.argv[1] == "parse" else sdk(tasks[0])
+    print(json.dumps(out))
