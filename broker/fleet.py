@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -46,6 +46,10 @@ class CloudConfig(BaseModel):
                                             min_length=1)
     markets: list[Market] = Field(default_factory=lambda: [Market.SPOT, Market.ON_DEMAND],
                                   min_length=1)
+    launcher: Literal["native", "skypilot"] = Field(
+        default="native",
+        description="native: the cloud's own SDK (boto3, google-cloud-compute, "
+        "azure-mgmt-compute); skypilot: launch through SkyPilot pinned to the broker's choice")
     max_gpus: int = Field(default=8, ge=1, le=4096,
                           description="GPUs the broker may hold per pool (a budget cap; the "
                           "provider's quota headroom lowers it when known)")
@@ -336,7 +340,8 @@ def build_fleet_provider(path: Path, state_dir: Path, workdir: Path) -> tuple[
         if local_fleet else None
     options = {name: {"regions": c.regions, **c.options} for name, c in fleet.clouds.items()}
     try:
-        clouds, skipped = build_providers(list(fleet.clouds), options)
+        clouds, skipped = build_providers(list(fleet.clouds), options, launchers={
+            name: c.launcher for name, c in fleet.clouds.items() if c.launcher != "native"})
     except TypeError as exc:  # an option the provider does not take
         raise ValueError(f"{path}: clouds: options: {exc}") from None
     if fleet.clouds and not clouds and local is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from providers.base import NotConfiguredError, Provider
@@ -46,8 +46,12 @@ FACTORIES: dict[str, Callable[..., Provider]] = {
 def build_providers(
     names: Iterable[str] = ("aws", "gcp", "azure"),
     options: dict[str, dict[str, Any]] | None = None,
+    launchers: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Provider], dict[str, str]]:
     """``(providers, skipped)``: each configured cloud's provider, and why the others were skipped.
+
+    ``launchers`` names another factory for a cloud (``{"gcp": "skypilot"}``: GCP through
+    SkyPilot, which is then told the cloud).
 
     Credentials come only from each cloud's standard chain (boto3's default chain,
     ``google.auth.default()``, ``DefaultAzureCredential``); nothing about them is logged.
@@ -57,8 +61,12 @@ def build_providers(
     for name in names:
         if name not in FACTORIES:
             raise ValueError(f"unknown provider {name!r}; use one of: {', '.join(FACTORIES)}")
+        launcher = (launchers or {}).get(name, name)
+        kw = (options or {}).get(name, {})
+        if launcher != name:
+            kw = {**kw, "cloud": name}
         try:
-            built[name] = FACTORIES[name](**(options or {}).get(name, {}))
+            built[name] = FACTORIES[launcher](**kw)
         except NotConfiguredError as exc:
             skipped[name] = str(exc)
             log.warning("skipping %s: %s", name, exc)

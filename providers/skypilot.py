@@ -9,6 +9,7 @@ the package pulls ~98 dependencies and is not a requirement of FleetBroker.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -158,6 +159,7 @@ class SkyPilotProvider(Provider):
         self,
         cloud: str,
         *,
+        regions: Sequence[str] | None = None,
         backend: SkyBackend | None = None,
         broker_id: str = "fleetbroker",
         offers: list[CatalogOffer] | None = None,
@@ -166,7 +168,8 @@ class SkyPilotProvider(Provider):
         self.cloud = cloud
         self.agent_install = bootstrap.agent_install_spec(agent_install)
         self.broker_id = broker_id
-        self._offers = offers if offers is not None else load_offers([cloud])
+        offers = offers if offers is not None else load_offers([cloud])
+        self._offers = [o for o in offers if regions is None or o.region in regions]
         self._backend = backend if backend is not None else SkySdk()
 
     def offers(self) -> list[Offer]:

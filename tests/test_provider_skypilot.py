@@ -256,3 +256,43 @@ def test_the_sdk_adapter_calls_skypilots_real_functions(tmp_path: Path) -> None:
     assert got["status"] == [{"name": "c1", "status": "UP", "launched_at": 1_764_680_000,
                               "labels": task["resources"]["labels"]}]
     assert got["refused"].startswith("skypilot c2: ") and "no A100 in zone" in got["refused"]
+
+
+SKY_FLEET = """
+regions:
+  - {cloud: local, region: lab, market: spot, accelerator: A100, price_per_gpu_hour: 9.0, gpus: 1}
+clouds:
+  gcp: {launcher: skypilot, regions: [us-central1], accelerators: [A100], markets: [spot],
+        max_gpus: 8, options: {broker_id: unit}}
+"""
+
+
+def test_a_fleet_cloud_may_launch_through_skypilot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from broker.fleet import build_fleet_provider
+
+    sky = RecordingSky()
+    monkeypatch.setattr("providers.skypilot.SkySdk", lambda: sky)
+    (tmp_path / "fleet.yaml").write_text(SKY_FLEET)
+    fleet, skipped = build_fleet_provider(tmp_path / "fleet.yaml", tmp_path / "state", tmp_path)
+    assert not skipped and isinstance(fleet.for_cloud("gcp"), SkyPilotProvider)
+    pool = next(p for p in fleet.pools() if p.cloud == "gcp")
+    assert (pool.region, pool.market, pool.capacity) == ("us-central1", Market.SPOT, 8)
+    (node,) = fleet.launch(request(cloud="gcp", nodes=1))
+    cluster, task = sky.launched[0]
+    assert task["resources"]["cloud"] == "gcp" and task["resources"]["region"] == "us-central1"
+    assert (node.provider, node.region, node.job_id) == ("skypilot", "us-central1", "job-3")
+    assert [n.node_id for n in fleet.nodes() if n.provider == "skypilot"] == [node.node_id]
+    fleet.terminate(node.node_id)  # routed to the backend that listed it: `sky down`
+    assert cluster not in sky.clusters
+
+
+def test_a_skypilot_cloud_without_skypilot_is_skipped_naming_the_install(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from broker.fleet import build_fleet_provider
+
+    monkeypatch.setitem(sys.modules, "sky", None)  # `import sky` fails as if not installed
+    (tmp_path / "fleet.yaml").write_text(SKY_FLEET)
+    fleet, skipped = build_fleet_provider(tmp_path / "fleet.yaml", tmp_path / "state", tmp_path)
+    assert list(skipped) == ["gcp"] and "pip install 'skypilot[aws,gcp,azure]'" in skipped["gcp"]
+    assert [p.cloud for p in fleet.pools()] == ["local"]
