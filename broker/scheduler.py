@@ -174,6 +174,18 @@ def _location(pool_id: str, pools_by_id: Mapping[str, Pool]) -> tuple[str, str]:
     return cloud, region.split("/")[0]
 
 
+def _checkpoint_location(job: JobRecord, pools_by_id: Mapping[str, Pool],
+                         ) -> tuple[str, str] | tuple[None, None]:
+    """Where a restore reads the job's checkpoint: the bucket's ``checkpoint.region`` when the
+    spec names it, else the region of its last pool; nowhere before its first run."""
+    if not job.pool or job.attempt == 0:
+        return None, None
+    if (bucket := job.spec.checkpoint.region) is not None:
+        cloud, region = bucket.split(":")
+        return cloud, region
+    return _location(job.pool, pools_by_id)
+
+
 def checkpoint_gb(job: JobRecord, config: SchedulerConfig) -> float:
     """The job's checkpoint size in GB (10^9 bytes, as egress is billed): what its agent
     measured for the last checkpoint, else the fleet-wide estimate ``config.checkpoint_gb``."""
@@ -192,7 +204,7 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
     spec = job.spec
     rate = samples_per_sec(job, choice.gpus, choice.batch_size)
     left = max(0, spec.work_samples - job.samples_done)
-    where = _location(job.pool, pools_by_id) if job.pool and job.attempt > 0 else (None, None)
+    where = _checkpoint_location(job, pools_by_id)
     return PlacementRequest(
         job.id, choice.gpus, fallbacks, job.pool if job.state is JobState.RUNNING else None,
         spec.spot, spec.regions.allow, spec.regions.deny, blocked,

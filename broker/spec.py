@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from policies.models import Accelerator, JobSpec, SpotPolicy, check_name
+from policies.models import CLOUD_REGION, Accelerator, JobSpec, SpotPolicy, check_name
 
 MAX_SPEC_BYTES = 256 * 1024
 MAX_DEADLINE_S = 366 * 24 * 3600.0
@@ -242,6 +242,7 @@ def parse_spec_data(doc: Any, *, default_name: str | None = None) -> ParsedSpec:
 _DURATION = re.compile(r"^\s*(?:(\d+)\s*d)?\s*(?:(\d+)\s*h)?\s*(?:(\d+)\s*m)?\s*(?:(\d+)\s*s)?\s*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REGION_PATTERN = re.compile(r"^[a-z0-9*?\[\]!-]+:[a-z0-9*?\[\]!_-]+$")
+_CLOUD_REGION = re.compile(CLOUD_REGION)
 CLOUDS = ("aws", "gcp", "azure", "local")  # the clouds a region pattern may name
 _RESERVED_ENV_PREFIX = "FLEET_"
 
@@ -485,10 +486,10 @@ def _parse_checkpoint(p: _Problems, value: Any) -> dict[str, Any] | None:
     if not isinstance(value, Mapping):
         p.add("checkpoint", value, "write {uri: ..., interval: 100s | 500steps}")
         return None
-    unknown = set(value) - {"uri", "interval"}
+    unknown = set(value) - {"uri", "region", "interval"}
     if unknown:
         p.add(f"checkpoint.{sorted(map(str, unknown))[0]}", None,
-              "unknown key; checkpoint takes uri and interval", show=False)
+              "unknown key; checkpoint takes uri, region and interval", show=False)
         return None
     out: dict[str, Any] = {}
     uri = value.get("uri")
@@ -499,6 +500,13 @@ def _parse_checkpoint(p: _Problems, value: Any) -> dict[str, Any] | None:
                   "without control characters")
             return None
         out["uri"] = uri
+    region = value.get("region")
+    if region is not None:
+        if not isinstance(region, str) or not _CLOUD_REGION.fullmatch(region.strip()):
+            p.add("checkpoint.region", region, "write the bucket's cloud:region, like "
+                  "aws:us-east-1 or gcp:europe-west4 (no patterns)")
+            return None
+        out["region"] = region.strip()
     interval = value.get("interval")
     if interval is not None:
         steps = re.fullmatch(r"\s*(\d+)\s*steps?\s*", interval) if isinstance(

@@ -211,10 +211,17 @@ class Regions(BaseModel):
     deny: list[str] = Field(default_factory=list)
 
 
+CLOUD_REGION = r"^[a-z][a-z0-9-]*:[a-z0-9-]+$"  # one 'cloud:region', no patterns
+
+
 class CheckpointSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     uri: str | None = None
+    region: str | None = Field(
+        default=None, pattern=CLOUD_REGION,
+        description="'cloud:region' of the bucket behind uri: a move restores from there (the "
+        "egress placement prices); none: the checkpoint sits in the region of the last pool")
     interval: str = Field(default="100s", pattern=r"^[1-9][0-9]*(s|steps)$",
                           description="'<n>s' seconds or '<n>steps' (the spec parser "
                           "writes other forms such as 5m in this one)")

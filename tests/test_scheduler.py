@@ -255,6 +255,39 @@ def test_a_measured_checkpoint_size_prices_the_move(store: Store) -> None:
     assert where == {"big": west.id, "small": east.id, "unmeasured": west.id}
 
 
+def test_a_named_checkpoint_bucket_is_where_a_move_restores_from(store: Store) -> None:
+    """The job last ran in aws:east, but its 50 GB checkpoint lives in a gcp:west bucket
+    (``checkpoint.region``): placement prices the restore from gcp:west, so the job goes there
+    over aws:east at a price 0.5 % lower (4.50 USD of internet egress to read it in aws)."""
+    east = Pool(cloud="aws", region="east", accelerator=Accelerator.T4, market=Market.SPOT,
+                nodes=1, gpus_per_node=4, price_per_gpu_hour=0.2)
+    west = east.model_copy(update={"cloud": "gcp", "region": "west", "price_per_gpu_hour": 0.201})
+    store.set_pools([east, west])
+    fence = store.acquire_lease("t", ttl_s=30)
+    ids = {}
+    for name, bucket in (("bucket", "gcp:west"), ("local", None)):
+        base = spec(name, gmax=1)
+        ck = base.checkpoint.model_copy(update={"uri": "gs://ck/" + name, "region": bucket})
+        job = store.submit(base.model_copy(update={"work_samples": 10**7, "checkpoint": ck}),
+                           team="t")
+        plan = Plan()
+        plan.change(job, JobState.LAUNCHING, attempt=1, gpus=1, pool=east.id)
+        store.apply(plan)
+        store.record_heartbeat(job.id, 1, samples_done=1000, checkpoint_step=10,
+                               checkpoint_bytes=50_000_000_000)
+        plan = Plan()
+        plan.change(store.get_job(job.id), JobState.SUSPENDED)  # type: ignore[arg-type]
+        store.apply(plan)
+        ids[name] = job.id
+    job = store.get_job(ids["bucket"])
+    assert job is not None
+    req = placement_request(job, Choice(1, 32, 1.0), [], frozenset(), {}, SchedulerConfig())
+    assert (req.checkpoint_cloud, req.checkpoint_region, req.checkpoint_gb) == ("gcp", "west", 50)
+    Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
+    where = {n: store.get_job(i).pool for n, i in ids.items()}  # type: ignore[union-attr]
+    assert where == {"bucket": west.id, "local": east.id}
+
+
 # ---- deadlines (policies.spot.choose_market), spot: never, stickiness in the live broker ------
 
 HOUR = 3600.0

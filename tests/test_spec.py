@@ -50,7 +50,7 @@ gpus: 1:4
 batch_mode: fixed
 spot: preferred
 regions: {allow: [local:*, aws], deny: ["aws:us-west-*"]}
-checkpoint: {uri: "s3://bucket/ck", interval: 2m}
+checkpoint: {uri: "s3://bucket/ck", region: aws:us-east-1, interval: 2m}
 priority: 5
 team: ml
 deadline: 1h30m
@@ -65,6 +65,7 @@ model: cifar10
     assert s.envs == {"OMP_NUM_THREADS": "1", "FLAG": "true"}
     assert s.regions.allow == ["local:*", "aws:*"] and s.regions.deny == ["aws:us-west-*"]
     assert s.checkpoint.uri == "s3://bucket/ck" and s.checkpoint.interval == "120s"
+    assert s.checkpoint.region == "aws:us-east-1"
     assert (s.priority, s.team, s.deadline_s, s.model) == (5, "ml", 5400.0, "cifar10")
 
 
@@ -127,6 +128,9 @@ def test_examples_all_parse() -> None:
     (BASE + "regions: {deny: ['gpc:*']}", "regions.deny[0]", "did you mean 'gcp:*'?"),
     (BASE + "regions: {allow: [aws, 'x*:eu-*']}", "regions.allow[1]", "unknown cloud 'x*'"),
     (BASE + "checkpoint: {interval: often}", "checkpoint.interval", "500steps"),
+    (BASE + "checkpoint: {region: us-east-1}", "checkpoint.region", "like aws:us-east-1"),
+    (BASE + "checkpoint: {region: 'aws:us-*'}", "checkpoint.region", "no patterns"),
+    (BASE + "checkpoint: {bucket: x}", "checkpoint.bucket", "uri, region and interval"),
     (BASE + "envs: {FLEET_RANK: 1}", "envs.FLEET_RANK", "set by the broker"),
     (BASE + "envs: {'1BAD': x}", "envs", "environment variable name"),
     (BASE + "gpu: 2", "gpu", "did you mean 'gpus'"),
