@@ -210,6 +210,8 @@ class AwsProvider(Provider):
             "MaxCount": request.nodes,
             "ClientToken": bootstrap.token(request.idempotency_key),
             "UserData": bootstrap.agent_script(request, "aws", self.agent_install),
+            # The start script powers the VM off once its agent exited: that must end the bill.
+            "InstanceInitiatedShutdownBehavior": "terminate",
             "TagSpecifications": [
                 {"ResourceType": "instance", "Tags": tag_list},
                 {"ResourceType": "volume", "Tags": tag_list},

@@ -84,7 +84,10 @@ def test_spot_launch_tags_user_data_and_client_token(aws: AwsProvider) -> None:
         .describe_instance_attribute(InstanceId=iid, Attribute="userData")["UserData"]["Value"]
     )
     script = base64.b64decode(raw).decode()
-    assert "exec python3 -m broker.runtime.agent -- python train.py --lr 0.1" in script
+    assert "\npython3 -m broker.runtime.agent -- python train.py --lr 0.1\n" in script
+    behaviour = session().client("ec2", region).describe_instance_attribute(
+        InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior")
+    assert behaviour["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
     assert "export FLEET_JOB_ID=job-1" in script and "export FLEET_MARKET=spot" in script
     assert "export FLEET_BROKER_URL=http://broker:8080" in script
 

@@ -124,9 +124,10 @@ def test_spot_vm_with_eviction_policy_and_agent(azure: AzureProvider, http) -> N
     assert props["billingProfile"] == {"maxPrice": -1.0}
     assert props["hardwareProfile"]["vmSize"] == azure.vm_size_for(request())
     script = base64.b64decode(props["osProfile"]["customData"]).decode()
-    assert "exec python3 -m broker.runtime.agent -- python train.py" in script
+    assert "\npython3 -m broker.runtime.agent -- python train.py" in script
     install = "pip install --quiet --disable-pip-version-check https://host/fleetbroker.whl"
-    assert script.index(install) < script.index("exec python3")  # the option, before the agent
+    # the option, before the agent
+    assert script.index(install) < script.index("\npython3 -m broker.runtime.agent")
     tags = json.loads(put.request.body)["tags"]
     assert tags[bootstrap.BROKER_TAG] == "b1" and tags[bootstrap.KEY_TAG] == "job-5:2:0"
 
