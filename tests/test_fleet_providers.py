@@ -518,6 +518,22 @@ def test_a_running_job_keeps_its_pool_when_the_quota_has_no_headroom_left(
     assert store.get_job(job.id).pool == EAST  # type: ignore[union-attr]
 
 
+def test_a_launch_that_fell_back_to_a_dearer_az_records_that_azs_price(
+        aws_fleet: FleetProvider, store: Store) -> None:
+    """The pool carries use1-az1's $0.5197 (us-east-1b on moto); with no capacity there the
+    launch lands in use1-az6 (us-east-1a), $0.6827, and the job's cost is counted at that."""
+    aws = aws_fleet.for_cloud("aws")
+    assert isinstance(aws, AwsProvider)
+    ec2_refuses(aws._client("ec2", "us-east-1"), "InsufficientInstanceCapacity", "us-east-1b")
+    fence = store.acquire_lease("me", 60)
+    job = store.submit(v100_spec("fallback"), team="t")
+    broker_pass(store, aws_fleet, fence)
+    running = store.get_job(job.id)
+    assert running is not None and running.state is JobState.RUNNING and running.pool == EAST
+    assert [n.zone for n in aws_fleet.nodes()] == ["us-east-1a"]
+    assert [p.price_per_gpu_hour for p in store.placements(job.id)] == [0.6827]
+
+
 @pytest.mark.parametrize(("code", "reason"), [("InsufficientInstanceCapacity", "no capacity"),
                                               ("VcpuLimitExceeded", "no quota")])
 def test_a_refused_launch_blocks_the_pool_and_the_job_launches_in_another(
