@@ -22,6 +22,7 @@ from policies.models import Pool
 from providers.base import (
     CapacityError,
     LaunchRequest,
+    Node,
     NodeState,
     Provider,
     ProviderError,
@@ -78,6 +79,13 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
                          region=pool.region, zone=pool.zone, accelerator=pool.accelerator,
                          gpus_per_node=intent.gpus, market=pool.market, env=env,
                          command=["sh", "-c", script])
+
+
+def launch_price(nodes: list[Node], pool_price: float) -> float:
+    """USD per GPU-hour of a launch: what the backend says the nodes cost where they landed (an
+    AWS spot launch that fell back to a dearer AZ), else the pool's price."""
+    known = [n.price_per_gpu_hour for n in nodes if n.price_per_gpu_hour is not None]
+    return max(known) if nodes and len(known) == len(nodes) else pool_price
 
 
 class Actuator:
@@ -184,7 +192,8 @@ class Actuator:
         plan.open_placement(Placement(
             job_id=job.id, attempt=intent.attempt, start=start, pool=pool.id, cloud=pool.cloud,
             region=pool.region, market=pool.market, gpus=intent.gpus,
-            batch_size=intent.batch_size, price_per_gpu_hour=pool.price_for(intent.gpus),
+            batch_size=intent.batch_size,
+            price_per_gpu_hour=launch_price(nodes, pool.price_for(intent.gpus)),
             ondemand_price_per_gpu_hour=ondemand_reference(pool, pools.values())))
         self.store.apply(plan, fence=fence)
         return 1

@@ -187,6 +187,7 @@ for i = 0, nf - 1 do
   redis.call('HSET', p .. 'progress:' .. job, ARGV[6 + 2 * i], ARGV[7 + 2 * i])
 end
 redis.call('HSET', p .. 'progress:' .. job, 'heartbeat_at', now)
+redis.call('HSETNX', p .. 'progress:' .. job, 'beat:' .. attempt, now)  -- the attempt's first
 return {st, redis.call('HGET', key, 'cancel_requested') or 'false'}
 """
 

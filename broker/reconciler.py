@@ -6,7 +6,8 @@ reported), closing the placement interval and adding its node-hours to the pool'
 preemption notices (the provider's, or the agent's report from the node's metadata service) move
 running jobs to suspending, count a preemption in the pool (these counts steer placement through
 ``policies.region_score``) and block the reclaimed spot location in the Redis-kept SpotHedge
-blocklist, all in the job's one atomic step; a VM whose agent has exited is terminated;
+blocklist, all in the job's one atomic step; a VM whose agent has exited is terminated, and
+one whose agent never sent a first heartbeat within the launch deadline too (its job requeued);
 nodes no active job claims (stale attempts, jobs lost with Redis data) are terminated; nodes'
 output is copied into the job logs.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.models import JobRecord, JobState
@@ -34,15 +36,20 @@ class ReconcileResult:
     settled: int = 0
     preempted: int = 0
     orphans: int = 0
+    abandoned: int = 0  # launches whose agent never reported
 
 
 class Reconciler:
     def __init__(self, store: Store, provider: Provider, *, max_failures: int = 3,
-                 blocklist_decay_s: float = DEFAULT_DECAY_S) -> None:
+                 blocklist_decay_s: float = DEFAULT_DECAY_S,
+                 launch_deadline_s: float | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.provider = provider
         self.max_failures = max_failures
         self.blocklist_decay_s = blocklist_decay_s
+        self.launch_deadline_s = launch_deadline_s  # None: agents cannot report (no broker URL)
+        self.clock = clock
 
     def run(self, fence: int) -> ReconcileResult:
         res = ReconcileResult()
@@ -79,6 +86,9 @@ class Reconciler:
                     self._block(plan, job)
                     self.store.apply(plan, fence=fence)
                     res.preempted += 1
+                elif self._never_reported(job, nodes, report):
+                    self._abandon(job, nodes, fence)
+                    res.abandoned += 1
             except Conflict as exc:
                 log.info("reconcile %s: %s", job.id, exc)
         for node in nodes.values():
@@ -100,6 +110,33 @@ class Reconciler:
                     self.provider.outlives_agent(node):
                 log.info("job %s: agent exited; terminating %s", job.id, node_id)
                 self.provider.terminate(node_id)
+
+    def _never_reported(self, job: JobRecord, nodes: dict[str, Node],
+                        report: AgentReport) -> bool:
+        """A running job on cloud VMs whose agent sent no heartbeat within the launch deadline:
+        the image, the start script or the network is broken, and the VM bills on."""
+        if self.launch_deadline_s is None or job.state is not JobState.RUNNING or \
+                report.first_beat is not None or job.launched_at is None:
+            return False
+        if self.clock() - job.launched_at <= self.launch_deadline_s:
+            return False
+        return any(self.provider.outlives_agent(node) for node in _live(job, nodes))
+
+    def _abandon(self, job: JobRecord, nodes: dict[str, Node], fence: int) -> None:
+        """Terminate the silent nodes, then requeue the job, counting a failure so a launch
+        that never comes up is not retried forever. Terminating first: should the record
+        fail, the next pass finds the nodes gone and settles the job all the same."""
+        for node in _live(job, nodes):
+            log.warning("job %s: no heartbeat from %s within %g s of launch; terminating it",
+                        job.id, node.node_id, self.launch_deadline_s)
+            self.provider.terminate(node.node_id)
+        plan = Plan()
+        plan.change(job, JobState.SUSPENDING, event="launch-deadline",
+                    event_data={"nodes": job.node_ids, "deadline_s": self.launch_deadline_s},
+                    reason=f"no heartbeat from the agent within {self.launch_deadline_s:g} s of "
+                    "launch; nodes terminated, job requeued", failures=job.failures + 1,
+                    fence=fence)
+        self.store.apply(plan, fence=fence)
 
     def _block(self, plan: Plan, job: JobRecord) -> None:
         """Mark the job's spot location preempted in the stored blocklist (SpotHedge), in the
@@ -147,6 +184,8 @@ class Reconciler:
             fields["preemptions"] = job.preemptions + 1
             _count_preemption(plan, job)
             self._block(plan, job)
+        elif job.state is JobState.SUSPENDING and job.failures > self.max_failures:
+            state, reason = JobState.FAILED, job.reason or "failed"  # e.g. never reported
         elif (codes and all(c == EXIT_CHECKPOINTED for c in codes)) or \
                 job.state is JobState.SUSPENDING:
             state, reason = JobState.SUSPENDED, job.reason or "checkpointed"
@@ -178,6 +217,12 @@ class Reconciler:
             if lines:
                 self.store.append_log(job.id, lines)
                 self.store.r.set(key, new, ex=7 * 86400)
+
+
+def _live(job: JobRecord, nodes: dict[str, Node]) -> list[Node]:
+    """The job's nodes the inventory has and that have not ended."""
+    return [n for i in job.node_ids if (n := nodes.get(i)) is not None
+            and n.state is not NodeState.TERMINATED]
 
 
 def _count_preemption(plan: Plan, job: JobRecord) -> None:

@@ -52,6 +52,10 @@ class BrokerConfig(BaseModel):
     blocklist_decay_s: float = Field(default=DEFAULT_DECAY_S, gt=0,
                                      description="how long a reclaimed spot location stays "
                                      "blocked (SpotHedge's reset may free it earlier)")
+    launch_deadline_s: float = Field(default=1200.0, gt=0,
+                                     description="a cloud VM whose agent has not sent its first "
+                                     "heartbeat this long after launch is terminated and its "
+                                     "job requeued (needs broker_url: agents report there)")
 
 
 class EmbeddedRedis:
@@ -132,8 +136,11 @@ class Broker:
             agent_token=config.agent_token, use_agent=config.use_agent,
             heartbeat_interval_s=config.heartbeat_interval_s,
             max_failures=config.scheduler.max_failures))
-        self.reconciler = Reconciler(store, provider, max_failures=config.scheduler.max_failures,
-                                     blocklist_decay_s=config.blocklist_decay_s)
+        self.reconciler = Reconciler(
+            store, provider, max_failures=config.scheduler.max_failures,
+            blocklist_decay_s=config.blocklist_decay_s,
+            # without a broker URL no agent can report: no heartbeat is ever late
+            launch_deadline_s=config.launch_deadline_s if config.broker_url else None)
         self.fence = 0
         self.rounds = 0
         self._stop = threading.Event()

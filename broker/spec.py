@@ -453,14 +453,36 @@ def _unknown_cloud(pattern: str, *, bare: bool) -> str | None:
     cloud, _, region = pattern.partition(":")
     if any(fnmatch.fnmatchcase(c, cloud) for c in CLOUDS):
         return None
-    close = difflib.get_close_matches(cloud, CLOUDS, n=1)
+    if bare and (fix := _bare_region_fix(cloud)):
+        return f"{cloud!r} has no cloud; {fix}"
+    close = _CLOUD_ALIASES.get(cloud) or next(iter(difflib.get_close_matches(cloud, CLOUDS, 1)),
+                                                None)
     if close:
-        fix = f"did you mean '{close[0]}" + ("'?" if bare else f":{region}'?")
-    elif bare:  # `us-east-1` alone would read as a cloud named us-east-1
-        fix = f"for a region write cloud:region, like aws:{cloud}"
+        fix = f"did you mean '{close}" + ("'?" if bare else f":{region}'?")
     else:
         fix = "write cloud:region, like aws:us-east-1"
     return f"unknown cloud {cloud!r} (the clouds are {', '.join(CLOUDS)}); {fix}"
+
+
+# What people call the clouds, beyond near-typos of their names (difflib finds those).
+_CLOUD_ALIASES = {"amazon": "aws", "ec2": "aws", "google": "gcp", "gce": "gcp",
+                  "microsoft": "azure", "az": "azure"}
+# Each cloud's region names: aws us-east-1 / us-gov-west-1, gcp europe-west4, azure eastus2.
+_REGION_SHAPES = {
+    "aws": re.compile(r"^[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-\d+$"),
+    "gcp": re.compile(r"^[a-z]+-[a-z]+\d+$"),
+    "azure": re.compile(r"^[a-z]*(east|west|north|south|central)[a-z]*\d?$"),
+}
+
+
+def _bare_region_fix(region: str) -> str | None:
+    """For a region written without its cloud: the pattern it meant (``europe-west4`` ->
+    ``gcp:europe-west4``), or for a region glob the clouds to choose from; None for a word that
+    looks like no region (then it reads as a mistyped cloud)."""
+    if any(c in region for c in "*?["):
+        return f"give its cloud, like aws:{region} or gcp:{region}" if "-" in region else None
+    cloud = next((c for c, shape in _REGION_SHAPES.items() if shape.match(region)), None)
+    return f"did you mean {cloud}:{region}?" if cloud else None
 
 
 def _parse_regions(p: _Problems, value: Any) -> dict[str, list[str]] | None:

@@ -49,6 +49,7 @@ class AgentReport:
 
     exit_code: int | None = None
     notice: str | None = None
+    first_beat: float | None = None  # when the attempt's agent first reported (epoch seconds)
 
 
 class StoreError(Exception):
@@ -408,13 +409,14 @@ class Store:
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
             pipe.hmget(f"{self.p}progress:{job.id}", f"exit:{job.attempt}",
-                       f"notice:{job.attempt}")
+                       f"notice:{job.attempt}", f"beat:{job.attempt}")
         out = {}
-        for job, (code, notice) in zip(jobs, pipe.execute(), strict=True):
-            if code is not None or notice is not None:
+        for job, (code, notice, beat) in zip(jobs, pipe.execute(), strict=True):
+            if code is not None or notice is not None or beat is not None:
                 out[job.id] = AgentReport(
                     exit_code=None if code is None else int(json.loads(code)),
-                    notice=None if notice is None else json.loads(notice))
+                    notice=None if notice is None else json.loads(notice),
+                    first_beat=None if beat is None else float(beat))
         return out
 
     def blocklist(self, decay_s: float | None = None) -> tuple[Blocklist, str | None]:

@@ -7,6 +7,7 @@ where ``ClientToken`` is not honoured (moto) or has expired.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
@@ -27,6 +28,10 @@ from providers.base import (
     share,
 )
 from providers.catalog import CatalogOffer, cheapest_type_for, load_offers, vcpus_per_gpu
+
+log = logging.getLogger(__name__)
+
+ZonePrice = tuple[str | None, float | None]  # an AZ name (None: EC2 picks) and its USD/GPU-hour
 
 CAPACITY_CODES = {
     "InsufficientInstanceCapacity",
@@ -71,6 +76,15 @@ NOT_CONFIGURED = (
     "(after `aws configure` or `aws sso login`), or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
     "or run on an instance with an IAM role."
 )
+
+
+def placement(key: str, zone: str | None) -> dict[str, Any]:
+    """The AZ of a launch and its ``ClientToken``: the idempotency key's, plus the AZ, so a retry
+    in one AZ is idempotent and a fallback to another AZ is a new request."""
+    if zone is None:
+        return {"ClientToken": bootstrap.token(key)}
+    return {"ClientToken": bootstrap.token(f"{key}@{zone}"),
+            "Placement": {"AvailabilityZone": zone}}
 
 
 def map_error(exc: Exception, what: str) -> Exception:
@@ -194,30 +208,50 @@ class AwsProvider(Provider):
         return cheapest_type_for(self._offers, request, "aws")
 
     def launch(self, request: LaunchRequest) -> list[Node]:
+        """Launch in the first AZ with capacity (``_launch_zones``); each node carries the AZ's spot
+        price, the price its placement records."""
         existing = self._by_key(request.region, request.idempotency_key)
         if existing:
             return existing
         ec2 = self._client("ec2", request.region)
+        instance_type = self.instance_type_for(request)
+        kwargs = self._run_args(request, instance_type)
+        refusals: list[str] = []
+        for zone, price in self._launch_zones(request, instance_type):
+            try:
+                resp = ec2.run_instances(**kwargs, **placement(request.idempotency_key, zone))
+            except Exception as exc:
+                error = map_error(exc, f"run_instances in {zone or request.region}")
+                if not isinstance(error, CapacityError):
+                    raise error from exc
+                log.info("%s; trying the next priced AZ", error)
+                refusals.append(str(error))  # that AZ is out: the next one may not be
+                continue
+            return [
+                self._node(request.region, inst).model_copy(update={"price_per_gpu_hour": price})
+                for inst in resp["Instances"]
+            ]
+        raise CapacityError("; ".join(refusals))
+
+    def _run_args(self, request: LaunchRequest, instance_type: str) -> dict[str, Any]:
+        """``run_instances`` arguments but the AZ and the token (``placement``)."""
         tag_list = [
             {"Key": k, "Value": v} for k, v in bootstrap.tags(request, self.broker_id).items()
         ]
         tag_list.append({"Key": "Name", "Value": f"fleet-{request.job_id}"})
-        instance_type = self.instance_type_for(request)
         kwargs: dict[str, Any] = {
             "ImageId": self.image_id or self._default_image(request.region),
             "InstanceType": instance_type,
             "MinCount": request.nodes,
             "MaxCount": request.nodes,
-            "ClientToken": bootstrap.token(request.idempotency_key),
             "UserData": bootstrap.agent_script(request, "aws", self.agent_install),
+            # The start script powers the VM off once its agent exited: that must end the bill.
+            "InstanceInitiatedShutdownBehavior": "terminate",
             "TagSpecifications": [
                 {"ResourceType": "instance", "Tags": tag_list},
                 {"ResourceType": "volume", "Tags": tag_list},
             ],
         }
-        zone = request.zone or self._priced_zone(request, instance_type)
-        if zone:
-            kwargs["Placement"] = {"AvailabilityZone": zone}
         if request.market is Market.SPOT:
             kwargs["InstanceMarketOptions"] = {
                 "MarketType": "spot",
@@ -226,26 +260,29 @@ class AwsProvider(Provider):
                     "InstanceInterruptionBehavior": "terminate",
                 },
             }
-        try:
-            resp = ec2.run_instances(**kwargs)
-        except Exception as exc:
-            raise map_error(exc, f"run_instances in {request.region}") from exc
-        return [self._node(request.region, inst) for inst in resp["Instances"]]
+        return kwargs
 
-    def _priced_zone(self, request: LaunchRequest, instance_type: str) -> str | None:
-        """For spot, the AZ (by name) of the type's cheapest spot price in the region: the price
-        the pool carries and the placement records, so the launch must go there (unpinned, EC2
-        picks any AZ, often a dearer one). On-demand costs the same in every AZ: EC2 picks."""
+    def _launch_zones(self, request: LaunchRequest, instance_type: str) -> list[ZonePrice]:
+        """The AZs (by name) to launch in, in order, each with the type's spot price per
+        GPU-hour there. Spot: every AZ of the region with a spot price, cheapest first; the
+        first is the price the pool carries (unpinned, EC2 picks any AZ, often a dearer one),
+        the others are tried when it has no capacity. A request's own zone: that one only.
+        On-demand costs the same in every AZ: EC2 picks (``None``)."""
         if request.market is not Market.SPOT:
-            return None
+            return [(request.zone, None)]
         names = self._zone_names(request.region)
-        priced = [
-            (o.spot_price, names[o.zone])
+        priced: dict[str, float | None] = {}
+        for price, zone in sorted(
+            (o.per_gpu(Market.SPOT), names[o.zone])
             for o in self._offers
             if o.region == request.region and o.instance_type == instance_type
             and o.spot_price is not None and o.zone in names
-        ]  # fmt: skip
-        return min(priced)[1] if priced else None
+        ):  # fmt: skip
+            priced.setdefault(zone, price)
+        if request.zone:
+            zone = names.get(request.zone, request.zone)
+            return [(zone, priced.get(zone))]
+        return list(priced.items()) or [(None, None)]
 
     def _zone_names(self, region: str) -> dict[str, str]:
         """AZ id (the catalog's ``use1-az1``, the same in every account) and name -> the name

@@ -8,6 +8,7 @@ launch finds (GET) or re-PUTs the same VM and never makes a second one. The VM c
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import re
 from collections.abc import Iterable
@@ -31,6 +32,8 @@ from providers.base import (
     share,
 )
 from providers.catalog import CatalogOffer, cheapest_type_for, load_offers, vcpus_per_gpu
+
+log = logging.getLogger(__name__)
 
 NOT_CONFIGURED = (
     "azure is not configured: set AZURE_SUBSCRIPTION_ID, FLEET_AZURE_RESOURCE_GROUP and "
@@ -289,10 +292,15 @@ class AzureProvider(Provider):
             if (vm.tags or {}).get(bootstrap.BROKER_TAG) == self.broker_id
             and vm.location in self.regions
         ]
+        from azure.core.exceptions import ResourceNotFoundError
+
         out, stopped = [], {}
         for vm in owned:
             node = self._node(vm)
-            power = self._power(vm) if node.state is NodeState.RUNNING else None
+            try:
+                power = self._power(vm) if node.state is NodeState.RUNNING else None
+            except ResourceNotFoundError:
+                continue  # deleted between the list and its instance view: gone
             if power in STOPPED_POWER:
                 node = node.model_copy(update={"state": NodeState.TERMINATED})
                 stopped[node.node_id] = (node, power)
@@ -307,10 +315,20 @@ class AzureProvider(Provider):
         props = vm.properties
         if props.priority != "Spot" or props.eviction_policy != "Deallocate":
             return None
+        from azure.core.exceptions import AzureError, ResourceNotFoundError
+
         try:
             view = self._compute.virtual_machines.instance_view(self.resource_group, vm.name)
-        except Exception as exc:
-            raise map_error(exc, f"virtualMachines.instanceView {vm.name}") from exc
+        except ResourceNotFoundError:
+            raise
+        except AzureError as exc:
+            # One VM's view must not hide the others: it stays listed, its power state unknown.
+            # The status and error code only: a reply's text may quote request details.
+            code = getattr(getattr(exc, "error", None), "code", None) or type(exc).__name__
+            log.warning("azure virtualMachines.instanceView %s failed (HTTP %s %s); its power "
+                        "state is unknown this pass", vm.name,
+                        getattr(exc, "status_code", None), code)
+            return None
         codes = [s.code or "" for s in view.statuses or []]
         return next((c.split("/", 1)[1] for c in codes if c.startswith("PowerState/")), None)
 

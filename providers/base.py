@@ -76,6 +76,9 @@ class Node(BaseModel):
     launched_at: datetime | None = None
     exit_code: int | None = None  # of the job's command, once TERMINATED (None: unknown/killed)
     ended_at: datetime | None = None
+    # USD per GPU-hour where the launch landed (an AWS spot AZ's price), when the backend knows
+    # it better than the pool's price; set on the nodes ``launch`` returns.
+    price_per_gpu_hour: float | None = None
 
 
 class PreemptionNotice(BaseModel):

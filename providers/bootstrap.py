@@ -35,6 +35,10 @@ NOTICE_URLS = {
 
 # What a start script pip-installs when the image lacks the agent (see ``agent_install_spec``).
 AGENT_INSTALL_ENV = "FLEET_AGENT_INSTALL"
+# The start script's power-off once the agent exited; empty keeps the VM up.
+SHUTDOWN_ENV = "FLEET_SHUTDOWN_COMMAND"
+DEFAULT_SHUTDOWN = "shutdown -h now"
+APT_LOCK_TIMEOUT_S = 300  # cloud images run unattended-upgrades at boot
 
 
 def request_uuid(key: str) -> str:
@@ -116,12 +120,14 @@ def redact(spec: str) -> str:
 def install_step(spec: str) -> str:
     """Shell lines that pip-install the agent unless ``python3`` can already import it (a
     prepared image, or a rerun of the script): a stock GPU image has no fleetbroker."""
+    apt = f"DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout={APT_LOCK_TIMEOUT_S}"
     return (
         "if ! python3 -c 'import broker.runtime.agent' 2>/dev/null; then\n"
         f"  echo {shlex.quote(f'fleet: installing the agent: {redact(spec)}')} >&2\n"
-        # Ubuntu's python3 comes without pip; the cloud images run user data as root.
+        # Ubuntu's python3 comes without pip; the cloud images run user data as root. At boot
+        # unattended-upgrades holds the dpkg lock for minutes: wait for it, do not fail.
         "  if ! python3 -m pip --version >/dev/null 2>&1 && command -v apt-get >/dev/null; then\n"
-        "    apt-get update -q && apt-get install -y -q python3-pip\n"
+        f"    {apt} update -q && {apt} install -y -q python3-pip\n"
         "  fi\n"
         # The VM exists for this job: installing into the image's python (PEP 668) is intended.
         "  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet "
@@ -130,21 +136,77 @@ def install_step(spec: str) -> str:
     )
 
 
+def agent_invocation(request: LaunchRequest) -> str:
+    """The shell words that run the agent around ``request.command``."""
+    command = " ".join(shlex.quote(part) for part in request.command)
+    return f"python3 -m broker.runtime.agent -- {command}"
+
+
 def agent_command(request: LaunchRequest) -> str:
     """The line that replaces the shell with the agent running ``request.command``."""
-    command = " ".join(shlex.quote(part) for part in request.command)
-    return f"exec python3 -m broker.runtime.agent -- {command}\n"
+    return f"exec {agent_invocation(request)}\n"
+
+
+def env_function(request: LaunchRequest, cloud: str) -> str:
+    """``fleet_job_env``: a shell function exporting the agent's environment, so the script can
+    apply it after the install (a job's PYTHONPATH or PIP_* must not reach pip) and in the exit
+    trap's report."""
+    exports = "".join(
+        f"  export {k}={shlex.quote(v)}\n" for k, v in sorted(agent_env(request, cloud).items())
+    )
+    return f"fleet_job_env() {{\n{exports}}}\n"
+
+
+# The exit trap. A failure the agent may not have reported itself (the install failed, the agent
+# crashed or was killed) goes to the broker as the agent's last heartbeat: ``state: failed`` and
+# the exit code. The token reaches curl on stdin, never on a command line or in the output. Then
+# the VM powers off: a VM whose job ended must not bill until the reconciler notices.
+EXIT_TRAP = r"""fleet_report_failure() {
+  [ -n "${FLEET_BROKER_URL:-}" ] || return 0
+  command -v curl >/dev/null || { echo "fleet: no curl to report the failure" >&2; return 1; }
+  local body
+  body=$(printf '{"job_id": "%s", "attempt": %d, "node_rank": %d, "state": "failed", ' \
+    "$FLEET_JOB_ID" "${FLEET_ATTEMPT:-0}" "${FLEET_NODE_RANK:-0}")
+  body+=$(printf '"exit_code": %d}' "$1")
+  printf 'Authorization: Bearer %s\n' "${FLEET_AGENT_TOKEN:-}" | curl -fsS -m 10 --retry 3 \
+    -o /dev/null -H @- -H 'Content-Type: application/json' --data-binary "$body" \
+    "${FLEET_BROKER_URL%/}/v1/agent/heartbeat"
+}
+fleet_exit() {
+  local code=$?
+  trap - EXIT
+  if [ "$code" != 0 ] && [ "$code" != 75 ]; then
+    echo "fleet: the agent exited with $code; reporting the failure to the broker" >&2
+    ( fleet_job_env; fleet_report_failure "$code" ) || echo "fleet: could not report it" >&2
+  fi
+  if [ -n "$fleet_shutdown" ]; then
+    echo "fleet: powering off: $fleet_shutdown" >&2
+    sh -c "$fleet_shutdown" || echo "fleet: the power-off command failed" >&2
+  fi
+  exit "$code"
+}
+trap fleet_exit EXIT
+"""
+
+
+def shutdown_line(request: LaunchRequest) -> str:
+    """``fleet_shutdown``: ``$FLEET_SHUTDOWN_COMMAND`` on the machine, else the job's, else
+    ``shutdown -h now`` (empty: stay up, e.g. to debug)."""
+    default = request.env.get(SHUTDOWN_ENV, DEFAULT_SHUTDOWN)
+    return (f"fleet_shutdown={shlex.quote(default)}\n"
+            f"fleet_shutdown=${{{SHUTDOWN_ENV}-$fleet_shutdown}}\n")
 
 
 def agent_script(request: LaunchRequest, cloud: str, agent_install: str) -> str:
-    """A shell start script (user data / startup-script / custom data) that installs the agent
-    from ``agent_install`` where the image lacks it, then runs it."""
-    exports = "\n".join(
-        f"export {k}={shlex.quote(v)}" for k, v in sorted(agent_env(request, cloud).items())
-    )
+    """A shell start script (user data / startup-script / custom data): install the agent from
+    ``agent_install`` where the image lacks it, with the image's own environment; then export
+    the job's and run the agent; on exit report a failure and power the VM off (``EXIT_TRAP``)."""
     return (
         "#!/bin/bash\nset -euo pipefail\n"
-        f"{exports}\n"
+        f"{shutdown_line(request)}"
+        f"{env_function(request, cloud)}"
+        f"{EXIT_TRAP}"
         f"{install_step(agent_install)}"
-        f"{agent_command(request)}"
+        "fleet_job_env\n"
+        f"{agent_invocation(request)}\n"
     )

@@ -329,6 +329,11 @@ class GcpProvider(Provider):
             raise map_error(exc, f"instances.delete {node_id}") from exc
         self._wait(op, zone, f"instances.delete {node_id}")
 
+    def forget(self, node_id: str) -> None:
+        """A VM powered off from inside (its start script does so once the agent exited) stays
+        TERMINATED with its disk, which bills: delete it once the broker settled its job."""
+        self.terminate(node_id)
+
     def nodes(self) -> list[Node]:
         from google.cloud import compute_v1
 

@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 import pytest
 from botocore.awsrequest import AWSResponse
@@ -66,15 +67,29 @@ def aws_quotas(client: Any, values: Mapping[str, float]) -> None:
     client.meta.events.register("before-send.service-quotas.GetServiceQuota", reply)
 
 
-def ec2_refuses(client: Any, code: str) -> None:
+def ec2_params(request: Any) -> dict[str, str]:
+    """An EC2 (query protocol) request's form parameters."""
+    body = request.body.decode() if isinstance(request.body, bytes) else request.body or ""
+    return {k: v[0] for k, v in parse_qs(body).items()}
+
+
+def ec2_refuses(client: Any, code: str, zone: str | None = None) -> None:
     """Make ``client``'s (EC2) RunInstances fail with error ``code`` in EC2's XML shape (HTTP
-    500 for the Insufficient* capacity codes, 400 else): moto never runs out of anything."""
+    500 for the Insufficient* capacity codes, 400 else): moto never runs out of anything.
+    ``zone``: only the launches placed in that AZ fail; the others reach moto."""
     body = (
         f'<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error><Code>{code}</Code>'
         f"<Message>injected {code}</Message></Error></Errors><RequestID>r-1</RequestID></Response>"
     ).encode()
 
-    def reply(request: Any, **_: Any) -> AWSResponse:
-        return AWSResponse(request.url, 500 if "Insufficient" in code else 400, {}, RawBody(body))
+    def reply(request: Any, **_: Any) -> AWSResponse | None:
+        if zone is not None and ec2_params(request).get("Placement.AvailabilityZone") != zone:
+            return None
+        refusal = AWSResponse(request.url, 500 if "Insufficient" in code else 400, {},
+                              RawBody(body))
+        # botocore offers the request to every before-send handler, moto's too, and takes the
+        # first reply: point it nowhere, or moto would launch what EC2 refused.
+        request.url = "https://refused.invalid/"
+        return refusal
 
     client.meta.events.register("before-send.ec2.RunInstances", reply)

@@ -18,7 +18,7 @@ from broker.fleet import CloudConfig, FleetFile, FleetProvider, build_fleet_prov
 from broker.models import JobState
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig, blocked_pools
-from broker.store import AgentReport, Conflict, Plan, Store
+from broker.store import Conflict, Plan, Store
 from policies.migration import Blocklist, mark_preempted
 from policies.models import (
     Accelerator,
@@ -305,11 +305,14 @@ def test_blocklist_is_kept_in_redis_and_written_only_over_what_was_read(
 
 def test_agent_reports_belong_to_one_attempt(store: Store) -> None:
     job = store.submit(spec("reported"), team="t")
+    before = time.time()
     store.record_heartbeat(job.id, 0, samples_done=5, notice="aws spot instance-action")
+    first = time.time()
     store.record_heartbeat(job.id, 0, exit_code=75)
     store.record_heartbeat(job.id, 3, exit_code=0)  # a stale attempt writes nothing
-    assert store.agent_reports([job]) == {job.id: AgentReport(exit_code=75,
-                                                              notice="aws spot instance-action")}
+    report = store.agent_reports([job])[job.id]
+    assert (report.exit_code, report.notice) == (75, "aws spot instance-action")
+    assert report.first_beat is not None and before <= report.first_beat <= first
     relaunched = job.model_copy(update={"attempt": 1})
     assert store.agent_reports([relaunched]) == {}  # the next attempt starts with no report
 
@@ -516,6 +519,56 @@ def test_a_running_job_keeps_its_pool_when_the_quota_has_no_headroom_left(
     broker_pass(store, aws_fleet, fence)
     assert store.get_job(newcomer.id).pool == WEST  # type: ignore[union-attr]
     assert store.get_job(job.id).pool == EAST  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("max_failures", "then"), [(3, JobState.SUSPENDED),
+                                                    (0, JobState.FAILED)])
+def test_a_vm_whose_agent_never_reports_is_terminated_at_the_launch_deadline(
+        aws_fleet: FleetProvider, store: Store, max_failures: int, then: JobState) -> None:
+    """An agent that never sent a first heartbeat (broken image, start script or network) does
+    not hold its VM forever: past ``launch_deadline_s`` the VM goes and the job is requeued,
+    a counted failure (a launch that never comes up is not retried forever). One that reported
+    is left alone however long it runs."""
+    fence = store.acquire_lease("me", 60)
+    silent, talks = (store.submit(v100_spec(n), team="t") for n in ("silent", "talks"))
+    broker_pass(store, aws_fleet, fence)
+    jobs = {j.id: j for j in (store.get_job(silent.id), store.get_job(talks.id)) if j}
+    assert {j.state for j in jobs.values()} == {JobState.RUNNING}
+    store.record_heartbeat(talks.id, jobs[talks.id].attempt, samples_done=1)
+    launched = max(j.launched_at or 0.0 for j in jobs.values())
+    now = [launched + 1199.0]
+    reconciler = Reconciler(store, aws_fleet, max_failures=max_failures, launch_deadline_s=1200,
+                            clock=lambda: now[0])
+    assert reconciler.run(fence).abandoned == 0  # not yet
+    now[0] = launched + 1201.0
+    assert reconciler.run(fence).abandoned == 1
+    live = {n.job_id for n in aws_fleet.nodes() if n.state is not NodeState.TERMINATED}
+    assert live == {talks.id}
+    reconciler.run(fence)  # the node is gone: the job settles, back in the queue
+    requeued = store.get_job(silent.id)
+    assert requeued is not None and requeued.state is then
+    assert requeued.reason == ("no heartbeat from the agent within 1200 s of launch; nodes "
+                               "terminated, job requeued") and requeued.failures == 1
+    assert [p.end is not None for p in store.placements(silent.id)] == [True]
+    assert [e.data["deadline_s"] for e in store.events(job_id=silent.id)
+            if e.type == "launch-deadline"] == [1200]
+    assert store.get_job(talks.id).state is JobState.RUNNING  # type: ignore[union-attr]
+
+
+def test_a_launch_that_fell_back_to_a_dearer_az_records_that_azs_price(
+        aws_fleet: FleetProvider, store: Store) -> None:
+    """The pool carries use1-az1's $0.5197 (us-east-1b on moto); with no capacity there the
+    launch lands in use1-az6 (us-east-1a), $0.6827, and the job's cost is counted at that."""
+    aws = aws_fleet.for_cloud("aws")
+    assert isinstance(aws, AwsProvider)
+    ec2_refuses(aws._client("ec2", "us-east-1"), "InsufficientInstanceCapacity", "us-east-1b")
+    fence = store.acquire_lease("me", 60)
+    job = store.submit(v100_spec("fallback"), team="t")
+    broker_pass(store, aws_fleet, fence)
+    running = store.get_job(job.id)
+    assert running is not None and running.state is JobState.RUNNING and running.pool == EAST
+    assert [n.zone for n in aws_fleet.nodes()] == ["us-east-1a"]
+    assert [p.price_per_gpu_hour for p in store.placements(job.id)] == [0.6827]
 
 
 @pytest.mark.parametrize(("code", "reason"), [("InsufficientInstanceCapacity", "no capacity"),

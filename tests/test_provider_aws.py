@@ -25,7 +25,7 @@ from providers.base import (
     ProviderError,
     QuotaError,
 )
-from tests.cloud_env import aws_quotas, ec2_refuses, fake_aws_keys
+from tests.cloud_env import aws_quotas, ec2_params, ec2_refuses, fake_aws_keys
 
 REGIONS = ["us-east-1", "us-west-2"]
 IMAGE = "ami-12c6146b"  # moto accepts any AMI id; this one is in its default image list
@@ -75,7 +75,8 @@ def test_spot_launch_tags_user_data_and_client_token(aws: AwsProvider) -> None:
     inst = _describe(iid, region)
     assert inst["InstanceType"] == "p3.2xlarge"  # the catalog's only 1x V100 type
     assert inst["InstanceLifecycle"] == "spot"
-    assert inst["ClientToken"] == bootstrap.token(req.idempotency_key)
+    zone = inst["Placement"]["AvailabilityZone"]
+    assert inst["ClientToken"] == bootstrap.token(f"{req.idempotency_key}@{zone}")
     tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
     assert tags[bootstrap.BROKER_TAG] == "test-broker" and tags[bootstrap.KEY_TAG] == "job-1:7:0"
     raw = (
@@ -84,7 +85,10 @@ def test_spot_launch_tags_user_data_and_client_token(aws: AwsProvider) -> None:
         .describe_instance_attribute(InstanceId=iid, Attribute="userData")["UserData"]["Value"]
     )
     script = base64.b64decode(raw).decode()
-    assert "exec python3 -m broker.runtime.agent -- python train.py --lr 0.1" in script
+    assert "\npython3 -m broker.runtime.agent -- python train.py --lr 0.1\n" in script
+    behaviour = session().client("ec2", region).describe_instance_attribute(
+        InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior")
+    assert behaviour["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
     assert "export FLEET_JOB_ID=job-1" in script and "export FLEET_MARKET=spot" in script
     assert "export FLEET_BROKER_URL=http://broker:8080" in script
 
@@ -171,6 +175,7 @@ def test_capacity_from_vcpu_quotas_shared_by_each_family(aws: AwsProvider) -> No
 
 def test_spot_launch_goes_to_the_az_whose_price_the_pool_carries(aws: AwsProvider) -> None:
     east = aws.launch(request(nodes=1))[0]
+    assert east.price_per_gpu_hour == 0.5197
     west = aws.launch(request(nodes=1, key="k-west", region="us-west-2"))[0]
     # use1-az1 has the cheapest p3.2xlarge spot price ($0.5197), usw2-az2 ($0.9362); moto names
     # them us-east-1b and us-west-2a (unpinned, moto and EC2 may pick any AZ).
@@ -184,6 +189,72 @@ def test_spot_launch_goes_to_the_az_whose_price_the_pool_carries(aws: AwsProvide
     assert named.zone == "us-east-1d"  # a pool with a zone keeps it
     on_demand = aws.launch(request(nodes=1, key="k-od", market=Market.ON_DEMAND))[0]
     assert on_demand.zone is not None  # one price everywhere: EC2 picks the AZ
+
+
+def zone_names(region: str = "us-east-1") -> dict[str, str]:
+    """The region's AZ ids -> the names this (moto) account launches with."""
+    zones = session().client("ec2", region).describe_availability_zones()["AvailabilityZones"]
+    return {z["ZoneId"]: z["ZoneName"] for z in zones}
+
+
+def record_launches(ec2) -> dict[str, set[str]]:
+    """The AZs ``ec2``'s RunInstances go to, in order, each with the ClientTokens sent there
+    (botocore itself retries a refusal with HTTP 500, as InsufficientInstanceCapacity)."""
+    sent: dict[str, set[str]] = {}
+
+    def record(request, **_) -> None:
+        params = ec2_params(request)
+        sent.setdefault(params["Placement.AvailabilityZone"], set()).add(params["ClientToken"])
+
+    ec2.meta.events.register("before-send.ec2.RunInstances", record)
+    return sent
+
+
+def test_spot_launch_without_capacity_in_the_priced_az_tries_the_next_cheapest(
+        aws: AwsProvider) -> None:
+    """p3.2xlarge spot in us-east-1: use1-az1 $0.5197, az6 $0.6827, az5 $0.7031, az2 $0.7657."""
+    names = zone_names()
+    cheapest, second = names["use1-az1"], names["use1-az6"]
+    ec2 = aws._client("ec2", "us-east-1")
+    sent = record_launches(ec2)
+    ec2_refuses(ec2, "InsufficientInstanceCapacity", zone=cheapest)
+    req = request(nodes=1)
+    (node,) = aws.launch(req)
+    assert (node.zone, node.price_per_gpu_hour) == (second, 0.6827)  # what the launch costs
+    # One token per key and AZ: a retry in an AZ is idempotent, another AZ a new request.
+    tokens = {z: {bootstrap.token(f"{req.idempotency_key}@{z}")} for z in (cheapest, second)}
+    assert sent == tokens and list(sent) == [cheapest, second]
+    assert {_describe(node.node_id.partition("/")[2])["ClientToken"]} == tokens[second]
+    assert [n.node_id for n in aws.launch(req)] == [node.node_id]  # found by its key tag
+    assert list(sent) == [cheapest, second]
+
+
+def test_spot_launch_without_capacity_in_any_priced_az_is_a_capacity_error(
+        aws: AwsProvider) -> None:
+    ec2 = aws._client("ec2", "us-east-1")
+    sent = record_launches(ec2)
+    ec2_refuses(ec2, "InsufficientInstanceCapacity")
+    with pytest.raises(CapacityError) as refused:
+        aws.launch(request(nodes=1))
+    names = zone_names()
+    tried = [names[z] for z in ("use1-az1", "use1-az6", "use1-az5", "use1-az2")]
+    assert list(sent) == tried  # cheapest first
+    assert all(f"run_instances in {z}: InsufficientInstanceCapacity" in str(refused.value)
+               for z in tried)
+    assert aws.nodes() == []
+
+
+def test_a_pool_with_a_zone_and_quota_errors_do_not_fall_back(aws: AwsProvider) -> None:
+    names = zone_names()
+    ec2 = aws._client("ec2", "us-east-1")
+    sent = record_launches(ec2)
+    ec2_refuses(ec2, "InsufficientInstanceCapacity", zone=names["use1-az6"])
+    with pytest.raises(CapacityError):
+        aws.launch(request(nodes=1, zone="use1-az6"))  # the pool's zone, by id or name
+    ec2_refuses(ec2, "MaxSpotInstanceCountExceeded", zone=names["use1-az1"])
+    with pytest.raises(QuotaError):
+        aws.launch(request(nodes=1, key="k-quota"))
+    assert list(sent) == [names["use1-az6"], names["use1-az1"]]
 
 
 def test_spot_interruption_warning_becomes_a_notice(aws: AwsProvider) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,9 +125,10 @@ def test_spot_vm_with_eviction_policy_and_agent(azure: AzureProvider, http) -> N
     assert props["billingProfile"] == {"maxPrice": -1.0}
     assert props["hardwareProfile"]["vmSize"] == azure.vm_size_for(request())
     script = base64.b64decode(props["osProfile"]["customData"]).decode()
-    assert "exec python3 -m broker.runtime.agent -- python train.py" in script
+    assert "\npython3 -m broker.runtime.agent -- python train.py" in script
     install = "pip install --quiet --disable-pip-version-check https://host/fleetbroker.whl"
-    assert script.index(install) < script.index("exec python3")  # the option, before the agent
+    # the option, before the agent
+    assert script.index(install) < script.index("\npython3 -m broker.runtime.agent")
     tags = json.loads(put.request.body)["tags"]
     assert tags[bootstrap.BROKER_TAG] == "b1" and tags[bootstrap.KEY_TAG] == "job-5:2:0"
 
@@ -263,3 +265,41 @@ def test_deallocated_spot_vm_is_an_eviction_not_a_running_node(http) -> None:
     azure.forget(evicted)
     deleted = [c.request.url for c in http.calls if c.request.method == "DELETE"]
     assert len(deleted) == 1 and f"/virtualMachines/{evicted}?" in deleted[0]
+
+
+def test_listing_skips_a_vm_deleted_meanwhile_and_keeps_one_whose_view_failed(
+        http, caplog: pytest.LogCaptureFixture) -> None:
+    """Between the list and a VM's instance view the VM may be deleted (404: it is gone) or the
+    view may fail (that VM stays listed, power state unknown, a log line without the reply's
+    text); neither fails the whole listing."""
+    azure = AzureProvider(
+        "sub-1", "rg-fleet", SUBNET, ["eastus"], broker_id="b1", credential=FakeCredential(),
+        ssh_public_key="ssh-ed25519 AAAA test", offers=OFFERS, polling_interval=0,
+        eviction_policy="Deallocate",
+    )  # fmt: skip
+    store: dict[str, dict] = {}
+    serve_vms(http, store, {"status": "Succeeded"})
+    deleted, flaky, evicted = (azure.launch(request(key=f"job-5:2:{i}"))[0].node_id
+                               for i in range(3))
+    http.add(responses.GET, re.compile(rf"{RG}/virtualMachines\?"),
+             json={"value": [store[n] for n in (deleted, flaky, evicted)]})  # fmt: skip
+    leak = "https://x.blob.core.windows.net/d?sig=SECRET-SAS"
+    replies = {
+        deleted: (404, arm_error("ResourceNotFound", f"The VM {deleted} was not found.")),
+        flaky: (409, arm_error("OperationNotAllowed", f"busy, see {leak}")),  # not retried
+        evicted: (200, {"statuses": [{"code": "PowerState/deallocated", "level": "Info"}]}),
+    }
+
+    def instance_view(req):
+        name = re.search(r"virtualMachines/([\w-]+)/instanceView", req.url).group(1)
+        status, body = replies[name]
+        return status, {}, json.dumps(body)
+
+    http.add_callback(responses.GET, re.compile(rf"{RG}/virtualMachines/[\w-]+/instanceView"),
+                      callback=instance_view)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="providers.azure"):
+        state = {n.node_id: n.state for n in azure.nodes()}
+    assert state == {flaky: NodeState.RUNNING, evicted: NodeState.TERMINATED}
+    assert [n.node_id for n in azure.notices()] == [evicted]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert flaky in line and "HTTP 409 OperationNotAllowed" in line and "SECRET" not in line

@@ -137,7 +137,7 @@ def test_spot_vm_with_gpu_request_id_and_labels(gcp: GcpProvider, http) -> None:
         and body["labels"][bootstrap.JOB_TAG] == "job-9"
     )
     script = next(i["value"] for i in body["metadata"]["items"] if i["key"] == "startup-script")
-    assert "exec python3 -m broker.runtime.agent -- python train.py" in script
+    assert "\npython3 -m broker.runtime.agent -- python train.py" in script
     assert any(
         c.request.url.endswith("/wait") for c in http.calls
     )  # the zone operation was awaited
@@ -259,6 +259,25 @@ def test_nodes_by_label_terminate_and_notices(gcp: GcpProvider, http) -> None:
         json=error(404, "notFound", "gone"),
     )
     gcp.terminate(node.node_id)  # already gone: not an error
+
+
+def test_a_vm_powered_off_from_inside_is_deleted_once_forgotten(gcp: GcpProvider, http) -> None:
+    """The start script powers the VM off when its agent exits: GCE keeps it TERMINATED, disk
+    and all, until the broker deletes it."""
+    req = request()
+    zone = gcp.offer_for(req).zone
+    store: dict[str, dict] = {}
+    serve_instances(http, zone, store)
+    node = gcp.launch(req)[0]
+    name = node.node_id.split("/")[1]
+    store[name]["status"] = "TERMINATED"
+    http.add(responses.GET, f"{BASE}/aggregated/instances",
+             json={"items": {f"zones/{zone}": {"instances": [store[name]]}}})
+    assert [n.state for n in gcp.nodes()] == [NodeState.TERMINATED]
+    http.add(responses.DELETE, f"{BASE}/zones/{zone}/instances/{name}",
+             json=operation("op-d", zone))
+    gcp.forget(node.node_id)
+    assert [c.request.method for c in http.calls if name in c.request.url][-1] == "DELETE"
 
 
 def test_capacity_from_region_gpu_quotas(gcp: GcpProvider, http) -> None:

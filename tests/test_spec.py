@@ -23,7 +23,8 @@ from broker.spec import (
     parse_spec_text,
     spec_to_json,
 )
-from policies.models import Accelerator, BatchMode, JobSpec, SpotPolicy
+from policies.models import Accelerator, BatchMode, JobSpec, Market, Pool, SpotPolicy
+from policies.placement import region_allowed
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "jobs"
 
@@ -76,6 +77,20 @@ def test_region_patterns_may_glob_the_cloud() -> None:
     assert s.regions.deny == ["azure:*", "g?p:asia-*"]
 
 
+def test_region_patterns_select_the_pools_placement_allows() -> None:
+    """The spec's patterns are what placement matches ``cloud:region`` against."""
+    text = BASE + ("regions: {allow: ['aws:us-*', 'GCP:europe-west4', 'azure:*'], "
+                   "deny: ['aws:us-west-*']}")
+    regions = parse_spec_text(text).spec.regions
+    pools = {f"{c}:{r}": Pool(cloud=c, region=r, accelerator=Accelerator.V100, market=Market.SPOT,
+                              nodes=1, gpus_per_node=1, price_per_gpu_hour=1.0)
+             for c, r in [("aws", "us-east-1"), ("aws", "us-west-2"), ("aws", "eu-west-1"),
+                          ("gcp", "europe-west4"), ("gcp", "us-central1"), ("azure", "eastus")]}
+    allowed = {k for k, pool in pools.items()
+               if region_allowed(pool, regions.allow, regions.deny)}
+    assert allowed == {"aws:us-east-1", "gcp:europe-west4", "azure:eastus"}
+
+
 @pytest.mark.parametrize(("work", "samples"), [
     ("{samples: 1000}", 1000), ("{epochs: 3, dataset_size: 1797}", 5391), ("{steps: 10}", 640),
 ])
@@ -123,8 +138,17 @@ def test_examples_all_parse() -> None:
     (BASE + "deadline: .inf", "deadline", "like 90m"),
     (BASE + "regions: {allow: ['us east']}", "regions.allow[0]", "cloud:region"),
     (BASE + "regions: [us-east-1]", "regions[0]",
-     "unknown cloud 'us-east-1' (the clouds are aws, gcp, azure, local); for a region write "
-     "cloud:region, like aws:us-east-1"),
+     "'us-east-1' has no cloud; did you mean aws:us-east-1?"),
+    (BASE + "regions: {allow: [local, europe-west4]}", "regions.allow[1]",
+     "'europe-west4' has no cloud; did you mean gcp:europe-west4?"),
+    (BASE + "regions: {deny: [westeurope]}", "regions.deny[0]",
+     "'westeurope' has no cloud; did you mean azure:westeurope?"),
+    (BASE + "regions: {allow: ['us-*']}", "regions.allow[0]",
+     "'us-*' has no cloud; give its cloud, like aws:us-* or gcp:us-*"),
+    (BASE + "regions: {allow: ['asw:us-east-1']}", "regions.allow[0]",
+     "unknown cloud 'asw' (the clouds are aws, gcp, azure, local); did you mean 'aws:us-east-1'?"),
+    (BASE + "regions: {allow: ['google:us-central1']}", "regions.allow[0]",
+     "did you mean 'gcp:us-central1'?"),
     (BASE + "regions: {deny: ['gpc:*']}", "regions.deny[0]", "did you mean 'gcp:*'?"),
     (BASE + "regions: {allow: [aws, 'x*:eu-*']}", "regions.allow[1]", "unknown cloud 'x*'"),
     (BASE + "checkpoint: {interval: often}", "checkpoint.interval", "500steps"),
