@@ -227,30 +227,62 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
         current=None if pool is None else pool.market)
 
 
+@dataclass
+class Placed:
+    """A round's placements (job id -> pool and GPUs, or ``None``), the deadline jobs that wait
+    for spot and give their share back, and why some jobs got nothing (job id -> reason)."""
+
+    where: dict[str, PlacementResult | None]
+    waits: set[str] = field(default_factory=set)
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+WAIT_FOR_ON_DEMAND = ("waiting for on-demand: it must not be preempted (spot: never) and no "
+                      "on-demand pool it may use has room for it")
+
+
 def place_by_deadline(requests: Sequence[PlacementRequest], views: Mapping[str, DeadlineJob],
                       pools: Sequence[Pool], used: Mapping[str, int],
-                      risk: Mapping[str, PoolRisk],
-                      config: SchedulerConfig,
-                      ) -> tuple[dict[str, PlacementResult | None], set[str]]:
+                      risk: Mapping[str, PoolRisk], config: SchedulerConfig) -> Placed:
     """Placement with each job in ``views`` (the jobs with a deadline) on the market
-    ``choose_market`` picks while spot is there; one it sends to spot that finds no spot pool
-    with room is asked again with spot gone: on-demand when behind its pace, else it waits this
-    round (holds no GPUs), as the simulator's fleet policy does. Others use any market.
-    Returns the placements and the ids of the jobs that wait."""
+    ``choose_market`` picks while spot is there; one that finds no pool with room there is asked
+    again (:func:`_second_market`): sent to spot, on-demand when behind its pace, else it waits
+    this round (holds no GPUs), as the simulator's fleet policy does; sent to on-demand, spot
+    (progress beats waiting; a running job keeps its spot pool), unless it must not be preempted:
+    that one waits for on-demand room and says so. Others use any market."""
     first = {k: choose_market(v, spot_available=True) for k, v in views.items()}
     placed = place([_on(r, first.get(r.job_id)) for r in requests], pools, dict(used), risk,
                    config.egress, config.move_margin)
-    missed = [r for r in requests if first.get(r.job_id) is Market.SPOT and
-              placed[r.job_id] is None]
-    second = {r.job_id: choose_market(views[r.job_id], spot_available=False) for r in missed}
-    retry = [_on(r, Market.ON_DEMAND) for r in missed if second[r.job_id] is Market.ON_DEMAND]
+    missed = [r for r in requests if r.job_id in views and placed[r.job_id] is None]
+    second = {r.job_id: _second_market(first[r.job_id], views[r.job_id]) for r in missed}
+    retry = [_on(r, second[r.job_id]) for r in missed if second[r.job_id] is not None]
     if retry:
-        held = defaultdict(int, used)
-        for got in placed.values():
-            if got is not None:
-                held[got.pool] += got.gpus
-        placed.update(place(retry, pools, held, risk, config.egress, config.move_margin))
-    return placed, {k for k, m in second.items() if m is None}
+        placed.update(place(retry, pools, _held(used, placed), risk, config.egress,
+                            config.move_margin))
+    out = Placed(placed)
+    for k, market in second.items():
+        if market is None and first[k] is Market.SPOT:
+            out.waits.add(k)
+        elif market is None:
+            out.notes[k] = WAIT_FOR_ON_DEMAND
+    return out
+
+
+def _second_market(first: Market | None, view: DeadlineJob) -> Market | None:
+    """The market a deadline job tries when ``first`` had no room for it (``None``: none)."""
+    if first is Market.SPOT:
+        return choose_market(view, spot_available=False)
+    return None if view.must_not_preempt else Market.SPOT
+
+
+def _held(used: Mapping[str, int], placed: Mapping[str, PlacementResult | None],
+          ) -> dict[str, int]:
+    """GPUs held per pool: ``used`` plus the ``placed`` jobs'."""
+    held = defaultdict(int, used)
+    for got in placed.values():
+        if got is not None:
+            held[got.pool] += got.gpus
+    return held
 
 
 def _on(req: PlacementRequest, market: Market | None) -> PlacementRequest:
@@ -322,8 +354,8 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if counts is not None and j.state is JobState.QUEUED and not any(
                     g.min <= n <= g.max for n in counts):
                 _unlaunchable(res, j, accel, sorted(counts), config)
-        placed, waiting = _allocate_and_place(res, jobs, choices, capacity, pools, pools_by_id,
-                                              used, risk, blocked, config, now)
+        placed = _allocate_and_place(res, jobs, choices, capacity, pools, pools_by_id, used,
+                                     risk, blocked, config, now)
         # GPUs free right now: running jobs hold theirs until they have checkpointed, so a
         # launch into GPUs a resizing job still holds waits for a later round.
         free_now = {p.id: p.capacity - used.get(p.id, 0) for p in pools}
@@ -331,7 +363,7 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if job.state is JobState.RUNNING and job.pool in free_now:
                 free_now[job.pool] -= job.gpus
         for job in jobs:
-            where = placed.get(job.id)
+            where = placed.where.get(job.id)
             target = None
             if where is not None:
                 batch = next(x.batch_size for x in choices[job.id] if x.gpus == where.gpus)
@@ -340,9 +372,11 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
                     if free_now[where.pool] < where.gpus:
                         continue  # deferred, not dropped: it waits for the GPUs to free up
                     free_now[where.pool] -= where.gpus
-            if job.id in waiting:
+            if job.id in placed.waits:
                 _wait_for_spot(res, job, fence)
                 continue
+            if target is None and job.state is not JobState.RUNNING and job.id in placed.notes:
+                _note(res, job, "waiting", placed.notes[job.id])
             _diff(res, job, target, fence, config)
     return res
 
@@ -351,12 +385,10 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
                         choices: dict[str, list[Choice]], capacity: int, pools: list[Pool],
                         pools_by_id: dict[str, Pool], used: Mapping[str, int],
                         risk: Mapping[str, PoolRisk], blocked: frozenset[str],
-                        config: SchedulerConfig, now: float,
-                        ) -> tuple[dict[str, PlacementResult | None], set[str]]:
+                        config: SchedulerConfig, now: float) -> Placed:
     """One accelerator's allocation and placement; the deadline jobs that wait for spot (see
     :func:`place_by_deadline`) give their share back: the others are allocated and placed again
-    without them. Returns the placements and the waiting jobs' ids."""
-    placed: dict[str, PlacementResult | None] = {}
+    without them."""
     waiting: set[str] = set()
     for _ in range(2):
         active = [j for j in jobs if j.id not in waiting]
@@ -372,11 +404,12 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
             requests.append(placement_request(job, c, fallbacks, blocked, pools_by_id, config))
             if job.spec.deadline_s is not None:
                 views[job.id] = deadline_job(job, c, pools_by_id, config, now)
-        placed, waits = place_by_deadline(requests, views, pools, used, risk, config)
-        if not waits:
+        placed = place_by_deadline(requests, views, pools, used, risk, config)
+        if not placed.waits:
             break
-        waiting |= waits
-    return placed, waiting
+        waiting |= placed.waits
+    placed.waits = waiting
+    return placed
 
 
 def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity: int,
@@ -469,9 +502,15 @@ def _wait_for_spot(res: RoundResult, job: JobRecord, fence: int) -> None:
     waits; a waiting one says why (once) instead of staying queued without a word."""
     if job.state is JobState.RUNNING:
         _stop(res, job, fence, IntentKind.SUSPEND, WAIT_FOR_SPOT)
-    elif job.reason != WAIT_FOR_SPOT:
-        res.plan.change(job, event="waiting-for-spot", event_data={"reason": WAIT_FOR_SPOT},
-                        reason=WAIT_FOR_SPOT)
+    else:
+        _note(res, job, "waiting-for-spot", WAIT_FOR_SPOT)
+
+
+def _note(res: RoundResult, job: JobRecord, event: str, reason: str) -> None:
+    """Say on a job why it gets no GPUs (an ``event`` with the reason), once: a round that
+    finds the same reason changes nothing."""
+    if job.reason != reason:
+        res.plan.change(job, event=event, event_data={"reason": reason}, reason=reason)
         res.changed.append(job.id)
 
 
@@ -484,9 +523,8 @@ def _unlaunchable(res: RoundResult, job: JobRecord, accel: Accelerator, sizes: l
               f"GPUs (sizes {', '.join(map(str, sizes))}); widen the job's gpus range")
     if config.admission is Admission.DROP:
         _drop(res, job, reason)
-    elif job.reason != reason:
-        res.plan.change(job, event="unlaunchable", event_data={"reason": reason}, reason=reason)
-        res.changed.append(job.id)
+    else:
+        _note(res, job, "unlaunchable", reason)
 
 
 def _drop(res: RoundResult, job: JobRecord, reason: str) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from broker.models import IntentKind, JobState
 from broker.scheduler import (
+    WAIT_FOR_ON_DEMAND,
     WAIT_FOR_SPOT,
     Admission,
     Policy,
@@ -265,12 +266,14 @@ OD_T4 = Pool(cloud="aws", region="west", accelerator=Accelerator.T4, market=Mark
 
 
 def paced_job(store: Store, name: str, deadline_h: float | None, elapsed_h: float = 1.0,
-              done_h: float = 0.5, total_h: float = 2.0, running_in: Pool | None = None) -> str:
+              done_h: float = 0.5, total_h: float = 2.0, running_in: Pool | None = None,
+              spot: str = "allowed") -> str:
     """A 1-GPU job (fixed batch 32) its agent measured at 1000 samples/s: ``total_h`` hours of
     work of which ``done_h`` are done, submitted ``elapsed_h`` ago; suspended after its first
     attempt, or running in ``running_in``."""
     deadline = None if deadline_h is None else deadline_h * HOUR
-    job = store.submit(spec(name, gmax=1, batch_mode="fixed", deadline_s=deadline).model_copy(
+    job = store.submit(spec(name, gmax=1, batch_mode="fixed", deadline_s=deadline,
+                            spot=spot).model_copy(
         update={"work_samples": int(total_h * HOUR * 1000)}), team="t")
     plan = Plan()
     plan.change(job, JobState.LAUNCHING, attempt=1, gpus=1, batch_size=32,
@@ -341,6 +344,42 @@ def test_without_spot_room_a_job_behind_pace_takes_on_demand_and_one_ahead_waits
     assert got["ahead"].reason == WAIT_FOR_SPOT  # type: ignore[union-attr]
     sched.run_round(fence)
     assert store.get_job(ahead).version == got["ahead"].version  # type: ignore[union-attr]
+
+
+def fill(store: Store, pool: Pool) -> str:
+    """A job holding all of ``pool``'s GPUs (launching there)."""
+    job = store.submit(spec(f"fill-{pool.region}", gmax=pool.capacity), team="t")
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=pool.capacity, pool=pool.id)
+    store.apply(plan)
+    return job.id
+
+
+def test_without_on_demand_room_a_deadline_job_takes_spot_and_a_spot_never_one_says_it_waits(
+        store: Store) -> None:
+    """The on-demand pool is full, spot has room. A job the deadline rule sends to on-demand
+    (3 min of slack) runs on spot rather than not at all; one running on spot past the safety
+    net keeps its spot pool instead of being suspended; a spot: never job waits and says why,
+    once."""
+    store.set_pools([SPOT_T4, OD_T4])
+    fence = store.acquire_lease("t", ttl_s=30)
+    fill(store, OD_T4)
+    tight = paced_job(store, "tight", 2.55)
+    running = paced_job(store, "running", 2.54, running_in=SPOT_T4)
+    never = paced_job(store, "never", 10.0, spot="never")
+    sched = Scheduler(store)
+    sched.run_round(fence)
+    got = {n: store.get_job(i) for n, i in (("tight", tight), ("running", running),
+                                            ("never", never))}
+    assert (got["tight"].state, got["tight"].pool) == (  # type: ignore[union-attr]
+        JobState.LAUNCHING, SPOT_T4.id)
+    assert (got["running"].state, got["running"].pool) == (  # type: ignore[union-attr]
+        JobState.RUNNING, SPOT_T4.id)
+    assert not [i for i in store.intents() if i.job_id in (running, never)]
+    assert got["never"].state is JobState.SUSPENDED  # type: ignore[union-attr]
+    assert got["never"].reason == WAIT_FOR_ON_DEMAND  # type: ignore[union-attr]
+    sched.run_round(fence)
+    assert store.get_job(never).version == got["never"].version  # type: ignore[union-attr]
 
 
 def test_a_spot_never_job_is_not_shrunk_or_suspended_to_make_room(store: Store) -> None:
