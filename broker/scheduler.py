@@ -149,13 +149,38 @@ def _accelerator(job: JobRecord, pools_by_id: dict[str, Pool],
     return next((a for a in job.spec.accelerators if a in available), None)
 
 
+@dataclass(frozen=True)
+class Marks:
+    """What the blocklist says of this round's pools: ``blocked``, spot pools in a location just
+    reclaimed (avoided while another pool has room), and ``refused``, pools where the cloud just
+    refused a launch (stock-out, quota; never launched in until the mark lapses), each with the
+    reason a job that finds no other pool shows."""
+
+    blocked: frozenset[str] = frozenset()
+    refused: Mapping[str, str] = field(default_factory=dict)
+
+
 def blocked_pools(pools: list[Pool], blocklist: Blocklist | None, now: float) -> frozenset[str]:
-    """Spot pools in a location the blocklist holds (a reclaim says nothing about on-demand),
-    and pools of either market where the cloud just refused a launch (stock-out, quota)."""
+    """Spot pools in a location the blocklist holds (a reclaim says nothing about on-demand)."""
     if blocklist is None:
         return frozenset()
-    return frozenset(p.id for p in pools if blocklist.is_refused(p.id, now) or (
-        p.market is Market.SPOT and any(blocklist.is_blocked(k, now) for k in location_keys(p))))
+    return frozenset(p.id for p in pools if p.market is Market.SPOT and any(
+        blocklist.is_blocked(k, now) for k in location_keys(p)))
+
+
+def refused_pools(pools: list[Pool], blocklist: Blocklist | None, now: float) -> dict[str, str]:
+    """Pools of either market with a fresh refusal mark, each with what a job held back by it
+    is told: the pool, what the cloud lacked, and when the mark lapses."""
+    if blocklist is None:
+        return {}
+    out = {}
+    for p in pools:
+        if blocklist.is_refused(p.id, now):
+            why = blocklist.refusal_why.get(p.id)
+            until = time.strftime("%H:%M:%S", time.gmtime(blocklist.refused_until(p.id)))
+            out[p.id] = (f"pool {p.id} refused the launch" + (f" ({why})" if why else "")
+                         + f"; retrying after {until} UTC")
+    return out
 
 
 def checkpoint_interval_s(spec: JobSpec, batch: int, samples_per_s: float) -> float:
@@ -183,7 +208,7 @@ def checkpoint_gb(job: JobRecord, config: SchedulerConfig) -> float:
 
 
 def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
-                      blocked: frozenset[str], pools_by_id: Mapping[str, Pool],
+                      marks: Marks, pools_by_id: Mapping[str, Pool],
                       config: SchedulerConfig) -> PlacementRequest:
     """The job as placement sees it: its size and constraints, and what finishing it costs
     where: hours of work left at the chosen size (the scheduler's throughput estimate), the
@@ -195,7 +220,7 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
     where = _location(job.pool, pools_by_id) if job.pool and job.attempt > 0 else (None, None)
     return PlacementRequest(
         job.id, choice.gpus, fallbacks, job.pool if job.state is JobState.RUNNING else None,
-        spec.spot, spec.regions.allow, spec.regions.deny, blocked,
+        spec.spot, spec.regions.allow, spec.regions.deny, marks.blocked, frozenset(marks.refused),
         remaining_h=left / rate / 3600, restart_h=config.restart_s / 3600,
         checkpoint_interval_h=checkpoint_interval_s(spec, choice.batch_size, rate) / 3600,
         checkpoint_gb=checkpoint_gb(job, config) if where[0] else 0.0,
@@ -309,13 +334,15 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
                priors: Mapping[str, float] | None = None,
                stats: PoolStats | None = None) -> RoundResult:
     """Decide the round's changes from one snapshot; pure apart from reading the clock. Jobs
-    are not placed in spot locations ``blocklist`` holds (they may stay where they run); pools
+    are not placed in spot locations ``blocklist`` holds while other pools have room, nor ever in
+    pools it marks refused (they may stay where they run: :class:`Marks`); pools
     are ranked by expected cost with ``priors`` (monthly reclaim rate per pool id; none: 0)
     and the preemptions and node-hours ``stats`` the broker observed."""
     now = time.time() if now is None else now
     res = RoundResult(plan=Plan(wake=False))
     pools_by_id = {p.id: p for p in snap.pools}
-    blocked = blocked_pools(snap.pools, blocklist, now)
+    marks = Marks(blocked_pools(snap.pools, blocklist, now),
+                  refused_pools(snap.pools, blocklist, now))
     risk = pool_risk(snap.pools, priors or {}, stats or PoolStats(), snap.jobs, now)
     available = {p.accelerator for p in snap.pools if p.capacity > 0}
     used: dict[str, int] = defaultdict(int)  # GPUs held by jobs this round does not move
@@ -355,7 +382,7 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
                     g.min <= n <= g.max for n in counts):
                 _unlaunchable(res, j, accel, sorted(counts), config)
         placed = _allocate_and_place(res, jobs, choices, capacity, pools, pools_by_id, used,
-                                     risk, blocked, config, now)
+                                     risk, marks, config, now)
         # GPUs free right now: running jobs hold theirs until they have checkpointed, so a
         # launch into GPUs a resizing job still holds waits for a later round.
         free_now = {p.id: p.capacity - used.get(p.id, 0) for p in pools}
@@ -384,7 +411,7 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
 def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
                         choices: dict[str, list[Choice]], capacity: int, pools: list[Pool],
                         pools_by_id: dict[str, Pool], used: Mapping[str, int],
-                        risk: Mapping[str, PoolRisk], blocked: frozenset[str],
+                        risk: Mapping[str, PoolRisk], marks: Marks,
                         config: SchedulerConfig, now: float) -> Placed:
     """One accelerator's allocation and placement; the deadline jobs that wait for spot (see
     :func:`place_by_deadline`) give their share back: the others are allocated and placed again
@@ -401,7 +428,7 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
             if c is None:
                 continue
             fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
-            requests.append(placement_request(job, c, fallbacks, blocked, pools_by_id, config))
+            requests.append(placement_request(job, c, fallbacks, marks, pools_by_id, config))
             if job.spec.deadline_s is not None:
                 views[job.id] = deadline_job(job, c, pools_by_id, config, now)
         placed = place_by_deadline(requests, views, pools, used, risk, config)
@@ -409,7 +436,23 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
             break
         waiting |= placed.waits
     placed.waits = waiting
+    placed.notes.update(_refusal_notes(requests, placed, pools, used, risk, marks, config))
     return placed
+
+
+def _refusal_notes(requests: Sequence[PlacementRequest], placed: Placed, pools: Sequence[Pool],
+                   used: Mapping[str, int], risk: Mapping[str, PoolRisk], marks: Marks,
+                   config: SchedulerConfig) -> dict[str, str]:
+    """Why the jobs left out are: those that the room left would take, were it not for a
+    refusal mark, are told which pool refused and until when (job id -> reason)."""
+    left = [replace(r, refused=frozenset()) for r in requests
+            if placed.where.get(r.job_id) is None and r.job_id not in placed.waits]
+    if not left or not marks.refused:
+        return {}
+    held = _held(used, placed.where)
+    would = place(left, pools, held, risk, config.egress, config.move_margin)
+    return {k: marks.refused[got.pool] for k, got in would.items()
+            if got is not None and got.pool in marks.refused}
 
 
 def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity: int,

@@ -541,6 +541,7 @@ def test_a_refused_launch_blocks_the_pool_and_the_job_launches_in_another(
     blocklist, _ = store.blocklist()
     now = time.time()
     assert blocklist.is_refused(EAST, now) and not blocklist.is_refused(WEST, now)
+    assert f"no {blocklist.refusal_why[EAST]}" == reason  # what a job held back is told
     assert not blocklist.is_refused(EAST, now + blocklist.refusal_decay_s)  # a short mark
     # a newcomer does not try the refused pool either, while the other has room
     other = store.submit(v100_spec("newcomer"), team="t")

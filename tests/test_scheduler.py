@@ -13,6 +13,7 @@ from broker.scheduler import (
     WAIT_FOR_ON_DEMAND,
     WAIT_FOR_SPOT,
     Admission,
+    Marks,
     Policy,
     Scheduler,
     SchedulerConfig,
@@ -21,10 +22,12 @@ from broker.scheduler import (
     job_choices,
     placement_request,
     pool_risk,
+    refused_pools,
     samples_per_sec,
 )
 from broker.store import Plan, PoolStats, StaleFence, Store
 from policies.elastic_dp import Choice
+from policies.migration import Blocklist, mark_refused
 from policies.models import (
     Accelerator,
     BatchRange,
@@ -163,13 +166,13 @@ def test_placement_request_and_pool_risk_from_the_job_and_the_counts() -> None:
     assert checkpoint_interval_s(steps, 64, 1000.0) == pytest.approx(32.0)
     assert checkpoint_interval_s(spec("t"), 64, 1000.0) == 100.0  # the spec's default, 100s
     config = SchedulerConfig(restart_s=120, checkpoint_gb=5)
-    req = placement_request(job, Choice(2, 64, 1.0), [1], frozenset(), {}, config)
+    req = placement_request(job, Choice(2, 64, 1.0), [1], Marks(), {}, config)
     assert req.remaining_h == pytest.approx(0.5) and req.restart_h == pytest.approx(120 / 3600)
     assert req.checkpoint_interval_h == pytest.approx(32 / 3600)
     assert (req.checkpoint_cloud, req.checkpoint_region, req.checkpoint_gb) == ("gcp", "west", 5)
     assert req.current_pool is None  # suspended: it is placed again, not kept
     fresh = placement_request(job.model_copy(update={"attempt": 0, "pool": None}),
-                              Choice(2, 64, 1.0), [], frozenset(), {}, config)
+                              Choice(2, 64, 1.0), [], Marks(), {}, config)
     assert fresh.checkpoint_cloud is None and fresh.checkpoint_gb == 0  # nothing to carry yet
     east = POOLS[0].id
     running = job.model_copy(update={"state": JobState.RUNNING, "pool": east,
@@ -249,7 +252,7 @@ def test_a_measured_checkpoint_size_prices_the_move(store: Store) -> None:
     config = SchedulerConfig(min_rescale_interval_s=0, checkpoint_gb=50)
     big = store.get_job(ids["big"])
     assert big is not None and big.checkpoint_bytes == 50_000_000_000
-    assert placement_request(big, Choice(1, 32, 1.0), [], frozenset(), {},
+    assert placement_request(big, Choice(1, 32, 1.0), [], Marks(), {},
                              config).checkpoint_gb == 50
     Scheduler(store, config).run_round(fence)
     where = {n: store.get_job(i).pool for n, i in ids.items()}  # type: ignore[union-attr]
@@ -420,3 +423,69 @@ def test_a_running_job_moves_when_its_pool_became_much_dearer(store: Store) -> N
     res = sched.run_round(fence)
     (intent,) = store.intents()
     assert res.suspends == 1 and intent.kind is IntentKind.MIGRATE and intent.pool == east.id
+
+
+# ---- refusal marks (the actuator's, on CapacityError/QuotaError) in every placement path -----
+
+V100_OD = Pool(cloud="aws", region="us-east-1", accelerator=Accelerator.V100,
+               market=Market.ON_DEMAND, nodes=1, gpus_per_node=8, price_per_gpu_hour=3.0)
+
+
+def refuse(store: Store, pool: Pool, why: str, at: float) -> None:
+    blocklist, read = store.blocklist()
+    plan = Plan()
+    plan.set_blocklist(mark_refused(blocklist, pool.id, at, why), read=read)
+    store.apply(plan)
+
+
+def test_a_refused_pool_takes_no_launch_at_any_size_and_the_job_says_until_when(
+        store: Store) -> None:
+    """A 4-GPU V100 job (1-4 accepted): its on-demand pool refused a launch (capacity) a minute
+    ago; the other pool has room for 2. It takes 2 there (a fallback size), not 4 in the refused
+    pool; once the other pool is full it is not launched at all and says which pool refused and
+    when it retries (the mark's expiry, 10 minutes after the refusal)."""
+    west = V100_OD.model_copy(update={"region": "us-west-2", "nodes": 1, "gpus_per_node": 2})
+    store.set_pools([V100_OD, west])
+    fence = store.acquire_lease("t", ttl_s=30)
+    at = time.time() - 60
+    refuse(store, V100_OD, "capacity", at)
+    v100 = {"accelerators": [Accelerator.V100]}
+    first = store.submit(spec("first").model_copy(update=v100), team="t")
+    sched = Scheduler(store)
+    sched.run_round(fence)
+    got = store.get_job(first.id)
+    assert got is not None and (got.pool, got.gpus) == (west.id, 2)
+    second = store.submit(spec("second").model_copy(update=v100), team="t")
+    sched.run_round(fence)
+    waiting = store.get_job(second.id)
+    assert waiting is not None and waiting.state is JobState.QUEUED
+    until = time.strftime("%H:%M:%S", time.gmtime(at + 600))
+    assert waiting.reason == (f"pool aws:us-east-1:on-demand:V100 refused the launch (capacity); "
+                              f"retrying after {until} UTC")
+    assert sched.run_round(fence).plan.empty()  # said once
+
+
+def test_a_deadline_job_behind_pace_does_not_retry_on_demand_in_a_refused_pool(
+        store: Store) -> None:
+    """Spot is full, so a job behind its pace falls back to on-demand; the only on-demand pool
+    refused a launch (quota): it is not launched there, and says so."""
+    store.set_pools([SPOT_T4, OD_T4])
+    fence = store.acquire_lease("t", ttl_s=30)
+    fill(store, SPOT_T4)
+    refuse(store, OD_T4, "quota", time.time())
+    behind = paced_job(store, "behind", 3.0)
+    Scheduler(store).run_round(fence)
+    got = store.get_job(behind)
+    assert got is not None and got.state is JobState.SUSPENDED and not store.intents()
+    assert got.reason.startswith(f"pool {OD_T4.id} refused the launch (quota); retrying after ")
+
+
+def test_refusal_marks_cover_both_markets_and_lapse() -> None:
+    pools = [SPOT_T4, OD_T4]
+    marked = Blocklist(refused={OD_T4.id: 100.0, SPOT_T4.id: 100.0},
+                       refusal_why={OD_T4.id: "quota"})
+    got = refused_pools(pools, marked, now=200.0)
+    assert set(got) == {OD_T4.id, SPOT_T4.id}
+    assert "(quota)" in got[OD_T4.id] and "refused the launch; retrying after 00:11:40 UTC" in \
+        got[SPOT_T4.id]  # no kind recorded (a mark written before kinds were): no brackets
+    assert refused_pools(pools, marked, now=100.0 + marked.refusal_decay_s) == {}
