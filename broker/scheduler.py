@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -23,9 +23,9 @@ from broker.store import Plan, PoolStats, Snapshot, Store
 from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
 from policies.migration import Blocklist, location_keys
 from policies.models import Accelerator, JobSpec, Market, Pool
-from policies.placement import PlacementRequest, PlacementResult, PoolRisk, place
+from policies.placement import PlacementRequest, PlacementResult, PoolRisk, eligible, place
 from policies.region_score import DEFAULT_RESTART_S, Egress, Stickiness
-from policies.spot import DeadlineJob, choose_market, must_not_preempt, preemption_h
+from policies.spot import DeadlineJob, choose_market, holds_pace, must_not_preempt, preemption_h
 from policies.throughput import ThroughputModel, batch_candidates
 
 log = logging.getLogger(__name__)
@@ -231,10 +231,12 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
                  config: SchedulerConfig, now: float) -> DeadlineJob:
     """Where the job stands against its deadline for ``policies.spot.choose_market``.
 
-    Hours of work are counted at this round's choice (GPUs, batch) and the scheduler's throughput
-    estimate there (the agent's measurement where it has one, else the calibrated model): the
-    total is ``work_samples`` at that rate, the progress the samples done at that rate (so the
-    fraction done is exact; the hours are as good as the rate estimate). One preemption costs
+    Hours of work are counted at ``choice`` (GPUs, batch), the job's requested size
+    (:func:`requested_choice`: what it would get if placed, whatever this round allocates), at
+    the scheduler's throughput estimate there (the agent's measurement where it has one, else the
+    calibrated model): the total is ``work_samples`` at that rate, the progress the samples done
+    at that rate (so the fraction done is exact; the hours are as good as the rate estimate).
+    One preemption costs
     ``reaction_s``, ``restart_s`` and up to a checkpoint interval of work (a preemption notice
     may come too late to checkpoint). ``spot: never`` is ``must_not_preempt``."""
     spec = job.spec
@@ -260,27 +262,46 @@ class Placed:
     where: dict[str, PlacementResult | None]
     waits: set[str] = field(default_factory=set)
     notes: dict[str, str] = field(default_factory=dict)
+    # sent to on-demand on the second try, no room there at the requested size: allocated anew
+    switched: set[str] = field(default_factory=set)
 
 
 WAIT_FOR_ON_DEMAND = ("waiting for on-demand: it must not be preempted (spot: never) and no "
                       "on-demand pool it may use has room for it")
 
 
-def place_by_deadline(requests: Sequence[PlacementRequest], views: Mapping[str, DeadlineJob],
+@dataclass(frozen=True)
+class Paced:
+    """A deadline job's standing: its requested size (:func:`requested_choice`), where it stands
+    at that size (:func:`deadline_job`), and the market ``choose_market`` picks while spot is
+    there."""
+
+    requested: Choice
+    view: DeadlineJob
+    market: Market | None
+
+    @classmethod
+    def of(cls, requested: Choice, view: DeadlineJob) -> Paced:
+        return cls(requested, view, choose_market(view, spot_available=True))
+
+
+def place_by_deadline(requests: Sequence[PlacementRequest], paced: Mapping[str, Paced],
                       pools: Sequence[Pool], used: Mapping[str, int],
                       risk: Mapping[str, PoolRisk], config: SchedulerConfig) -> Placed:
-    """Placement with each job in ``views`` (the jobs with a deadline) on the market
-    ``choose_market`` picks while spot is there; one that finds no pool with room there is asked
-    again (:func:`_second_market`): sent to spot, on-demand when behind its pace, else it waits
-    this round (holds no GPUs), as the simulator's fleet policy does; sent to on-demand, spot
-    (progress beats waiting; a running job keeps its spot pool), unless it must not be preempted:
-    that one waits for on-demand room and says so. Others use any market."""
-    first = {k: choose_market(v, spot_available=True) for k, v in views.items()}
+    """Placement with each job in ``paced`` (the jobs with a deadline) on its market while spot
+    is there; one that finds no pool with room there is asked again (:func:`_second_market`):
+    sent to spot, on-demand when behind its pace, at its requested size, else it waits this round
+    (holds no GPUs), as the simulator's fleet policy does; sent to on-demand, spot (progress beats
+    waiting; a running job keeps its spot pool), unless it must not be preempted: that one waits
+    for on-demand room and says so. On-demand is asked for at the size allocated, no smaller
+    fallback (:func:`_paced_choices` keeps it at the requested size). Others use any market."""
+    first = {r.job_id: paced[r.job_id].market for r in requests if r.job_id in paced}
     placed = place([_on(r, first.get(r.job_id)) for r in requests], pools, dict(used), risk,
                    config.egress, config.move_margin)
-    missed = [r for r in requests if r.job_id in views and placed[r.job_id] is None]
-    second = {r.job_id: _second_market(first[r.job_id], views[r.job_id]) for r in missed}
-    retry = [_on(r, second[r.job_id]) for r in missed if second[r.job_id] is not None]
+    missed = [r for r in requests if r.job_id in first and placed[r.job_id] is None]
+    second = {r.job_id: _second_market(first[r.job_id], paced[r.job_id].view) for r in missed}
+    retry = [_retry(r, m, paced[r.job_id]) for r in missed
+             if (m := second[r.job_id]) is not None]
     if retry:
         placed.update(place(retry, pools, _held(used, placed), risk, config.egress,
                             config.move_margin))
@@ -290,7 +311,16 @@ def place_by_deadline(requests: Sequence[PlacementRequest], views: Mapping[str, 
             out.waits.add(k)
         elif market is None:
             out.notes[k] = WAIT_FOR_ON_DEMAND
+        elif market is Market.ON_DEMAND and placed[k] is None:
+            out.switched.add(k)
     return out
+
+
+def _retry(req: PlacementRequest, market: Market, paced: Paced) -> PlacementRequest:
+    """The request on the second market: on-demand at the requested size (the size its pace
+    is judged at), spot as allocated with its fallbacks."""
+    return _on(replace(req, gpus=paced.requested.gpus) if market is Market.ON_DEMAND else req,
+               market)
 
 
 def _second_market(first: Market | None, view: DeadlineJob) -> Market | None:
@@ -311,8 +341,12 @@ def _held(used: Mapping[str, int], placed: Mapping[str, PlacementResult | None],
 
 
 def _on(req: PlacementRequest, market: Market | None) -> PlacementRequest:
-    """The request narrowed to ``market`` (``None``: as it is)."""
-    return req if market is None else replace(req, markets=frozenset({market}))
+    """The request narrowed to ``market`` (``None``: as it is); on-demand, the deadline's
+    fallback, at the request's size only."""
+    if market is None:
+        return req
+    return replace(req, markets=frozenset({market}),
+                   fallbacks=() if market is Market.ON_DEMAND else req.fallbacks)
 
 
 def pool_risk(pools: Sequence[Pool], priors: Mapping[str, float], stats: PoolStats,
@@ -415,29 +449,80 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
                         config: SchedulerConfig, now: float) -> Placed:
     """One accelerator's allocation and placement; the deadline jobs that wait for spot (see
     :func:`place_by_deadline`) give their share back: the others are allocated and placed again
-    without them."""
+    without them, and those sent to on-demand that found no room at their requested size are
+    allocated that size on on-demand. A deadline job is judged at its requested size
+    (:func:`requested_choice`)."""
+    paced = {j.id: Paced.of(c, deadline_job(j, c, pools_by_id, config, now)) for j in jobs
+             if j.spec.deadline_s is not None
+             and (c := requested_choice(j, choices[j.id], pools, marks)) is not None}
     waiting: set[str] = set()
     for _ in range(2):
+        allowed, required = _paced_choices(jobs, choices, paced, pools_by_id)
         active = [j for j in jobs if j.id not in waiting]
         t0 = time.perf_counter()
-        chosen = _allocate(active, choices, capacity, pools_by_id, config, now)
+        chosen = _allocate(active, allowed, capacity, pools_by_id, config, now, required)
         res.solve_s += time.perf_counter() - t0
-        requests, views = [], {}
+        requests = []
         for job in active:
             c = chosen.get(job.id)
             if c is None:
                 continue
             fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
             requests.append(placement_request(job, c, fallbacks, marks, pools_by_id, config))
-            if job.spec.deadline_s is not None:
-                views[job.id] = deadline_job(job, c, pools_by_id, config, now)
-        placed = place_by_deadline(requests, views, pools, used, risk, config)
-        if not placed.waits:
+        placed = place_by_deadline(requests, paced, pools, used, risk, config)
+        if not placed.waits and not placed.switched:
             break
         waiting |= placed.waits
+        paced.update({k: replace(paced[k], market=Market.ON_DEMAND) for k in placed.switched})
     placed.waits = waiting
     placed.notes.update(_refusal_notes(requests, placed, pools, used, risk, marks, config))
     return placed
+
+
+def requested_choice(job: JobRecord, opts: Sequence[Choice], pools: Sequence[Pool],
+                     marks: Marks) -> Choice | None:
+    """The job's requested size: its largest configuration (``opts``, at most ``gpus.max``) that
+    one pool it may use (markets, regions, no refusal mark) holds and can launch."""
+    spec = job.spec
+    probe = PlacementRequest(job.id, 0, spot=spec.spot, allow=spec.regions.allow,
+                             deny=spec.regions.deny, refused=frozenset(marks.refused))
+    usable = [p for p in pools if eligible(p, probe)]
+    return max((c for c in opts if any(p.capacity >= c.gpus and p.launchable(c.gpus)
+                                       for p in usable)), key=lambda c: c.gpus, default=None)
+
+
+def _paced_choices(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]],
+                   paced: Mapping[str, Paced], pools_by_id: Mapping[str, Pool],
+                   ) -> tuple[dict[str, list[Choice]], set[str]]:
+    """The configurations the allocator may give each job, and the jobs that must get one of
+    theirs (while all such pins can be honoured), as the simulator's fleet policy does: a
+    deadline job the pace rule sends to on-demand runs at its requested size (running, or its
+    current one) and comes first; one sent to spot that ``holds_pace`` gets only configurations
+    at least as fast as its pace (when one is there) and, running on spot at such a
+    configuration, keeps it (a rescale's restart would cost the slack it lacks)."""
+    allowed, required = dict(choices), set()
+    for job in jobs:
+        p = paced.get(job.id)
+        if p is None:
+            continue
+        opts = choices[job.id]
+        running = job.state is JobState.RUNNING
+        current = [c for c in opts if running and (c.gpus, c.batch_size) == (job.gpus,
+                                                                              job.batch_size)]
+        if p.market is Market.ON_DEMAND:
+            allowed[job.id] = [p.requested, *(c for c in current if c != p.requested)]
+            if not p.view.must_not_preempt:
+                required.add(job.id)
+        elif p.market is Market.SPOT and holds_pace(p.view):
+            pace = samples_per_sec(job, p.requested.gpus, p.requested.batch_size)
+            allowed[job.id] = [c for c in opts
+                               if samples_per_sec(job, c.gpus, c.batch_size) >= pace] or opts
+            pool = pools_by_id.get(job.pool or "")
+            kept = [c for c in current if c in allowed[job.id]]
+            if kept and pool is not None and pool.market is Market.SPOT:
+                allowed[job.id] = kept
+                required.add(job.id)
+    return allowed, required
 
 
 def _refusal_notes(requests: Sequence[PlacementRequest], placed: Placed, pools: Sequence[Pool],
@@ -457,15 +542,19 @@ def _refusal_notes(requests: Sequence[PlacementRequest], placed: Placed, pools: 
 
 def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity: int,
               pools_by_id: dict[str, Pool], config: SchedulerConfig,
-              now: float) -> dict[str, Choice | None]:
+              now: float, required: Collection[str] = ()) -> dict[str, Choice | None]:
     """Run the allocator with running jobs' current config favoured (``stickiness``) and, for
     jobs started less than ``min_rescale_interval_s`` ago (or under the static policy) and jobs
     that must not be preempted (``spot: never``: no suspension or rescale to rebalance), pinned;
-    pins are dropped when they cannot all be honoured (capacity was lost)."""
+    so are the ``required`` jobs to one of their choices (:func:`_paced_choices`). Pins are
+    dropped when they cannot all be honoured (capacity was lost)."""
     def build(pin: bool) -> list[JobChoices]:
         out = []
         for job in jobs:
             opts = choices[job.id]
+            if pin and job.id in required:
+                out.append(JobChoices(job.id, opts, required=True))
+                continue
             if job.state is JobState.RUNNING:
                 pool = pools_by_id.get(job.pool or "")
                 cur = [c for c in opts if (c.gpus, c.batch_size) == (job.gpus, job.batch_size)]

@@ -14,6 +14,7 @@ from broker.scheduler import (
     WAIT_FOR_SPOT,
     Admission,
     Marks,
+    Paced,
     Policy,
     Scheduler,
     SchedulerConfig,
@@ -23,6 +24,7 @@ from broker.scheduler import (
     placement_request,
     pool_risk,
     refused_pools,
+    requested_choice,
     samples_per_sec,
 )
 from broker.store import Plan, PoolStats, StaleFence, Store
@@ -38,6 +40,7 @@ from policies.models import (
     Pool,
     SpotPolicy,
 )
+from policies.spot import choose_market, holds_pace
 
 
 def spec(name: str, gmax: int = 4, gpus_min: int = 1, **kw: object) -> JobSpec:
@@ -270,20 +273,21 @@ OD_T4 = Pool(cloud="aws", region="west", accelerator=Accelerator.T4, market=Mark
 
 def paced_job(store: Store, name: str, deadline_h: float | None, elapsed_h: float = 1.0,
               done_h: float = 0.5, total_h: float = 2.0, running_in: Pool | None = None,
-              spot: str = "allowed") -> str:
-    """A 1-GPU job (fixed batch 32) its agent measured at 1000 samples/s: ``total_h`` hours of
-    work of which ``done_h`` are done, submitted ``elapsed_h`` ago; suspended after its first
-    attempt, or running in ``running_in``."""
+              spot: str = "allowed", gpus: int = 1) -> str:
+    """A ``gpus``-GPU job (fixed batch 32) its agent measured at 1000 samples/s a GPU:
+    ``total_h`` hours of work at that size of which ``done_h`` are done, submitted ``elapsed_h``
+    ago; suspended after its first attempt, or running in ``running_in``."""
     deadline = None if deadline_h is None else deadline_h * HOUR
-    job = store.submit(spec(name, gmax=1, batch_mode="fixed", deadline_s=deadline,
+    rate = 1000.0 * gpus
+    job = store.submit(spec(name, gmax=gpus, batch_mode="fixed", deadline_s=deadline,
                             spot=spot).model_copy(
-        update={"work_samples": int(total_h * HOUR * 1000)}), team="t")
+        update={"work_samples": int(total_h * HOUR * rate)}), team="t")
     plan = Plan()
-    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=1, batch_size=32,
+    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=gpus, batch_size=32,
                 pool=running_in and running_in.id, submitted_at=time.time() - elapsed_h * HOUR)
     store.apply(plan)
-    store.record_heartbeat(job.id, 1, samples_done=int(done_h * HOUR * 1000),
-                           samples_per_sec=1000.0, world_size=1, global_batch_size=32)
+    store.record_heartbeat(job.id, 1, samples_done=int(done_h * HOUR * rate),
+                           samples_per_sec=rate, world_size=gpus, global_batch_size=32)
     plan = Plan()
     if running_in is None:
         plan.change(store.get_job(job.id), JobState.SUSPENDED, gpus=0)  # type: ignore[arg-type]
@@ -383,6 +387,64 @@ def test_without_on_demand_room_a_deadline_job_takes_spot_and_a_spot_never_one_s
     assert got["never"].reason == WAIT_FOR_ON_DEMAND  # type: ignore[union-attr]
     sched.run_round(fence)
     assert store.get_job(never).version == got["never"].version  # type: ignore[union-attr]
+
+
+def test_the_deadline_view_is_at_the_requested_size_whatever_the_allocation(
+        store: Store) -> None:
+    """A 4-GPU job (4000 samples/s measured): 2 h of work at 4 GPUs, 0.5 h done, 1 h into a
+    2.75 h deadline. At 4 GPUs it has 15 min of slack (spot); counted at 1 GPU (a small
+    allocation, about 3000 samples/s by the calibrated model) the deadline would look lost
+    (on-demand). Its requested size is 4, bounded by the largest pool it may use: 2 when only
+    a 2-GPU pool is left to it."""
+    job = store.get_job(paced_job(store, "d", deadline_h=2.75, gpus=4))
+    assert job is not None
+    opts = job_choices(job, Policy.ELASTIC, 8)
+    assert [c.gpus for c in opts] == [1, 2, 3, 4]
+    requested = requested_choice(job, opts, [SPOT_T4, OD_T4], Marks())
+    assert requested is not None and requested.gpus == 4
+    now = time.time()
+    at = {g: deadline_job(job, next(c for c in opts if c.gpus == g), {}, SchedulerConfig(), now)
+          for g in (1, 4)}
+    assert at[4].slack_h == pytest.approx(0.25, abs=1e-3) and at[1].slack_h < 0
+    assert Paced.of(requested, at[4]).market is Market.SPOT
+    assert Paced.of(opts[0], at[1]).market is Market.ON_DEMAND  # what the old view did
+    two = OD_T4.model_copy(update={"gpus_per_node": 2})
+    refused = Marks(refused={SPOT_T4.id: "capacity"})
+    assert requested_choice(job, opts, [SPOT_T4, two], refused).gpus == 2  # type: ignore[union-attr]
+    never = job.model_copy(update={"spec": job.spec.model_copy(update={"spot": SpotPolicy.NEVER})})
+    assert requested_choice(never, opts, [SPOT_T4, two], Marks()).gpus == 2  # type: ignore[union-attr]
+
+
+def test_on_demand_after_a_spot_miss_runs_at_the_requested_size(store: Store) -> None:
+    """Spot is full; 4 on-demand GPUs, a 4-GPU deadline job behind its pace and a job without a
+    deadline that would share them. The deadline job falls back to on-demand at its requested
+    4 GPUs (the size its pace is judged at), not at the 2 a shared allocation leaves it."""
+    store.set_pools([SPOT_T4, OD_T4])
+    fence = store.acquire_lease("t", ttl_s=30)
+    fill(store, SPOT_T4)
+    behind = paced_job(store, "behind", 3.0, gpus=4)
+    wide = store.submit(spec("wide", gmax=4), team="t").id
+    Scheduler(store).run_round(fence)
+    got = store.get_job(behind)
+    assert got is not None and (got.pool, got.gpus) == (OD_T4.id, 4)
+    assert store.get_job(wide).state is JobState.QUEUED  # type: ignore[union-attr]
+
+
+def test_a_spot_job_that_holds_its_pace_is_not_shrunk_for_a_newcomer(store: Store) -> None:
+    """A 2-GPU deadline job runs on spot with 5 min of slack: above the safety net (166 s),
+    under the return margin (392 s), so it holds its pace (``policies.spot.holds_pace``): a
+    high-priority newcomer does not shrink it, as it shrinks the same job with ample slack."""
+    for deadline_h, kept in ((2.5 + 300 / HOUR, True), (10.0, False)):
+        store.r.flushdb()
+        store.set_pools([SPOT_T4])
+        fence = store.acquire_lease("t", ttl_s=30)
+        job = paced_job(store, f"d-{int(kept)}", deadline_h, running_in=SPOT_T4, gpus=2)
+        view = deadline_job(store.get_job(job), Choice(2, 32, 1.0), {SPOT_T4.id: SPOT_T4},  # type: ignore[arg-type]
+                            SchedulerConfig(), time.time())
+        assert holds_pace(view) is kept and choose_market(view, True) is Market.SPOT
+        store.submit(spec("newcomer", gmax=4, priority=100), team="t")
+        Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
+        assert (not [i for i in store.intents() if i.job_id == job]) is kept
 
 
 def test_a_spot_never_job_is_not_shrunk_or_suspended_to_make_room(store: Store) -> None:
