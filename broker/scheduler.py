@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -23,7 +23,14 @@ from broker.store import Plan, PoolStats, Snapshot, Store
 from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
 from policies.migration import Blocklist, location_keys
 from policies.models import Accelerator, JobSpec, Market, Pool
-from policies.placement import PlacementRequest, PlacementResult, PoolRisk, eligible, place
+from policies.placement import (
+    PlacementRequest,
+    PlacementResult,
+    PoolRisk,
+    eligible,
+    place,
+    region_allowed,
+)
 from policies.region_score import DEFAULT_RESTART_S, Egress, Stickiness
 from policies.spot import DeadlineJob, choose_market, holds_pace, must_not_preempt, preemption_h
 from policies.throughput import ThroughputModel, batch_candidates
@@ -142,11 +149,26 @@ def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, pgm: int |
     return tuple(out)
 
 
-def _accelerator(job: JobRecord, pools_by_id: dict[str, Pool],
-                 available: set[Accelerator]) -> Accelerator | None:
+def _accelerator(job: JobRecord, pools_by_id: dict[str, Pool]) -> Accelerator | None:
+    """Where it runs, else the first of its accelerators a pool in its regions offers."""
     if job.state is JobState.RUNNING and job.pool in pools_by_id:
         return pools_by_id[job.pool].accelerator
-    return next((a for a in job.spec.accelerators if a in available), None)
+    r = job.spec.regions
+    offered = {p.accelerator for p in pools_by_id.values()
+               if p.capacity > 0 and region_allowed(p, r.allow, r.deny)}
+    return next((a for a in job.spec.accelerators if a in offered), None)
+
+
+def _no_region(job: JobRecord, pools: Iterable[Pool]) -> str | None:
+    """Why the job's regions leave it no pool: its allow and deny lists and the regions that
+    offer its accelerators (``None``: no pool offers them anywhere)."""
+    where = sorted({f"{p.cloud}:{p.region}" for p in pools
+                    if p.capacity > 0 and p.accelerator in job.spec.accelerators})
+    if not where:
+        return None
+    r, accels = job.spec.regions, "/".join(a.value for a in job.spec.accelerators)
+    return (f"regions allow {r.allow} deny {r.deny} leave no {accels} pool; {accels} is offered "
+            f"in {', '.join(where)}: widen regions.allow or narrow regions.deny")
 
 
 @dataclass(frozen=True)
@@ -378,7 +400,6 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
     marks = Marks(blocked_pools(snap.pools, blocklist, now),
                   refused_pools(snap.pools, blocklist, now))
     risk = pool_risk(snap.pools, priors or {}, stats or PoolStats(), snap.jobs, now)
-    available = {p.accelerator for p in snap.pools if p.capacity > 0}
     used: dict[str, int] = defaultdict(int)  # GPUs held by jobs this round does not move
     by_accel: dict[Accelerator, list[JobRecord]] = defaultdict(list)
 
@@ -391,10 +412,10 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if job.state is JobState.RUNNING:
                 _stop(res, job, fence, IntentKind.STOP, "cancelled by user")
             continue
-        accel = _accelerator(job, pools_by_id, available)
+        accel = _accelerator(job, pools_by_id)
         if accel is None:
-            if config.admission is Admission.DROP and job.state is JobState.QUEUED:
-                _drop(res, job, "no pool offers its accelerators")
+            if job.state is JobState.QUEUED:
+                _no_pool(res, job, _no_region(job, snap.pools), config)
             continue
         by_accel[accel].append(job)
 
@@ -657,6 +678,18 @@ def _unlaunchable(res: RoundResult, job: JobRecord, accel: Accelerator, sizes: l
         _drop(res, job, reason)
     else:
         _note(res, job, "unlaunchable", reason)
+
+
+def _no_pool(res: RoundResult, job: JobRecord, region_reason: str | None,
+             config: SchedulerConfig) -> None:
+    """No pool offers a queued job's accelerators in its regions: with a reason from its region
+    filters, say so on the job (once) or drop it under admission drop, as
+    :func:`_unlaunchable` does; without one (no pool offers them at all) only admission drop
+    acts, as a cloud may add such pools."""
+    if config.admission is Admission.DROP:
+        _drop(res, job, region_reason or "no pool offers its accelerators")
+    elif region_reason is not None:
+        _note(res, job, "no-region", region_reason)
 
 
 def _drop(res: RoundResult, job: JobRecord, reason: str) -> None:

@@ -551,3 +551,37 @@ def test_refusal_marks_cover_both_markets_and_lapse() -> None:
     assert "(quota)" in got[OD_T4.id] and "refused the launch; retrying after 00:11:40 UTC" in \
         got[SPOT_T4.id]  # no kind recorded (a mark written before kinds were): no brackets
     assert refused_pools(pools, marked, now=100.0 + marked.refusal_decay_s) == {}
+
+
+# ---- region filters that leave a job no pool --------------------------------------------------
+
+
+def test_regions_that_exclude_every_pool_are_named_on_the_job_once(store: Store) -> None:
+    """T4 is offered in aws:east and aws:west; a job allowed only gcp:* says so (its lists and
+    where T4 is), once, and holds no GPUs; under admission drop it is dropped with that reason.
+    A job that accepts V100 or T4 and denies the only V100 region runs on T4."""
+    v100 = V100_OD.model_copy(update={"region": "east"})
+    store.set_pools([SPOT_T4, OD_T4, v100])
+    fence = store.acquire_lease("t", ttl_s=30)
+    lost = store.submit(spec("lost", regions={"allow": ["gcp:*"], "deny": ["aws:west"]}),
+                        team="t")
+    either = store.submit(spec("either", accelerators=[Accelerator.V100, Accelerator.T4],
+                               regions={"deny": ["aws:east"]}), team="t")
+    sched = Scheduler(store)
+    sched.run_round(fence)
+    got = store.get_job(lost.id)
+    assert got is not None and got.state is JobState.QUEUED
+    assert got.reason == ("regions allow ['gcp:*'] deny ['aws:west'] leave no T4 pool; T4 is "
+                          "offered in aws:east, aws:west: widen regions.allow or narrow "
+                          "regions.deny")
+    assert [e.type for e in store.events(job_id=lost.id)].count("no-region") == 1
+    ran = store.get_job(either.id)
+    assert ran is not None and ran.pool == OD_T4.id  # T4 in aws:west, not V100 in aws:east
+    sched.run_round(fence)
+    assert store.get_job(lost.id).version == got.version  # type: ignore[union-attr]
+    drop = Scheduler(store, SchedulerConfig(admission=Admission.DROP))
+    again = store.submit(spec("again", regions={"allow": ["gcp:*"]}), team="t")
+    drop.run_round(fence)
+    dropped = store.get_job(again.id)
+    assert dropped is not None and dropped.state is JobState.DROPPED
+    assert dropped.reason is not None and dropped.reason.startswith("regions allow ['gcp:*']")
