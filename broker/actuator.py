@@ -132,10 +132,11 @@ class Actuator:
         blocklist for ``refusal_decay_s`` (the same atomic step) so the next round places the
         job elsewhere while any other pool has room."""
         now = time.time()
+        missing = "capacity" if isinstance(exc, CapacityError) else "quota"
         blocklist, read = self.store.blocklist()
-        blocklist = mark_refused(expire(blocklist, now), pool.id, now)
+        blocklist = mark_refused(expire(blocklist, now), pool.id, now, missing)
         plan.set_blocklist(blocklist, read=read)
-        what = "no capacity" if isinstance(exc, CapacityError) else "no quota"
+        what = f"no {missing}"
         plan.change(job, JobState.SUSPENDED, reason=f"{what}: {exc}", fence=fence)
         plan.event("pool-refused", job.id, {"pool": pool.id, "error": what,
                                             "decay_s": blocklist.refusal_decay_s})

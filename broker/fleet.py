@@ -105,8 +105,8 @@ def cloud_pools(cloud: str, config: CloudConfig, offers: list[Offer],
     cheapest per-GPU price among instance types of at most ``max_gpus`` GPUs there, each size's
     own cheapest price (``Pool.gpu_prices``: the launchable counts), and ``max_gpus`` GPUs, fewer
     where a quota is known: the GPUs the broker ``held`` there (its live nodes, which the
-    headroom already counts as used) plus the pool's even share of its quota's headroom among
-    the fleet's pools that draw on it (``providers.base.share``)."""
+    headroom already counts as used) plus the pool's share of its quota's headroom among the
+    fleet's pools that draw on it, in whole instances of its sizes (``providers.base.share``)."""
     priced = []
     for region in config.regions:
         for acc in config.accelerators:
@@ -121,7 +121,8 @@ def cloud_pools(cloud: str, config: CloudConfig, offers: list[Offer],
                     continue
                 priced.append((Pool(cloud=cloud, region=region, accelerator=acc, market=market,
                                     nodes=0, gpus_per_node=1), sizes))
-    free = share(quotas, {pool.id for pool, _ in priced})
+    free = share(quotas, {pool.id for pool, _ in priced},
+                 {pool.id: [n for n, _ in sizes] for pool, sizes in priced})
     held = held or {}
     pools = []
     for pool, sizes in priced:

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -23,9 +23,16 @@ from broker.store import Plan, PoolStats, Snapshot, Store
 from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
 from policies.migration import Blocklist, location_keys
 from policies.models import Accelerator, JobSpec, Market, Pool
-from policies.placement import PlacementRequest, PlacementResult, PoolRisk, place
+from policies.placement import (
+    PlacementRequest,
+    PlacementResult,
+    PoolRisk,
+    eligible,
+    place,
+    region_allowed,
+)
 from policies.region_score import DEFAULT_RESTART_S, Egress, Stickiness
-from policies.spot import DeadlineJob, choose_market, must_not_preempt, preemption_h
+from policies.spot import DeadlineJob, choose_market, holds_pace, must_not_preempt, preemption_h
 from policies.throughput import ThroughputModel, batch_candidates
 
 log = logging.getLogger(__name__)
@@ -142,20 +149,60 @@ def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, pgm: int |
     return tuple(out)
 
 
-def _accelerator(job: JobRecord, pools_by_id: dict[str, Pool],
-                 available: set[Accelerator]) -> Accelerator | None:
+def _accelerator(job: JobRecord, pools_by_id: dict[str, Pool]) -> Accelerator | None:
+    """Where it runs, else the first of its accelerators a pool in its regions offers."""
     if job.state is JobState.RUNNING and job.pool in pools_by_id:
         return pools_by_id[job.pool].accelerator
-    return next((a for a in job.spec.accelerators if a in available), None)
+    r = job.spec.regions
+    offered = {p.accelerator for p in pools_by_id.values()
+               if p.capacity > 0 and region_allowed(p, r.allow, r.deny)}
+    return next((a for a in job.spec.accelerators if a in offered), None)
+
+
+def _no_region(job: JobRecord, pools: Iterable[Pool]) -> str | None:
+    """Why the job's regions leave it no pool: its allow and deny lists and the regions that
+    offer its accelerators (``None``: no pool offers them anywhere)."""
+    where = sorted({f"{p.cloud}:{p.region}" for p in pools
+                    if p.capacity > 0 and p.accelerator in job.spec.accelerators})
+    if not where:
+        return None
+    r, accels = job.spec.regions, "/".join(a.value for a in job.spec.accelerators)
+    return (f"regions allow {r.allow} deny {r.deny} leave no {accels} pool; {accels} is offered "
+            f"in {', '.join(where)}: widen regions.allow or narrow regions.deny")
+
+
+@dataclass(frozen=True)
+class Marks:
+    """What the blocklist says of this round's pools: ``blocked``, spot pools in a location just
+    reclaimed (avoided while another pool has room), and ``refused``, pools where the cloud just
+    refused a launch (stock-out, quota; never launched in until the mark lapses), each with the
+    reason a job that finds no other pool shows."""
+
+    blocked: frozenset[str] = frozenset()
+    refused: Mapping[str, str] = field(default_factory=dict)
 
 
 def blocked_pools(pools: list[Pool], blocklist: Blocklist | None, now: float) -> frozenset[str]:
-    """Spot pools in a location the blocklist holds (a reclaim says nothing about on-demand),
-    and pools of either market where the cloud just refused a launch (stock-out, quota)."""
+    """Spot pools in a location the blocklist holds (a reclaim says nothing about on-demand)."""
     if blocklist is None:
         return frozenset()
-    return frozenset(p.id for p in pools if blocklist.is_refused(p.id, now) or (
-        p.market is Market.SPOT and any(blocklist.is_blocked(k, now) for k in location_keys(p))))
+    return frozenset(p.id for p in pools if p.market is Market.SPOT and any(
+        blocklist.is_blocked(k, now) for k in location_keys(p)))
+
+
+def refused_pools(pools: list[Pool], blocklist: Blocklist | None, now: float) -> dict[str, str]:
+    """Pools of either market with a fresh refusal mark, each with what a job held back by it
+    is told: the pool, what the cloud lacked, and when the mark lapses."""
+    if blocklist is None:
+        return {}
+    out = {}
+    for p in pools:
+        if blocklist.is_refused(p.id, now):
+            why = blocklist.refusal_why.get(p.id)
+            until = time.strftime("%H:%M:%S", time.gmtime(blocklist.refused_until(p.id)))
+            out[p.id] = (f"pool {p.id} refused the launch" + (f" ({why})" if why else "")
+                         + f"; retrying after {until} UTC")
+    return out
 
 
 def checkpoint_interval_s(spec: JobSpec, batch: int, samples_per_s: float) -> float:
@@ -195,7 +242,7 @@ def checkpoint_gb(job: JobRecord, config: SchedulerConfig) -> float:
 
 
 def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
-                      blocked: frozenset[str], pools_by_id: Mapping[str, Pool],
+                      marks: Marks, pools_by_id: Mapping[str, Pool],
                       config: SchedulerConfig) -> PlacementRequest:
     """The job as placement sees it: its size and constraints, and what finishing it costs
     where: hours of work left at the chosen size (the scheduler's throughput estimate), the
@@ -207,7 +254,7 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
     where = _checkpoint_location(job, pools_by_id)
     return PlacementRequest(
         job.id, choice.gpus, fallbacks, job.pool if job.state is JobState.RUNNING else None,
-        spec.spot, spec.regions.allow, spec.regions.deny, blocked,
+        spec.spot, spec.regions.allow, spec.regions.deny, marks.blocked, frozenset(marks.refused),
         remaining_h=left / rate / 3600, restart_h=config.restart_s / 3600,
         checkpoint_interval_h=checkpoint_interval_s(spec, choice.batch_size, rate) / 3600,
         checkpoint_gb=checkpoint_gb(job, config) if where[0] else 0.0,
@@ -218,10 +265,12 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
                  config: SchedulerConfig, now: float) -> DeadlineJob:
     """Where the job stands against its deadline for ``policies.spot.choose_market``.
 
-    Hours of work are counted at this round's choice (GPUs, batch) and the scheduler's throughput
-    estimate there (the agent's measurement where it has one, else the calibrated model): the
-    total is ``work_samples`` at that rate, the progress the samples done at that rate (so the
-    fraction done is exact; the hours are as good as the rate estimate). One preemption costs
+    Hours of work are counted at ``choice`` (GPUs, batch), the job's requested size
+    (:func:`requested_choice`: what it would get if placed, whatever this round allocates), at
+    the scheduler's throughput estimate there (the agent's measurement where it has one, else the
+    calibrated model): the total is ``work_samples`` at that rate, the progress the samples done
+    at that rate (so the fraction done is exact; the hours are as good as the rate estimate).
+    One preemption costs
     ``reaction_s``, ``restart_s`` and up to a checkpoint interval of work (a preemption notice
     may come too late to checkpoint). ``spot: never`` is ``must_not_preempt``."""
     spec = job.spec
@@ -239,35 +288,99 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
         current=None if pool is None else pool.market)
 
 
-def place_by_deadline(requests: Sequence[PlacementRequest], views: Mapping[str, DeadlineJob],
+@dataclass
+class Placed:
+    """A round's placements (job id -> pool and GPUs, or ``None``), the deadline jobs that wait
+    for spot and give their share back, and why some jobs got nothing (job id -> reason)."""
+
+    where: dict[str, PlacementResult | None]
+    waits: set[str] = field(default_factory=set)
+    notes: dict[str, str] = field(default_factory=dict)
+    # sent to on-demand on the second try, no room there at the requested size: allocated anew
+    switched: set[str] = field(default_factory=set)
+
+
+WAIT_FOR_ON_DEMAND = ("waiting for on-demand: it must not be preempted (spot: never) and no "
+                      "on-demand pool it may use has room for it")
+
+
+@dataclass(frozen=True)
+class Paced:
+    """A deadline job's standing: its requested size (:func:`requested_choice`), where it stands
+    at that size (:func:`deadline_job`), and the market ``choose_market`` picks while spot is
+    there."""
+
+    requested: Choice
+    view: DeadlineJob
+    market: Market | None
+
+    @classmethod
+    def of(cls, requested: Choice, view: DeadlineJob) -> Paced:
+        return cls(requested, view, choose_market(view, spot_available=True))
+
+
+def place_by_deadline(requests: Sequence[PlacementRequest], paced: Mapping[str, Paced],
                       pools: Sequence[Pool], used: Mapping[str, int],
-                      risk: Mapping[str, PoolRisk],
-                      config: SchedulerConfig,
-                      ) -> tuple[dict[str, PlacementResult | None], set[str]]:
-    """Placement with each job in ``views`` (the jobs with a deadline) on the market
-    ``choose_market`` picks while spot is there; one it sends to spot that finds no spot pool
-    with room is asked again with spot gone: on-demand when behind its pace, else it waits this
-    round (holds no GPUs), as the simulator's fleet policy does. Others use any market.
-    Returns the placements and the ids of the jobs that wait."""
-    first = {k: choose_market(v, spot_available=True) for k, v in views.items()}
+                      risk: Mapping[str, PoolRisk], config: SchedulerConfig) -> Placed:
+    """Placement with each job in ``paced`` (the jobs with a deadline) on its market while spot
+    is there; one that finds no pool with room there is asked again (:func:`_second_market`):
+    sent to spot, on-demand when behind its pace, at its requested size, else it waits this round
+    (holds no GPUs), as the simulator's fleet policy does; sent to on-demand, spot (progress beats
+    waiting; a running job keeps its spot pool), unless it must not be preempted: that one waits
+    for on-demand room and says so. On-demand is asked for at the size allocated, no smaller
+    fallback (:func:`_paced_choices` keeps it at the requested size). Others use any market."""
+    first = {r.job_id: paced[r.job_id].market for r in requests if r.job_id in paced}
     placed = place([_on(r, first.get(r.job_id)) for r in requests], pools, dict(used), risk,
                    config.egress, config.move_margin)
-    missed = [r for r in requests if first.get(r.job_id) is Market.SPOT and
-              placed[r.job_id] is None]
-    second = {r.job_id: choose_market(views[r.job_id], spot_available=False) for r in missed}
-    retry = [_on(r, Market.ON_DEMAND) for r in missed if second[r.job_id] is Market.ON_DEMAND]
+    missed = [r for r in requests if r.job_id in first and placed[r.job_id] is None]
+    second = {r.job_id: _second_market(first[r.job_id], paced[r.job_id].view) for r in missed}
+    retry = [_retry(r, m, paced[r.job_id]) for r in missed
+             if (m := second[r.job_id]) is not None]
     if retry:
-        held = defaultdict(int, used)
-        for got in placed.values():
-            if got is not None:
-                held[got.pool] += got.gpus
-        placed.update(place(retry, pools, held, risk, config.egress, config.move_margin))
-    return placed, {k for k, m in second.items() if m is None}
+        placed.update(place(retry, pools, _held(used, placed), risk, config.egress,
+                            config.move_margin))
+    out = Placed(placed)
+    for k, market in second.items():
+        if market is None and first[k] is Market.SPOT:
+            out.waits.add(k)
+        elif market is None:
+            out.notes[k] = WAIT_FOR_ON_DEMAND
+        elif market is Market.ON_DEMAND and placed[k] is None:
+            out.switched.add(k)
+    return out
+
+
+def _retry(req: PlacementRequest, market: Market, paced: Paced) -> PlacementRequest:
+    """The request on the second market: on-demand at the requested size (the size its pace
+    is judged at), spot as allocated with its fallbacks."""
+    return _on(replace(req, gpus=paced.requested.gpus) if market is Market.ON_DEMAND else req,
+               market)
+
+
+def _second_market(first: Market | None, view: DeadlineJob) -> Market | None:
+    """The market a deadline job tries when ``first`` had no room for it (``None``: none)."""
+    if first is Market.SPOT:
+        return choose_market(view, spot_available=False)
+    return None if view.must_not_preempt else Market.SPOT
+
+
+def _held(used: Mapping[str, int], placed: Mapping[str, PlacementResult | None],
+          ) -> dict[str, int]:
+    """GPUs held per pool: ``used`` plus the ``placed`` jobs'."""
+    held = defaultdict(int, used)
+    for got in placed.values():
+        if got is not None:
+            held[got.pool] += got.gpus
+    return held
 
 
 def _on(req: PlacementRequest, market: Market | None) -> PlacementRequest:
-    """The request narrowed to ``market`` (``None``: as it is)."""
-    return req if market is None else replace(req, markets=frozenset({market}))
+    """The request narrowed to ``market`` (``None``: as it is); on-demand, the deadline's
+    fallback, at the request's size only."""
+    if market is None:
+        return req
+    return replace(req, markets=frozenset({market}),
+                   fallbacks=() if market is Market.ON_DEMAND else req.fallbacks)
 
 
 def pool_risk(pools: Sequence[Pool], priors: Mapping[str, float], stats: PoolStats,
@@ -289,15 +402,16 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
                priors: Mapping[str, float] | None = None,
                stats: PoolStats | None = None) -> RoundResult:
     """Decide the round's changes from one snapshot; pure apart from reading the clock. Jobs
-    are not placed in spot locations ``blocklist`` holds (they may stay where they run); pools
+    are not placed in spot locations ``blocklist`` holds while other pools have room, nor ever in
+    pools it marks refused (they may stay where they run: :class:`Marks`); pools
     are ranked by expected cost with ``priors`` (monthly reclaim rate per pool id; none: 0)
     and the preemptions and node-hours ``stats`` the broker observed."""
     now = time.time() if now is None else now
     res = RoundResult(plan=Plan(wake=False))
     pools_by_id = {p.id: p for p in snap.pools}
-    blocked = blocked_pools(snap.pools, blocklist, now)
+    marks = Marks(blocked_pools(snap.pools, blocklist, now),
+                  refused_pools(snap.pools, blocklist, now))
     risk = pool_risk(snap.pools, priors or {}, stats or PoolStats(), snap.jobs, now)
-    available = {p.accelerator for p in snap.pools if p.capacity > 0}
     used: dict[str, int] = defaultdict(int)  # GPUs held by jobs this round does not move
     by_accel: dict[Accelerator, list[JobRecord]] = defaultdict(list)
 
@@ -310,10 +424,10 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if job.state is JobState.RUNNING:
                 _stop(res, job, fence, IntentKind.STOP, "cancelled by user")
             continue
-        accel = _accelerator(job, pools_by_id, available)
+        accel = _accelerator(job, pools_by_id)
         if accel is None:
-            if config.admission is Admission.DROP and job.state is JobState.QUEUED:
-                _drop(res, job, "no pool offers its accelerators")
+            if job.state is JobState.QUEUED:
+                _no_pool(res, job, _no_region(job, snap.pools), config)
             continue
         by_accel[accel].append(job)
 
@@ -334,8 +448,8 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if counts is not None and j.state is JobState.QUEUED and not any(
                     g.min <= n <= g.max for n in counts):
                 _unlaunchable(res, j, accel, sorted(counts), config)
-        placed, waiting = _allocate_and_place(res, jobs, choices, capacity, pools, pools_by_id,
-                                              used, risk, blocked, config, now)
+        placed = _allocate_and_place(res, jobs, choices, capacity, pools, pools_by_id, used,
+                                     risk, marks, config, now)
         # GPUs free right now: running jobs hold theirs until they have checkpointed, so a
         # launch into GPUs a resizing job still holds waits for a later round.
         free_now = {p.id: p.capacity - used.get(p.id, 0) for p in pools}
@@ -343,7 +457,7 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if job.state is JobState.RUNNING and job.pool in free_now:
                 free_now[job.pool] -= job.gpus
         for job in jobs:
-            where = placed.get(job.id)
+            where = placed.where.get(job.id)
             target = None
             if where is not None:
                 batch = next(x.batch_size for x in choices[job.id] if x.gpus == where.gpus)
@@ -352,9 +466,11 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
                     if free_now[where.pool] < where.gpus:
                         continue  # deferred, not dropped: it waits for the GPUs to free up
                     free_now[where.pool] -= where.gpus
-            if job.id in waiting:
+            if job.id in placed.waits:
                 _wait_for_spot(res, job, fence)
                 continue
+            if target is None and job.state is not JobState.RUNNING and job.id in placed.notes:
+                _note(res, job, "waiting", placed.notes[job.id])
             _diff(res, job, target, fence, config)
     return res
 
@@ -362,46 +478,116 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
 def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
                         choices: dict[str, list[Choice]], capacity: int, pools: list[Pool],
                         pools_by_id: dict[str, Pool], used: Mapping[str, int],
-                        risk: Mapping[str, PoolRisk], blocked: frozenset[str],
-                        config: SchedulerConfig, now: float,
-                        ) -> tuple[dict[str, PlacementResult | None], set[str]]:
+                        risk: Mapping[str, PoolRisk], marks: Marks,
+                        config: SchedulerConfig, now: float) -> Placed:
     """One accelerator's allocation and placement; the deadline jobs that wait for spot (see
     :func:`place_by_deadline`) give their share back: the others are allocated and placed again
-    without them. Returns the placements and the waiting jobs' ids."""
-    placed: dict[str, PlacementResult | None] = {}
+    without them, and those sent to on-demand that found no room at their requested size are
+    allocated that size on on-demand. A deadline job is judged at its requested size
+    (:func:`requested_choice`)."""
+    paced = {j.id: Paced.of(c, deadline_job(j, c, pools_by_id, config, now)) for j in jobs
+             if j.spec.deadline_s is not None
+             and (c := requested_choice(j, choices[j.id], pools, marks)) is not None}
     waiting: set[str] = set()
     for _ in range(2):
+        allowed, required = _paced_choices(jobs, choices, paced, pools_by_id)
         active = [j for j in jobs if j.id not in waiting]
         t0 = time.perf_counter()
-        chosen = _allocate(active, choices, capacity, pools_by_id, config, now)
+        chosen = _allocate(active, allowed, capacity, pools_by_id, config, now, required)
         res.solve_s += time.perf_counter() - t0
-        requests, views = [], {}
+        requests = []
         for job in active:
             c = chosen.get(job.id)
             if c is None:
                 continue
             fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
-            requests.append(placement_request(job, c, fallbacks, blocked, pools_by_id, config))
-            if job.spec.deadline_s is not None:
-                views[job.id] = deadline_job(job, c, pools_by_id, config, now)
-        placed, waits = place_by_deadline(requests, views, pools, used, risk, config)
-        if not waits:
+            requests.append(placement_request(job, c, fallbacks, marks, pools_by_id, config))
+        placed = place_by_deadline(requests, paced, pools, used, risk, config)
+        if not placed.waits and not placed.switched:
             break
-        waiting |= waits
-    return placed, waiting
+        waiting |= placed.waits
+        paced.update({k: replace(paced[k], market=Market.ON_DEMAND) for k in placed.switched})
+    placed.waits = waiting
+    placed.notes.update(_refusal_notes(requests, placed, pools, used, risk, marks, config))
+    return placed
+
+
+def requested_choice(job: JobRecord, opts: Sequence[Choice], pools: Sequence[Pool],
+                     marks: Marks) -> Choice | None:
+    """The job's requested size: its largest configuration (``opts``, at most ``gpus.max``) that
+    one pool it may use (markets, regions, no refusal mark) holds and can launch."""
+    spec = job.spec
+    probe = PlacementRequest(job.id, 0, spot=spec.spot, allow=spec.regions.allow,
+                             deny=spec.regions.deny, refused=frozenset(marks.refused))
+    usable = [p for p in pools if eligible(p, probe)]
+    return max((c for c in opts if any(p.capacity >= c.gpus and p.launchable(c.gpus)
+                                       for p in usable)), key=lambda c: c.gpus, default=None)
+
+
+def _paced_choices(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]],
+                   paced: Mapping[str, Paced], pools_by_id: Mapping[str, Pool],
+                   ) -> tuple[dict[str, list[Choice]], set[str]]:
+    """The configurations the allocator may give each job, and the jobs that must get one of
+    theirs (while all such pins can be honoured), as the simulator's fleet policy does: a
+    deadline job the pace rule sends to on-demand runs at its requested size (running, or its
+    current one) and comes first; one sent to spot that ``holds_pace`` gets only configurations
+    at least as fast as its pace (when one is there) and, running on spot at such a
+    configuration, keeps it (a rescale's restart would cost the slack it lacks)."""
+    allowed, required = dict(choices), set()
+    for job in jobs:
+        p = paced.get(job.id)
+        if p is None:
+            continue
+        opts = choices[job.id]
+        running = job.state is JobState.RUNNING
+        current = [c for c in opts if running and (c.gpus, c.batch_size) == (job.gpus,
+                                                                              job.batch_size)]
+        if p.market is Market.ON_DEMAND:
+            allowed[job.id] = [p.requested, *(c for c in current if c != p.requested)]
+            if not p.view.must_not_preempt:
+                required.add(job.id)
+        elif p.market is Market.SPOT and holds_pace(p.view):
+            pace = samples_per_sec(job, p.requested.gpus, p.requested.batch_size)
+            allowed[job.id] = [c for c in opts
+                               if samples_per_sec(job, c.gpus, c.batch_size) >= pace] or opts
+            pool = pools_by_id.get(job.pool or "")
+            kept = [c for c in current if c in allowed[job.id]]
+            if kept and pool is not None and pool.market is Market.SPOT:
+                allowed[job.id] = kept
+                required.add(job.id)
+    return allowed, required
+
+
+def _refusal_notes(requests: Sequence[PlacementRequest], placed: Placed, pools: Sequence[Pool],
+                   used: Mapping[str, int], risk: Mapping[str, PoolRisk], marks: Marks,
+                   config: SchedulerConfig) -> dict[str, str]:
+    """Why the jobs left out are: those that the room left would take, were it not for a
+    refusal mark, are told which pool refused and until when (job id -> reason)."""
+    left = [replace(r, refused=frozenset()) for r in requests
+            if placed.where.get(r.job_id) is None and r.job_id not in placed.waits]
+    if not left or not marks.refused:
+        return {}
+    held = _held(used, placed.where)
+    would = place(left, pools, held, risk, config.egress, config.move_margin)
+    return {k: marks.refused[got.pool] for k, got in would.items()
+            if got is not None and got.pool in marks.refused}
 
 
 def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity: int,
               pools_by_id: dict[str, Pool], config: SchedulerConfig,
-              now: float) -> dict[str, Choice | None]:
+              now: float, required: Collection[str] = ()) -> dict[str, Choice | None]:
     """Run the allocator with running jobs' current config favoured (``stickiness``) and, for
     jobs started less than ``min_rescale_interval_s`` ago (or under the static policy) and jobs
     that must not be preempted (``spot: never``: no suspension or rescale to rebalance), pinned;
-    pins are dropped when they cannot all be honoured (capacity was lost)."""
+    so are the ``required`` jobs to one of their choices (:func:`_paced_choices`). Pins are
+    dropped when they cannot all be honoured (capacity was lost)."""
     def build(pin: bool) -> list[JobChoices]:
         out = []
         for job in jobs:
             opts = choices[job.id]
+            if pin and job.id in required:
+                out.append(JobChoices(job.id, opts, required=True))
+                continue
             if job.state is JobState.RUNNING:
                 pool = pools_by_id.get(job.pool or "")
                 cur = [c for c in opts if (c.gpus, c.batch_size) == (job.gpus, job.batch_size)]
@@ -481,9 +667,15 @@ def _wait_for_spot(res: RoundResult, job: JobRecord, fence: int) -> None:
     waits; a waiting one says why (once) instead of staying queued without a word."""
     if job.state is JobState.RUNNING:
         _stop(res, job, fence, IntentKind.SUSPEND, WAIT_FOR_SPOT)
-    elif job.reason != WAIT_FOR_SPOT:
-        res.plan.change(job, event="waiting-for-spot", event_data={"reason": WAIT_FOR_SPOT},
-                        reason=WAIT_FOR_SPOT)
+    else:
+        _note(res, job, "waiting-for-spot", WAIT_FOR_SPOT)
+
+
+def _note(res: RoundResult, job: JobRecord, event: str, reason: str) -> None:
+    """Say on a job why it gets no GPUs (an ``event`` with the reason), once: a round that
+    finds the same reason changes nothing."""
+    if job.reason != reason:
+        res.plan.change(job, event=event, event_data={"reason": reason}, reason=reason)
         res.changed.append(job.id)
 
 
@@ -496,9 +688,20 @@ def _unlaunchable(res: RoundResult, job: JobRecord, accel: Accelerator, sizes: l
               f"GPUs (sizes {', '.join(map(str, sizes))}); widen the job's gpus range")
     if config.admission is Admission.DROP:
         _drop(res, job, reason)
-    elif job.reason != reason:
-        res.plan.change(job, event="unlaunchable", event_data={"reason": reason}, reason=reason)
-        res.changed.append(job.id)
+    else:
+        _note(res, job, "unlaunchable", reason)
+
+
+def _no_pool(res: RoundResult, job: JobRecord, region_reason: str | None,
+             config: SchedulerConfig) -> None:
+    """No pool offers a queued job's accelerators in its regions: with a reason from its region
+    filters, say so on the job (once) or drop it under admission drop, as
+    :func:`_unlaunchable` does; without one (no pool offers them at all) only admission drop
+    acts, as a cloud may add such pools."""
+    if config.admission is Admission.DROP:
+        _drop(res, job, region_reason or "no pool offers its accelerators")
+    elif region_reason is not None:
+        _note(res, job, "no-region", region_reason)
 
 
 def _drop(res: RoundResult, job: JobRecord, reason: str) -> None:

@@ -30,6 +30,8 @@ class Blocklist(BaseModel):
     decay_s: float = Field(default=DEFAULT_DECAY_S, gt=0)
     refused: dict[str, float] = Field(
         default_factory=dict, description="pool id -> when a launch there was last refused")
+    refusal_why: dict[str, str] = Field(
+        default_factory=dict, description="pool id -> what was missing (capacity, quota)")
     refusal_decay_s: float = Field(default=DEFAULT_REFUSAL_DECAY_S, gt=0)
 
     def active(self, now: float) -> list[str]:
@@ -40,6 +42,11 @@ class Blocklist(BaseModel):
 
     def is_refused(self, pool_id: str, now: float) -> bool:
         return _fresh(self.refused.get(pool_id), now, self.refusal_decay_s)
+
+    def refused_until(self, pool_id: str) -> float | None:
+        """When the refusal mark on ``pool_id`` lapses (``None``: never marked)."""
+        marked = self.refused.get(pool_id)
+        return None if marked is None else marked + self.refusal_decay_s
 
 
 def _fresh(marked: float | None, now: float, decay_s: float) -> bool:
@@ -67,16 +74,19 @@ def mark_launched(state: Blocklist, location: str) -> Blocklist:
     )
 
 
-def mark_refused(state: Blocklist, pool_id: str, now: float) -> Blocklist:
-    """The cloud refused a launch in ``pool_id`` (stock-out, quota): block that pool."""
-    return state.model_copy(update={"refused": {**state.refused, pool_id: now}})
+def mark_refused(state: Blocklist, pool_id: str, now: float, why: str = "") -> Blocklist:
+    """The cloud refused a launch in ``pool_id`` for want of ``why`` (capacity, quota): block
+    that pool."""
+    return state.model_copy(update={"refused": {**state.refused, pool_id: now},
+                                    "refusal_why": {**state.refusal_why, pool_id: why}})
 
 
 def expire(state: Blocklist, now: float) -> Blocklist:
     """Drop marks past their decay (keeps the stored object small)."""
     return state.model_copy(update={
         "preempted": {k: t for k, t in state.preempted.items() if state.is_blocked(k, now)},
-        "refused": {k: t for k, t in state.refused.items() if state.is_refused(k, now)}})
+        "refused": {k: t for k, t in state.refused.items() if state.is_refused(k, now)},
+        "refusal_why": {k: w for k, w in state.refusal_why.items() if state.is_refused(k, now)}})
 
 
 def _reset_if_starved(state: Blocklist, now: float) -> Blocklist:

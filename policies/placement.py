@@ -12,7 +12,9 @@ another pool only when that saves more than the stickiness margin
 a job that must not be preempted never moves. With no risk or job details every
 spot pool is as safe as on-demand and every move costs alike, so the order is the price order.
 Allowed/denied regions are ``cloud:region`` globs; ``blocked`` pools (spot locations just
-reclaimed, from ``policies.migration``) take no new jobs while any other pool has room for them.
+reclaimed, from ``policies.migration``) take no new jobs while any other pool has room for them;
+``refused`` pools (the cloud just refused a launch there: stock-out, quota) take none at all, as a
+launch there would be refused again.
 When fragmentation leaves no pool with
 room for a job's GPU count, the job is repaired to the largest smaller count that fits.
 """
@@ -56,6 +58,7 @@ class PlacementRequest:
     allow: Sequence[str] = ("*",)
     deny: Sequence[str] = ()
     blocked: frozenset[str] = frozenset()  # pool ids to avoid (reclaimed spot), unless current
+    refused: frozenset[str] = frozenset()  # pool ids not to launch in (refused), unless current
     remaining_h: float = 1.0
     restart_h: float = DEFAULT_RESTART_S / 3600
     checkpoint_interval_h: float = DEFAULT_CHECKPOINT_INTERVAL_S / 3600
@@ -116,7 +119,7 @@ def eligible(pool: Pool, req: PlacementRequest) -> bool:
         return False
     if pool.market is Market.SPOT and must_not_preempt(req.spot):
         return False
-    if pool.id in req.blocked and pool.id != req.current_pool:
+    if pool.id != req.current_pool and (pool.id in req.blocked or pool.id in req.refused):
         return False
     return region_allowed(pool, req.allow, req.deny)
 
@@ -186,7 +189,8 @@ def _fits(req: PlacementRequest, gpus: int, free: dict[str, _Free]) -> list[_Fre
     fits = [f for f in room if eligible(f.pool, req)]
     if not fits and req.blocked:
         # Every pool with room was just reclaimed: better there than waiting out the decay
-        # (SpotHedge resets its marks when too few locations stay active).
+        # (SpotHedge resets its marks when too few locations stay active). Refused pools stay
+        # out: the cloud said no there minutes ago.
         fits = [f for f in room if eligible(f.pool, replace(req, blocked=frozenset()))]
     return fits
 

@@ -100,16 +100,39 @@ class Quota:
     per_gpu: Mapping[str, float]
 
 
-def share(quotas: Iterable[Quota], pools: Container[str] | None = None) -> dict[str, int]:
-    """Whole GPUs of free quota per pool: each quota's headroom split evenly among the pools it
-    covers (of ``pools`` only, when given: the pools a fleet declares), so together they never
-    exceed it. A pool under several quotas (either may serve it) gets the sum."""
+def share(quotas: Iterable[Quota], pools: Container[str] | None = None,
+          sizes: Mapping[str, Sequence[int]] | None = None) -> dict[str, int]:
+    """Whole GPUs of free quota per pool, in whole instances: each quota's headroom is dealt out
+    one instance per pool a round (of ``pools`` only, when given: the pools a fleet declares),
+    the pool with the biggest instance first, each taking the largest of its instance sizes
+    (GPUs per instance, ``sizes``; unknown: 1) that what is left still holds. Together they
+    never exceed the quota, and an 8-GPU instance is not starved by the rounding of an even
+    split. A pool under several quotas (either may serve it) gets the sum."""
     out: dict[str, int] = {}
     for quota in quotas:
-        mine = {p: units for p, units in quota.per_gpu.items() if pools is None or p in pools}
-        for pool, units in mine.items():
-            out[pool] = out.get(pool, 0) + int(quota.free / len(mine) // units)
+        mine = {p: units for p, units in quota.per_gpu.items()
+                if units > 0 and (pools is None or p in pools)}
+        for pool, gpus in _deal(quota.free, mine, sizes or {}).items():
+            out[pool] = out.get(pool, 0) + gpus
     return out
+
+
+def _deal(free: float, units: Mapping[str, float],
+          sizes: Mapping[str, Sequence[int]]) -> dict[str, int]:
+    """``free`` units dealt as whole instances, round by round (see :func:`share`)."""
+    counts = {p: sorted(sizes.get(p) or (1,), reverse=True) for p in units}
+    order = sorted(units, key=lambda p: (-counts[p][0] * units[p], p))
+    got = dict.fromkeys(units, 0)
+    dealt = True
+    while dealt:
+        dealt = False
+        for p in order:
+            n = next((n for n in counts[p] if n * units[p] <= free), 0)
+            if n:
+                free -= n * units[p]
+                got[p] += n
+                dealt = True
+    return got
 
 
 class Provider(abc.ABC):

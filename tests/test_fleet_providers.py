@@ -33,7 +33,7 @@ from policies.models import (
 from policies.placement import PlacementRequest, PlacementResult, place
 from providers import catalog
 from providers.aws import AwsProvider
-from providers.base import LaunchRequest, NodeState, ProviderError, Quota
+from providers.base import LaunchRequest, NodeState, ProviderError, Quota, share
 from providers.local import LocalProvider
 from tests.cloud_env import aws_quotas, ec2_refuses, no_cloud_config
 from tests.redis_server import RedisServer
@@ -128,15 +128,33 @@ def test_pools_share_a_family_quota_and_keep_the_gpus_the_broker_holds() -> None
     v100, a100, h100 = (f"aws:us-east-1:spot:{a}" for a in ("V100", "A100", "H100"))
     # A 96-vCPU spot P quota; the broker's two 1-GPU p3.2xlarge nodes use 16 of it.
     family = Quota(free=96 - 16, per_gpu={v100: 8, a100: 12, h100: 24})
-    pools = {p.id: p.capacity for p in cloud_pools("aws", config, offers, [family], {v100: 2})}
-    # The 80 free vCPUs split between the two declared pools (H100 is not in this fleet): V100
-    # keeps its 2 GPUs plus 40 vCPUs' worth, A100 gets 40 vCPUs' worth; never 96 each.
-    assert pools == {v100: 2 + 40 // 8, a100: 40 // 12}
-    assert pools[v100] * 8 + pools[a100] * 12 <= 96
+    pools = {p.id: p for p in cloud_pools("aws", config, offers, [family], {v100: 2})}
+    # The 80 free vCPUs go out in whole instances to the two declared pools (H100 is not in
+    # this fleet): an A100 instance (p4d, 8 GPUs, 96 vCPUs) does not fit, so V100 takes a
+    # p3.16xlarge (64) and two p3.2xlarge (8 + 8): its 2 held GPUs plus 10, capped at 8.
+    assert pools[a100].gpu_counts == (8,) and pools[a100].nodes == 0
+    assert pools[v100].capacity == 8
     alone = CloudConfig(regions=["us-east-1"], accelerators=[Accelerator.V100],
                         markets=[Market.SPOT], max_gpus=8)
     (v,) = cloud_pools("aws", alone, offers, [family], {v100: 2})
     assert v.capacity == 8  # the whole family (2 + 80 // 8 = 12), capped at max_gpus
+
+
+def test_a_family_quota_is_split_in_whole_instances_biggest_first() -> None:
+    """96 free vCPUs of a P family: pool "four" launches p3.8xlarge (4 GPUs, 32 vCPUs), pool
+    "eight" p3.16xlarge (8 GPUs, 64 vCPUs), 8 vCPUs a GPU in both. An even split (48 each, 6
+    GPUs) starves the 8-GPU instance; in whole instances, biggest first, "eight" gets one (64)
+    and "four" one (32): all 96 vCPUs, each pool a launchable count."""
+    family = Quota(free=96, per_gpu={"eight": 8, "four": 8})
+    sizes = {"eight": [8], "four": [4]}
+    assert share([family], sizes=sizes) == {"eight": 8, "four": 4}
+    # 160 vCPUs: the second round starts with the biggest instance again (64 of the 64 left)
+    assert share([Quota(free=160, per_gpu=family.per_gpu)], sizes=sizes) == {"eight": 16,
+                                                                            "four": 4}
+    # a pool of several sizes takes the largest that what is left holds (p3: 1, 4 or 8 GPUs)
+    assert share([Quota(free=80, per_gpu={"p3": 8})], sizes={"p3": [1, 4, 8]}) == {"p3": 10}
+    # sizes unknown: one GPU an instance, dealt in turn (a GCP GPU quota: 1 unit a GPU)
+    assert share([Quota(free=7, per_gpu={"a": 1, "b": 1})]) == {"a": 4, "b": 3}
 
 
 def test_example_fleet_files_load() -> None:
@@ -594,6 +612,7 @@ def test_a_refused_launch_blocks_the_pool_and_the_job_launches_in_another(
     blocklist, _ = store.blocklist()
     now = time.time()
     assert blocklist.is_refused(EAST, now) and not blocklist.is_refused(WEST, now)
+    assert f"no {blocklist.refusal_why[EAST]}" == reason  # what a job held back is told
     assert not blocklist.is_refused(EAST, now + blocklist.refusal_decay_s)  # a short mark
     # a newcomer does not try the refused pool either, while the other has room
     other = store.submit(v100_spec("newcomer"), team="t")

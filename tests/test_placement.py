@@ -82,6 +82,19 @@ def test_a_blocked_pool_is_used_when_no_other_pool_has_room() -> None:
     assert alone["j"] == PlacementResult(v100.id, 2)
 
 
+def test_a_refused_pool_takes_no_new_job_even_when_it_alone_has_room() -> None:
+    """Unlike a reclaimed spot location, a pool where the cloud just refused a launch is not
+    tried again while the mark lasts, at any size; a job running there stays."""
+    v100 = pool("east", Market.ON_DEMAND, 0.3, 4).model_copy(
+        update={"accelerator": Accelerator.V100})
+    alone = place([PlacementRequest("j", 2, fallbacks=(1,), refused=frozenset({v100.id}))],
+                  [v100])
+    assert alone["j"] is None
+    runs = place([PlacementRequest("j", 2, current_pool=v100.id, refused=frozenset({v100.id}))],
+                 [v100])
+    assert runs["j"] == PlacementResult(v100.id, 2)
+
+
 def test_throughput_model_scales_sublinearly_and_calibrates() -> None:
     m = ThroughputModel()
     one, two, four = (m.throughput(g, 256) for g in (1, 2, 4))

@@ -165,10 +165,12 @@ def test_capacity_from_vcpu_quotas_shared_by_each_family(aws: AwsProvider) -> No
     assert spot.per_gpu == {pool("spot", "V100"): 8, pool("spot", "A100"): 12,
                             pool("spot", "H100"): 24}  # p3.2xlarge, p4d.24xlarge / 8, p5 / 8
     cap = aws.capacity()
-    # One budget per family: 96 spot vCPUs give each of V100, A100, H100 a third (32 vCPUs),
-    # never 96 each (12 V100 and 8 A100 and 4 H100 from one 96-vCPU quota overcommitted it).
-    assert [cap[pool("spot", a)] for a in ("V100", "A100", "H100")] == [4, 2, 1]
-    assert [cap[pool("on-demand", a)] for a in ("V100", "A100", "H100")] == [2, 1, 0]
+    # One budget per family, dealt in whole instances, biggest first: 96 spot vCPUs hold no
+    # p5 (8 H100, 192 vCPUs) but one p4d (8 A100, 96), which takes them all; an even third each
+    # (4 V100, 2 A100, 1 H100) gave the 8-GPU types counts they cannot launch. The 56 on-demand
+    # vCPUs hold a p3.8xlarge (4 V100, 32) and three p3.2xlarge (8 each): 7 V100.
+    assert [cap[pool("spot", a)] for a in ("V100", "A100", "H100")] == [0, 8, 0]
+    assert [cap[pool("on-demand", a)] for a in ("V100", "A100", "H100")] == [7, 0, 0]
     for quota in (on_demand, spot):
         assert sum(cap[p] * vcpus for p, vcpus in quota.per_gpu.items()) <= quota.free
 

@@ -10,8 +10,11 @@ import pytest
 
 from broker.models import IntentKind, JobState
 from broker.scheduler import (
+    WAIT_FOR_ON_DEMAND,
     WAIT_FOR_SPOT,
     Admission,
+    Marks,
+    Paced,
     Policy,
     Scheduler,
     SchedulerConfig,
@@ -20,10 +23,13 @@ from broker.scheduler import (
     job_choices,
     placement_request,
     pool_risk,
+    refused_pools,
+    requested_choice,
     samples_per_sec,
 )
 from broker.store import Plan, PoolStats, StaleFence, Store
 from policies.elastic_dp import Choice
+from policies.migration import Blocklist, mark_refused
 from policies.models import (
     Accelerator,
     BatchRange,
@@ -34,6 +40,7 @@ from policies.models import (
     Pool,
     SpotPolicy,
 )
+from policies.spot import choose_market, holds_pace
 
 
 def spec(name: str, gmax: int = 4, gpus_min: int = 1, **kw: object) -> JobSpec:
@@ -162,13 +169,13 @@ def test_placement_request_and_pool_risk_from_the_job_and_the_counts() -> None:
     assert checkpoint_interval_s(steps, 64, 1000.0) == pytest.approx(32.0)
     assert checkpoint_interval_s(spec("t"), 64, 1000.0) == 100.0  # the spec's default, 100s
     config = SchedulerConfig(restart_s=120, checkpoint_gb=5)
-    req = placement_request(job, Choice(2, 64, 1.0), [1], frozenset(), {}, config)
+    req = placement_request(job, Choice(2, 64, 1.0), [1], Marks(), {}, config)
     assert req.remaining_h == pytest.approx(0.5) and req.restart_h == pytest.approx(120 / 3600)
     assert req.checkpoint_interval_h == pytest.approx(32 / 3600)
     assert (req.checkpoint_cloud, req.checkpoint_region, req.checkpoint_gb) == ("gcp", "west", 5)
     assert req.current_pool is None  # suspended: it is placed again, not kept
     fresh = placement_request(job.model_copy(update={"attempt": 0, "pool": None}),
-                              Choice(2, 64, 1.0), [], frozenset(), {}, config)
+                              Choice(2, 64, 1.0), [], Marks(), {}, config)
     assert fresh.checkpoint_cloud is None and fresh.checkpoint_gb == 0  # nothing to carry yet
     east = POOLS[0].id
     running = job.model_copy(update={"state": JobState.RUNNING, "pool": east,
@@ -248,7 +255,7 @@ def test_a_measured_checkpoint_size_prices_the_move(store: Store) -> None:
     config = SchedulerConfig(min_rescale_interval_s=0, checkpoint_gb=50)
     big = store.get_job(ids["big"])
     assert big is not None and big.checkpoint_bytes == 50_000_000_000
-    assert placement_request(big, Choice(1, 32, 1.0), [], frozenset(), {},
+    assert placement_request(big, Choice(1, 32, 1.0), [], Marks(), {},
                              config).checkpoint_gb == 50
     Scheduler(store, config).run_round(fence)
     where = {n: store.get_job(i).pool for n, i in ids.items()}  # type: ignore[union-attr]
@@ -298,19 +305,22 @@ OD_T4 = Pool(cloud="aws", region="west", accelerator=Accelerator.T4, market=Mark
 
 
 def paced_job(store: Store, name: str, deadline_h: float | None, elapsed_h: float = 1.0,
-              done_h: float = 0.5, total_h: float = 2.0, running_in: Pool | None = None) -> str:
-    """A 1-GPU job (fixed batch 32) its agent measured at 1000 samples/s: ``total_h`` hours of
-    work of which ``done_h`` are done, submitted ``elapsed_h`` ago; suspended after its first
-    attempt, or running in ``running_in``."""
+              done_h: float = 0.5, total_h: float = 2.0, running_in: Pool | None = None,
+              spot: str = "allowed", gpus: int = 1) -> str:
+    """A ``gpus``-GPU job (fixed batch 32) its agent measured at 1000 samples/s a GPU:
+    ``total_h`` hours of work at that size of which ``done_h`` are done, submitted ``elapsed_h``
+    ago; suspended after its first attempt, or running in ``running_in``."""
     deadline = None if deadline_h is None else deadline_h * HOUR
-    job = store.submit(spec(name, gmax=1, batch_mode="fixed", deadline_s=deadline).model_copy(
-        update={"work_samples": int(total_h * HOUR * 1000)}), team="t")
+    rate = 1000.0 * gpus
+    job = store.submit(spec(name, gmax=gpus, batch_mode="fixed", deadline_s=deadline,
+                            spot=spot).model_copy(
+        update={"work_samples": int(total_h * HOUR * rate)}), team="t")
     plan = Plan()
-    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=1, batch_size=32,
+    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=gpus, batch_size=32,
                 pool=running_in and running_in.id, submitted_at=time.time() - elapsed_h * HOUR)
     store.apply(plan)
-    store.record_heartbeat(job.id, 1, samples_done=int(done_h * HOUR * 1000),
-                           samples_per_sec=1000.0, world_size=1, global_batch_size=32)
+    store.record_heartbeat(job.id, 1, samples_done=int(done_h * HOUR * rate),
+                           samples_per_sec=rate, world_size=gpus, global_batch_size=32)
     plan = Plan()
     if running_in is None:
         plan.change(store.get_job(job.id), JobState.SUSPENDED, gpus=0)  # type: ignore[arg-type]
@@ -376,6 +386,100 @@ def test_without_spot_room_a_job_behind_pace_takes_on_demand_and_one_ahead_waits
     assert store.get_job(ahead).version == got["ahead"].version  # type: ignore[union-attr]
 
 
+def fill(store: Store, pool: Pool) -> str:
+    """A job holding all of ``pool``'s GPUs (launching there)."""
+    job = store.submit(spec(f"fill-{pool.region}", gmax=pool.capacity), team="t")
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=pool.capacity, pool=pool.id)
+    store.apply(plan)
+    return job.id
+
+
+def test_without_on_demand_room_a_deadline_job_takes_spot_and_a_spot_never_one_says_it_waits(
+        store: Store) -> None:
+    """The on-demand pool is full, spot has room. A job the deadline rule sends to on-demand
+    (3 min of slack) runs on spot rather than not at all; one running on spot past the safety
+    net keeps its spot pool instead of being suspended; a spot: never job waits and says why,
+    once."""
+    store.set_pools([SPOT_T4, OD_T4])
+    fence = store.acquire_lease("t", ttl_s=30)
+    fill(store, OD_T4)
+    tight = paced_job(store, "tight", 2.55)
+    running = paced_job(store, "running", 2.54, running_in=SPOT_T4)
+    never = paced_job(store, "never", 10.0, spot="never")
+    sched = Scheduler(store)
+    sched.run_round(fence)
+    got = {n: store.get_job(i) for n, i in (("tight", tight), ("running", running),
+                                            ("never", never))}
+    assert (got["tight"].state, got["tight"].pool) == (  # type: ignore[union-attr]
+        JobState.LAUNCHING, SPOT_T4.id)
+    assert (got["running"].state, got["running"].pool) == (  # type: ignore[union-attr]
+        JobState.RUNNING, SPOT_T4.id)
+    assert not [i for i in store.intents() if i.job_id in (running, never)]
+    assert got["never"].state is JobState.SUSPENDED  # type: ignore[union-attr]
+    assert got["never"].reason == WAIT_FOR_ON_DEMAND  # type: ignore[union-attr]
+    sched.run_round(fence)
+    assert store.get_job(never).version == got["never"].version  # type: ignore[union-attr]
+
+
+def test_the_deadline_view_is_at_the_requested_size_whatever_the_allocation(
+        store: Store) -> None:
+    """A 4-GPU job (4000 samples/s measured): 2 h of work at 4 GPUs, 0.5 h done, 1 h into a
+    2.75 h deadline. At 4 GPUs it has 15 min of slack (spot); counted at 1 GPU (a small
+    allocation, about 3000 samples/s by the calibrated model) the deadline would look lost
+    (on-demand). Its requested size is 4, bounded by the largest pool it may use: 2 when only
+    a 2-GPU pool is left to it."""
+    job = store.get_job(paced_job(store, "d", deadline_h=2.75, gpus=4))
+    assert job is not None
+    opts = job_choices(job, Policy.ELASTIC, 8)
+    assert [c.gpus for c in opts] == [1, 2, 3, 4]
+    requested = requested_choice(job, opts, [SPOT_T4, OD_T4], Marks())
+    assert requested is not None and requested.gpus == 4
+    now = time.time()
+    at = {g: deadline_job(job, next(c for c in opts if c.gpus == g), {}, SchedulerConfig(), now)
+          for g in (1, 4)}
+    assert at[4].slack_h == pytest.approx(0.25, abs=1e-3) and at[1].slack_h < 0
+    assert Paced.of(requested, at[4]).market is Market.SPOT
+    assert Paced.of(opts[0], at[1]).market is Market.ON_DEMAND  # what the old view did
+    two = OD_T4.model_copy(update={"gpus_per_node": 2})
+    refused = Marks(refused={SPOT_T4.id: "capacity"})
+    assert requested_choice(job, opts, [SPOT_T4, two], refused).gpus == 2  # type: ignore[union-attr]
+    never = job.model_copy(update={"spec": job.spec.model_copy(update={"spot": SpotPolicy.NEVER})})
+    assert requested_choice(never, opts, [SPOT_T4, two], Marks()).gpus == 2  # type: ignore[union-attr]
+
+
+def test_on_demand_after_a_spot_miss_runs_at_the_requested_size(store: Store) -> None:
+    """Spot is full; 4 on-demand GPUs, a 4-GPU deadline job behind its pace and a job without a
+    deadline that would share them. The deadline job falls back to on-demand at its requested
+    4 GPUs (the size its pace is judged at), not at the 2 a shared allocation leaves it."""
+    store.set_pools([SPOT_T4, OD_T4])
+    fence = store.acquire_lease("t", ttl_s=30)
+    fill(store, SPOT_T4)
+    behind = paced_job(store, "behind", 3.0, gpus=4)
+    wide = store.submit(spec("wide", gmax=4), team="t").id
+    Scheduler(store).run_round(fence)
+    got = store.get_job(behind)
+    assert got is not None and (got.pool, got.gpus) == (OD_T4.id, 4)
+    assert store.get_job(wide).state is JobState.QUEUED  # type: ignore[union-attr]
+
+
+def test_a_spot_job_that_holds_its_pace_is_not_shrunk_for_a_newcomer(store: Store) -> None:
+    """A 2-GPU deadline job runs on spot with 5 min of slack: above the safety net (166 s),
+    under the return margin (392 s), so it holds its pace (``policies.spot.holds_pace``): a
+    high-priority newcomer does not shrink it, as it shrinks the same job with ample slack."""
+    for deadline_h, kept in ((2.5 + 300 / HOUR, True), (10.0, False)):
+        store.r.flushdb()
+        store.set_pools([SPOT_T4])
+        fence = store.acquire_lease("t", ttl_s=30)
+        job = paced_job(store, f"d-{int(kept)}", deadline_h, running_in=SPOT_T4, gpus=2)
+        view = deadline_job(store.get_job(job), Choice(2, 32, 1.0), {SPOT_T4.id: SPOT_T4},  # type: ignore[arg-type]
+                            SchedulerConfig(), time.time())
+        assert holds_pace(view) is kept and choose_market(view, True) is Market.SPOT
+        store.submit(spec("newcomer", gmax=4, priority=100), team="t")
+        Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
+        assert (not [i for i in store.intents() if i.job_id == job]) is kept
+
+
 def test_a_spot_never_job_is_not_shrunk_or_suspended_to_make_room(store: Store) -> None:
     """Two GPUs, a running 2-GPU job and a high-priority newcomer: an ordinary job is resized
     or suspended for it; one that must not be preempted (spot: never) keeps both GPUs and the
@@ -414,3 +518,103 @@ def test_a_running_job_moves_when_its_pool_became_much_dearer(store: Store) -> N
     res = sched.run_round(fence)
     (intent,) = store.intents()
     assert res.suspends == 1 and intent.kind is IntentKind.MIGRATE and intent.pool == east.id
+
+
+# ---- refusal marks (the actuator's, on CapacityError/QuotaError) in every placement path -----
+
+V100_OD = Pool(cloud="aws", region="us-east-1", accelerator=Accelerator.V100,
+               market=Market.ON_DEMAND, nodes=1, gpus_per_node=8, price_per_gpu_hour=3.0)
+
+
+def refuse(store: Store, pool: Pool, why: str, at: float) -> None:
+    blocklist, read = store.blocklist()
+    plan = Plan()
+    plan.set_blocklist(mark_refused(blocklist, pool.id, at, why), read=read)
+    store.apply(plan)
+
+
+def test_a_refused_pool_takes_no_launch_at_any_size_and_the_job_says_until_when(
+        store: Store) -> None:
+    """A 4-GPU V100 job (1-4 accepted): its on-demand pool refused a launch (capacity) a minute
+    ago; the other pool has room for 2. It takes 2 there (a fallback size), not 4 in the refused
+    pool; once the other pool is full it is not launched at all and says which pool refused and
+    when it retries (the mark's expiry, 10 minutes after the refusal)."""
+    west = V100_OD.model_copy(update={"region": "us-west-2", "nodes": 1, "gpus_per_node": 2})
+    store.set_pools([V100_OD, west])
+    fence = store.acquire_lease("t", ttl_s=30)
+    at = time.time() - 60
+    refuse(store, V100_OD, "capacity", at)
+    v100 = {"accelerators": [Accelerator.V100]}
+    first = store.submit(spec("first").model_copy(update=v100), team="t")
+    sched = Scheduler(store)
+    sched.run_round(fence)
+    got = store.get_job(first.id)
+    assert got is not None and (got.pool, got.gpus) == (west.id, 2)
+    second = store.submit(spec("second").model_copy(update=v100), team="t")
+    sched.run_round(fence)
+    waiting = store.get_job(second.id)
+    assert waiting is not None and waiting.state is JobState.QUEUED
+    until = time.strftime("%H:%M:%S", time.gmtime(at + 600))
+    assert waiting.reason == (f"pool aws:us-east-1:on-demand:V100 refused the launch (capacity); "
+                              f"retrying after {until} UTC")
+    assert sched.run_round(fence).plan.empty()  # said once
+
+
+def test_a_deadline_job_behind_pace_does_not_retry_on_demand_in_a_refused_pool(
+        store: Store) -> None:
+    """Spot is full, so a job behind its pace falls back to on-demand; the only on-demand pool
+    refused a launch (quota): it is not launched there, and says so."""
+    store.set_pools([SPOT_T4, OD_T4])
+    fence = store.acquire_lease("t", ttl_s=30)
+    fill(store, SPOT_T4)
+    refuse(store, OD_T4, "quota", time.time())
+    behind = paced_job(store, "behind", 3.0)
+    Scheduler(store).run_round(fence)
+    got = store.get_job(behind)
+    assert got is not None and got.state is JobState.SUSPENDED and not store.intents()
+    assert got.reason.startswith(f"pool {OD_T4.id} refused the launch (quota); retrying after ")
+
+
+def test_refusal_marks_cover_both_markets_and_lapse() -> None:
+    pools = [SPOT_T4, OD_T4]
+    marked = Blocklist(refused={OD_T4.id: 100.0, SPOT_T4.id: 100.0},
+                       refusal_why={OD_T4.id: "quota"})
+    got = refused_pools(pools, marked, now=200.0)
+    assert set(got) == {OD_T4.id, SPOT_T4.id}
+    assert "(quota)" in got[OD_T4.id] and "refused the launch; retrying after 00:11:40 UTC" in \
+        got[SPOT_T4.id]  # no kind recorded (a mark written before kinds were): no brackets
+    assert refused_pools(pools, marked, now=100.0 + marked.refusal_decay_s) == {}
+
+
+# ---- region filters that leave a job no pool --------------------------------------------------
+
+
+def test_regions_that_exclude_every_pool_are_named_on_the_job_once(store: Store) -> None:
+    """T4 is offered in aws:east and aws:west; a job allowed only gcp:* says so (its lists and
+    where T4 is), once, and holds no GPUs; under admission drop it is dropped with that reason.
+    A job that accepts V100 or T4 and denies the only V100 region runs on T4."""
+    v100 = V100_OD.model_copy(update={"region": "east"})
+    store.set_pools([SPOT_T4, OD_T4, v100])
+    fence = store.acquire_lease("t", ttl_s=30)
+    lost = store.submit(spec("lost", regions={"allow": ["gcp:*"], "deny": ["aws:west"]}),
+                        team="t")
+    either = store.submit(spec("either", accelerators=[Accelerator.V100, Accelerator.T4],
+                               regions={"deny": ["aws:east"]}), team="t")
+    sched = Scheduler(store)
+    sched.run_round(fence)
+    got = store.get_job(lost.id)
+    assert got is not None and got.state is JobState.QUEUED
+    assert got.reason == ("regions allow ['gcp:*'] deny ['aws:west'] leave no T4 pool; T4 is "
+                          "offered in aws:east, aws:west: widen regions.allow or narrow "
+                          "regions.deny")
+    assert [e.type for e in store.events(job_id=lost.id)].count("no-region") == 1
+    ran = store.get_job(either.id)
+    assert ran is not None and ran.pool == OD_T4.id  # T4 in aws:west, not V100 in aws:east
+    sched.run_round(fence)
+    assert store.get_job(lost.id).version == got.version  # type: ignore[union-attr]
+    drop = Scheduler(store, SchedulerConfig(admission=Admission.DROP))
+    again = store.submit(spec("again", regions={"allow": ["gcp:*"]}), team="t")
+    drop.run_round(fence)
+    dropped = store.get_job(again.id)
+    assert dropped is not None and dropped.state is JobState.DROPPED
+    assert dropped.reason is not None and dropped.reason.startswith("regions allow ['gcp:*']")
