@@ -27,7 +27,13 @@ from providers.base import (
     QuotaError,
     share,
 )
-from providers.catalog import CatalogOffer, cheapest_type_for, load_offers, vcpus_per_gpu
+from providers.catalog import (
+    CatalogOffer,
+    cheapest_type_for,
+    instance_sizes,
+    load_offers,
+    vcpus_per_gpu,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,18 +158,7 @@ class AwsProvider(Provider):
         """GPU headroom per pool: each family's free vCPUs (``quotas()`` has the shared budgets)
         dealt in whole instances of the catalog's sizes among that family's accelerators,
         biggest instance first (``providers.base.share``)."""
-        return share(self.quotas(), sizes=self._instance_sizes())
-
-    def _instance_sizes(self) -> dict[str, list[int]]:
-        """GPUs per instance of each pool's types in the catalog (pool id -> counts)."""
-        sizes: dict[str, set[int]] = {}
-        for o in self.offers():
-            for market in Market:
-                if o.hourly(market) is not None:
-                    pool = Pool(cloud="aws", region=o.region, accelerator=o.accelerator,
-                                market=market, nodes=0, gpus_per_node=1).id
-                    sizes.setdefault(pool, set()).add(o.accelerator_count)
-        return {pool: sorted(counts) for pool, counts in sizes.items()}
+        return share(self.quotas(), sizes=instance_sizes("aws", self.offers()))
 
     def quotas(self) -> list[Quota]:
         """One budget per region, family (P, G) and market: its vCPU quota minus the vCPUs in

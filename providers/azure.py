@@ -31,7 +31,13 @@ from providers.base import (
     QuotaError,
     share,
 )
-from providers.catalog import CatalogOffer, cheapest_type_for, load_offers, vcpus_per_gpu
+from providers.catalog import (
+    CatalogOffer,
+    cheapest_type_for,
+    instance_sizes,
+    load_offers,
+    vcpus_per_gpu,
+)
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +144,9 @@ class AzureProvider(Provider):
         return [o for o in self._offers if o.region in self.regions]
 
     def capacity(self) -> dict[str, int]:
-        """GPU headroom per pool: each regional vCPU budget split among the accelerators it
-        covers (``quotas()`` has the shared budgets)."""
-        return share(self.quotas())
+        """GPU headroom per pool: each regional vCPU budget dealt in whole instances among the
+        accelerators it covers, biggest instance first (``quotas()``, ``providers.base.share``)."""
+        return share(self.quotas(), sizes=instance_sizes("azure", self._offers))
 
     def quotas(self) -> list[Quota]:
         """One budget per region and market: ``lowPriorityCores`` for spot, ``cores`` for

@@ -347,6 +347,19 @@ def vcpus_per_gpu(
     return best
 
 
+def instance_sizes(cloud: str, offers: Iterable[Offer]) -> dict[str, list[int]]:
+    """GPUs per instance of the priced types behind each of ``cloud``'s pools (pool id ->
+    counts): the instances a shared quota is dealt in (``providers.base.share``)."""
+    sizes: dict[str, set[int]] = {}
+    for o in offers:
+        for market in Market:
+            if o.hourly(market) is not None:
+                pool = Pool(cloud=cloud, region=o.region, accelerator=o.accelerator,
+                            market=market, nodes=0, gpus_per_node=1).id
+                sizes.setdefault(pool, set()).add(o.accelerator_count)
+    return {pool: sorted(counts) for pool, counts in sizes.items()}
+
+
 def interruption_priors() -> dict[tuple[str, str], float]:
     """``(region, instance_type) -> monthly interruption fraction`` from the AWS Spot Advisor."""
     priors = {}

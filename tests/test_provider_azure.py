@@ -21,7 +21,7 @@ from policies.models import Accelerator, Market
 from providers import bootstrap
 from providers.azure import AzureProvider
 from providers.base import CapacityError, LaunchRequest, NodeState, NotConfiguredError, QuotaError
-from providers.catalog import load_offers
+from providers.catalog import instance_sizes, load_offers
 
 ARM = "https://management.azure.com"
 RG = f"{ARM}/subscriptions/sub-1/resourceGroups/rg-fleet/providers/Microsoft.Compute"
@@ -210,11 +210,15 @@ def test_capacity_from_regional_vcpu_quotas(azure: AzureProvider, http) -> None:
         for a in {o.accelerator for o in OFFERS if o.region == "eastus"}
     }  # fmt: skip
     assert spot.per_gpu == {f"azure:eastus:spot:{a}": v for a, v in per_gpu.items()}
-    # One regional budget for every accelerator: each gets an even share, never the whole 88
-    # vCPUs (a V100 pool and a T4 pool each promised all of it would overcommit the region).
-    share = 88 / len(per_gpu)
-    assert cap["azure:eastus:spot:V100"] == int(share // per_gpu[Accelerator.V100])
-    assert sum(cap[p] * v for p, v in spot.per_gpu.items()) <= 88
+    # One regional budget for every accelerator, dealt in whole instances, biggest first:
+    # never the whole 88 vCPUs promised to each (a V100 pool and a T4 pool each counting on all
+    # of it would overcommit the region), and every count is one the pool's instances launch.
+    sizes = instance_sizes("azure", OFFERS)
+    spot_pools = sorted(spot.per_gpu)
+    assert sum(cap[p] * spot.per_gpu[p] for p in spot_pools) <= 88
+    assert sum(cap[p] > 0 for p in spot_pools) >= 2  # A100 4, H100 2, M60 1, T4 1
+    for pool in spot_pools:
+        assert cap[pool] == 0 or any(cap[pool] % n == 0 for n in sizes[pool])
     assert cap["azure:eastus:on-demand:V100"] == 0
 
 

@@ -288,7 +288,7 @@ def test_a_named_checkpoint_bucket_is_where_a_move_restores_from(store: Store) -
         ids[name] = job.id
     job = store.get_job(ids["bucket"])
     assert job is not None
-    req = placement_request(job, Choice(1, 32, 1.0), [], frozenset(), {}, SchedulerConfig())
+    req = placement_request(job, Choice(1, 32, 1.0), [], Marks(), {}, SchedulerConfig())
     assert (req.checkpoint_cloud, req.checkpoint_region, req.checkpoint_gb) == ("gcp", "west", 50)
     Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
     where = {n: store.get_job(i).pool for n, i in ids.items()}  # type: ignore[union-attr]
