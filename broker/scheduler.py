@@ -530,9 +530,10 @@ def _paced_choices(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]
     """The configurations the allocator may give each job, and the jobs that must get one of
     theirs (while all such pins can be honoured), as the simulator's fleet policy does: a
     deadline job the pace rule sends to on-demand runs at its requested size (running, or its
-    current one) and comes first; one sent to spot that ``holds_pace`` gets only configurations
-    at least as fast as its pace (when one is there) and, running on spot at such a
-    configuration, keeps it (a rescale's restart would cost the slack it lacks)."""
+    current one) and comes first; one sent to spot that ``holds_pace``, running on spot at a
+    configuration at least as fast as its pace, keeps it (a rescale's restart would cost the
+    slack it lacks). Shrinking such a job below pace is the allocator's call, as in the
+    simulator: the safety net sends it to on-demand if it falls behind."""
     allowed, required = dict(choices), set()
     for job in jobs:
         p = paced.get(job.id)
@@ -548,10 +549,8 @@ def _paced_choices(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]
                 required.add(job.id)
         elif p.market is Market.SPOT and holds_pace(p.view):
             pace = samples_per_sec(job, p.requested.gpus, p.requested.batch_size)
-            allowed[job.id] = [c for c in opts
-                               if samples_per_sec(job, c.gpus, c.batch_size) >= pace] or opts
             pool = pools_by_id.get(job.pool or "")
-            kept = [c for c in current if c in allowed[job.id]]
+            kept = [c for c in current if samples_per_sec(job, c.gpus, c.batch_size) >= pace]
             if kept and pool is not None and pool.market is Market.SPOT:
                 allowed[job.id] = kept
                 required.add(job.id)

@@ -241,17 +241,14 @@ class _FreeGpus(TypeCapacity):
 
 class _CappedPolicy(ElasticPolicy):
     """The elastic allocator, each job's GPU count capped at the largest pool's free GPUs (a gang
-    runs in one pool); a job in ``floors`` gets only configurations with at least that goodput
-    (when one fits), and a job in ``sizes`` the smallest allowed count of at least that many."""
+    runs in one pool); a job in ``sizes`` gets the smallest allowed count of at least that many."""
 
     def __init__(self, fleet: Sequence[_FreeGpus], largest: dict[Accelerator, int],
-                 sizes: dict[str, int], floors: dict[str, float], cfg: SimConfig,
-                 tables: ChoiceTables):
+                 sizes: dict[str, int], cfg: SimConfig, tables: ChoiceTables):
         super().__init__(fleet, Admission.QUEUE, cfg.value, tables, cfg.accumulation)
         self.fixed_batch = cfg.policy is PolicyName.FIXED_BATCH
         self.largest = largest
         self.sizes = sizes
-        self.floors = floors
 
     def _table(self, job: JobState, acc: Accelerator) -> ConfigTable:
         cap, top = self.fleet[acc], self.largest[acc]
@@ -259,10 +256,6 @@ class _CappedPolicy(ElasticPolicy):
         fixed = job.workload_batch if self.fixed_batch else None
         table = self.tables.table(job.app, whole, job.epoch, fixed, self.accumulation)
         keep = table.gpus <= top
-        if job.id in self.floors:
-            fast = keep & (table.rate >= self.floors[job.id])
-            if fast.any():  # else any share beats none: the safety net still decides
-                keep = fast
         want = table.gpus[keep & (table.gpus >= self.sizes.get(job.id, 0))]
         if job.id in self.sizes and len(want):
             keep = table.gpus == want.min()
@@ -423,13 +416,14 @@ class _SpotSim:
         views = {j.state.id: self._view(j, now) for j in active}
         first = {k: choose_market(v, spot_available=True) for k, v in views.items()}
         on_spot = [j for j in active if first[j.state.id] is Market.SPOT]
-        floors = {j.state.id: self._pace_rate(j) for j in on_spot if holds_pace(views[j.state.id])}
-        # near the safety net: no configuration below pace, no rescale while the current one
-        # keeps pace (a rescale's restart costs the slack too)
-        steady = {j.state.id: j.state.current.gpus for j in on_spot if j.state.id in floors
-                  and j.pool is not None and j.pool.pool.market is Market.SPOT
-                  and self._rate(j) >= floors[j.state.id]}
-        plan = self._allocate(on_spot, Market.SPOT, now, steady, floors)
+        # near the safety net: no rescale while the current configuration keeps pace (a
+        # rescale's restart costs the slack too). Shrinking such a job below pace is left to
+        # the allocator: the safety net sends it to on-demand if it falls behind, and pinning
+        # every such job to its pace cost the others more JCT than it saved.
+        steady = {j.state.id: j.state.current.gpus for j in on_spot
+                  if holds_pace(views[j.state.id]) and j.pool is not None
+                  and j.pool.pool.market is Market.SPOT and self._rate(j) >= self._pace_rate(j)}
+        plan = self._allocate(on_spot, Market.SPOT, now, steady)
         market = {k: m if m is not Market.SPOT or k in plan else
                   choose_market(views[k], spot_available=False) for k, m in first.items()}
         fallback = [j for j in active if market[j.state.id] is Market.ON_DEMAND]
@@ -474,18 +468,16 @@ class _SpotSim:
             switch_h=job.restart_h, current=None if pool is None else pool.pool.market)
 
     def _allocate(self, group: list[_Job], market: Market, now: float,
-                  sizes: dict[str, int] | None = None, floors: dict[str, float] | None = None,
-                  ) -> dict[str, tuple[Assignment, SimPool]]:
+                  sizes: dict[str, int] | None = None) -> dict[str, tuple[Assignment, SimPool]]:
         """The elastic allocator over the market's available GPUs, then one pool per gang; jobs
         the placement cannot fit are re-allocated over what is left (fragmentation repair).
-        ``sizes`` pins jobs to (the smallest allowed count of at least) that many GPUs; ``floors``
-        keeps jobs to configurations with at least that goodput when one fits."""
+        ``sizes`` pins jobs to (the smallest allowed count of at least) that many GPUs."""
         pools = [p for p in self.pools if p.pool.market is market]
         free = {p.pool.id: p.gpus_at(now) for p in pools}
         out: dict[str, tuple[Assignment, SimPool]] = {}
         todo = sorted(group, key=lambda j: (j.state.submitted, j.state.id))
         for _ in range(4):
-            assigned = self._dp(todo, pools, free, sizes or {}, floors or {})
+            assigned = self._dp(todo, pools, free, sizes or {})
             if not assigned:
                 break
             placed = self._place(todo, assigned, pools, free, now)
@@ -496,7 +488,7 @@ class _SpotSim:
         return out
 
     def _dp(self, jobs: list[_Job], pools: list[SimPool], free: dict[str, int],
-            sizes: dict[str, int], floors: dict[str, float]) -> dict[str, Assignment]:
+            sizes: dict[str, int]) -> dict[str, Assignment]:
         caps, largest = [], {}
         for cap in self.types:
             mine = [free[p.pool.id] for p in pools if p.pool.accelerator is cap.accelerator]
@@ -508,7 +500,7 @@ class _SpotSim:
                   if j.state.current is None or j.state.current.accelerator in largest]
         if not caps or not states:
             return {}
-        plan = _CappedPolicy(caps, largest, sizes, floors, self.cfg,
+        plan = _CappedPolicy(caps, largest, sizes, self.cfg,
                              self.tables).schedule(states, 0.0)
         return {k: v for k, v in plan.items() if v is not None}
 
