@@ -12,6 +12,7 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import responses
@@ -41,13 +42,16 @@ class FakeCredential:
         return AccessToken("fake-token", 4_102_444_800)
 
 
-@pytest.fixture
-def azure() -> AzureProvider:
+def make_azure(**kw: Any) -> AzureProvider:
     return AzureProvider(
         "sub-1", "rg-fleet", SUBNET, ["eastus"], broker_id="b1", credential=FakeCredential(),
-        ssh_public_key="ssh-ed25519 AAAA test", offers=OFFERS, polling_interval=0,
-        agent_install="https://host/fleetbroker.whl",
+        ssh_public_key="ssh-ed25519 AAAA test", offers=OFFERS, polling_interval=0, **kw,
     )  # fmt: skip
+
+
+@pytest.fixture
+def azure() -> AzureProvider:
+    return make_azure(agent_install="https://host/fleetbroker.whl")
 
 
 @pytest.fixture
@@ -234,11 +238,7 @@ def test_not_configured_names_what_to_set(monkeypatch: pytest.MonkeyPatch) -> No
 def test_deallocated_spot_vm_is_an_eviction_not_a_running_node(http) -> None:
     """Under ``Deallocate`` an evicted Spot VM stays listed as ``Succeeded``: its instance view's
     power state tells it is gone (preempted), and it is deleted once the broker forgets it."""
-    azure = AzureProvider(
-        "sub-1", "rg-fleet", SUBNET, ["eastus"], broker_id="b1", credential=FakeCredential(),
-        ssh_public_key="ssh-ed25519 AAAA test", offers=OFFERS, polling_interval=0,
-        eviction_policy="Deallocate",
-    )  # fmt: skip
+    azure = make_azure(eviction_policy="Deallocate")  # evicted VMs stay listed
     store: dict[str, dict] = {}
     serve_vms(http, store, {"status": "Succeeded"})
     evicted, running = (azure.launch(request(key=f"job-5:2:{i}"))[0].node_id for i in (0, 1))
@@ -276,11 +276,7 @@ def test_listing_skips_a_vm_deleted_meanwhile_and_keeps_one_whose_view_failed(
     """Between the list and a VM's instance view the VM may be deleted (404: it is gone) or the
     view may fail (that VM stays listed, power state unknown, a log line without the reply's
     text); neither fails the whole listing."""
-    azure = AzureProvider(
-        "sub-1", "rg-fleet", SUBNET, ["eastus"], broker_id="b1", credential=FakeCredential(),
-        ssh_public_key="ssh-ed25519 AAAA test", offers=OFFERS, polling_interval=0,
-        eviction_policy="Deallocate",
-    )  # fmt: skip
+    azure = make_azure(eviction_policy="Deallocate")  # evicted VMs stay listed
     store: dict[str, dict] = {}
     serve_vms(http, store, {"status": "Succeeded"})
     deleted, flaky, evicted = (azure.launch(request(key=f"job-5:2:{i}"))[0].node_id

@@ -19,7 +19,14 @@ from google.auth.credentials import AnonymousCredentials
 
 from policies.models import Accelerator, Market
 from providers import bootstrap
-from providers.base import CapacityError, LaunchRequest, NodeState, NotConfiguredError, QuotaError
+from providers.base import (
+    CapacityError,
+    LaunchRequest,
+    Node,
+    NodeState,
+    NotConfiguredError,
+    QuotaError,
+)
 from providers.catalog import load_offers
 from providers.gcp import GcpProvider
 
@@ -212,19 +219,25 @@ def test_quota_errors_sync_and_async(gcp: GcpProvider, http, status: int, payloa
         gcp.launch(req)
 
 
-def test_nodes_by_label_terminate_and_notices(gcp: GcpProvider, http) -> None:
+def launched(gcp: GcpProvider, http, status: str) -> tuple[Node, str, dict]:
+    """One VM launched on the served API, then in ``status``: (node, zone, its instance JSON)."""
     req = request()
     zone = gcp.offer_for(req).zone
     store: dict[str, dict] = {}
     serve_instances(http, zone, store)
     node = gcp.launch(req)[0]
-    name = node.node_id.split("/")[1]
-    store[name]["status"] = "RUNNING"
+    store[node.node_id.split("/")[1]]["status"] = status
+    return node, zone, store[node.node_id.split("/")[1]]
+
+
+def test_nodes_by_label_terminate_and_notices(gcp: GcpProvider, http) -> None:
+    node, zone, vm = launched(gcp, http, "RUNNING")
+    name = vm["name"]
     http.add(
         responses.GET,
         f"{BASE}/aggregated/instances",
         json={"items": {
-            f"zones/{zone}": {"instances": [store[name]]},
+            f"zones/{zone}": {"instances": [vm]},
             "zones/europe-west4-a": {"warning": {"code": "NO_RESULTS_ON_PAGE", "message": "none"}},
         }},
     )  # fmt: skip
@@ -264,15 +277,10 @@ def test_nodes_by_label_terminate_and_notices(gcp: GcpProvider, http) -> None:
 def test_a_vm_powered_off_from_inside_is_deleted_once_forgotten(gcp: GcpProvider, http) -> None:
     """The start script powers the VM off when its agent exits: GCE keeps it TERMINATED, disk
     and all, until the broker deletes it."""
-    req = request()
-    zone = gcp.offer_for(req).zone
-    store: dict[str, dict] = {}
-    serve_instances(http, zone, store)
-    node = gcp.launch(req)[0]
-    name = node.node_id.split("/")[1]
-    store[name]["status"] = "TERMINATED"
+    node, zone, vm = launched(gcp, http, "TERMINATED")
+    name = vm["name"]
     http.add(responses.GET, f"{BASE}/aggregated/instances",
-             json={"items": {f"zones/{zone}": {"instances": [store[name]]}}})
+             json={"items": {f"zones/{zone}": {"instances": [vm]}}})
     assert [n.state for n in gcp.nodes()] == [NodeState.TERMINATED]
     http.add(responses.DELETE, f"{BASE}/zones/{zone}/instances/{name}",
              json=operation("op-d", zone))

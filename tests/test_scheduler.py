@@ -228,30 +228,37 @@ def test_only_gpu_counts_an_instance_type_offers_are_chosen_and_placed(store: St
                 gpus_per_node=4).launchable(3)  # no instance types: any count that fits
 
 
+EAST = Pool(cloud="aws", region="east", accelerator=Accelerator.T4, market=Market.SPOT,
+            nodes=1, gpus_per_node=4, price_per_gpu_hour=0.2)
+WEST = EAST.model_copy(update={"cloud": "gcp", "region": "west", "price_per_gpu_hour": 0.201})
+
+
+def suspended_after_a_run(store: Store, job_spec: JobSpec, pool: Pool,
+                          checkpoint_bytes: int | None) -> str:
+    """A job that ran once in ``pool`` (its agent measured ``checkpoint_bytes``) and is
+    suspended: the next round places it again."""
+    job = store.submit(job_spec.model_copy(update={"work_samples": 10**7}), team="t")
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=1, pool=pool.id)
+    store.apply(plan)
+    if checkpoint_bytes is not None:
+        store.record_heartbeat(job.id, 1, samples_done=1000, checkpoint_step=10,
+                               checkpoint_bytes=checkpoint_bytes)
+    plan = Plan()
+    plan.change(store.get_job(job.id), JobState.SUSPENDED)  # type: ignore[arg-type]
+    store.apply(plan)
+    return job.id
+
+
 def test_a_measured_checkpoint_size_prices_the_move(store: Store) -> None:
     """Three suspended jobs whose checkpoints live in gcp:west, with aws:east slightly cheaper
     and a fleet-wide estimate of 50 GB: the job whose agent measured 50 GB stays (4.50 USD of
     internet egress to leave), the one that measured 1 MB moves (the measurement beats the
     estimate), and the one without a measurement stays on the estimate."""
-    east = Pool(cloud="aws", region="east", accelerator=Accelerator.T4, market=Market.SPOT,
-                nodes=1, gpus_per_node=4, price_per_gpu_hour=0.2)
-    west = east.model_copy(update={"cloud": "gcp", "region": "west", "price_per_gpu_hour": 0.201})
-    store.set_pools([east, west])
+    store.set_pools([EAST, WEST])
     fence = store.acquire_lease("t", ttl_s=30)
-    ids = {}
-    for name, size in (("big", 50_000_000_000), ("small", 1_000_000), ("unmeasured", None)):
-        job = store.submit(spec(name, gmax=1).model_copy(update={"work_samples": 10**7}),
-                           team="t")
-        plan = Plan()
-        plan.change(job, JobState.LAUNCHING, attempt=1, gpus=1, pool=west.id)
-        store.apply(plan)
-        if size is not None:
-            store.record_heartbeat(job.id, 1, samples_done=1000, checkpoint_step=10,
-                                   checkpoint_bytes=size)
-        plan = Plan()
-        plan.change(store.get_job(job.id), JobState.SUSPENDED)  # type: ignore[arg-type]
-        store.apply(plan)
-        ids[name] = job.id
+    ids = {name: suspended_after_a_run(store, spec(name, gmax=1), WEST, size) for name, size in
+           (("big", 50_000_000_000), ("small", 1_000_000), ("unmeasured", None))}
     config = SchedulerConfig(min_rescale_interval_s=0, checkpoint_gb=50)
     big = store.get_job(ids["big"])
     assert big is not None and big.checkpoint_bytes == 50_000_000_000
@@ -259,40 +266,28 @@ def test_a_measured_checkpoint_size_prices_the_move(store: Store) -> None:
                              config).checkpoint_gb == 50
     Scheduler(store, config).run_round(fence)
     where = {n: store.get_job(i).pool for n, i in ids.items()}  # type: ignore[union-attr]
-    assert where == {"big": west.id, "small": east.id, "unmeasured": west.id}
+    assert where == {"big": WEST.id, "small": EAST.id, "unmeasured": WEST.id}
 
 
 def test_a_named_checkpoint_bucket_is_where_a_move_restores_from(store: Store) -> None:
     """The job last ran in aws:east, but its 50 GB checkpoint lives in a gcp:west bucket
     (``checkpoint.region``): placement prices the restore from gcp:west, so the job goes there
     over aws:east at a price 0.5 % lower (4.50 USD of internet egress to read it in aws)."""
-    east = Pool(cloud="aws", region="east", accelerator=Accelerator.T4, market=Market.SPOT,
-                nodes=1, gpus_per_node=4, price_per_gpu_hour=0.2)
-    west = east.model_copy(update={"cloud": "gcp", "region": "west", "price_per_gpu_hour": 0.201})
-    store.set_pools([east, west])
+    store.set_pools([EAST, WEST])
     fence = store.acquire_lease("t", ttl_s=30)
     ids = {}
     for name, bucket in (("bucket", "gcp:west"), ("local", None)):
         base = spec(name, gmax=1)
         ck = base.checkpoint.model_copy(update={"uri": "gs://ck/" + name, "region": bucket})
-        job = store.submit(base.model_copy(update={"work_samples": 10**7, "checkpoint": ck}),
-                           team="t")
-        plan = Plan()
-        plan.change(job, JobState.LAUNCHING, attempt=1, gpus=1, pool=east.id)
-        store.apply(plan)
-        store.record_heartbeat(job.id, 1, samples_done=1000, checkpoint_step=10,
-                               checkpoint_bytes=50_000_000_000)
-        plan = Plan()
-        plan.change(store.get_job(job.id), JobState.SUSPENDED)  # type: ignore[arg-type]
-        store.apply(plan)
-        ids[name] = job.id
+        ids[name] = suspended_after_a_run(store, base.model_copy(update={"checkpoint": ck}),
+                                          EAST, 50_000_000_000)
     job = store.get_job(ids["bucket"])
     assert job is not None
     req = placement_request(job, Choice(1, 32, 1.0), [], Marks(), {}, SchedulerConfig())
     assert (req.checkpoint_cloud, req.checkpoint_region, req.checkpoint_gb) == ("gcp", "west", 50)
     Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
     where = {n: store.get_job(i).pool for n, i in ids.items()}  # type: ignore[union-attr]
-    assert where == {"bucket": west.id, "local": east.id}
+    assert where == {"bucket": WEST.id, "local": EAST.id}
 
 
 # ---- deadlines (policies.spot.choose_market), spot: never, stickiness in the live broker ------
