@@ -121,9 +121,10 @@ def cloud_pools(cloud: str, config: CloudConfig, offers: list[Offer],
                     continue
                 priced.append((Pool(cloud=cloud, region=region, accelerator=acc, market=market,
                                     nodes=0, gpus_per_node=1), sizes))
-    free = share(quotas, {pool.id for pool, _ in priced},
-                 {pool.id: [n for n, _ in sizes] for pool, sizes in priced})
     held = held or {}
+    free = share(quotas, {pool.id for pool, _ in priced},
+                 {pool.id: [n for n, _ in sizes] for pool, sizes in priced},
+                 {pool.id: max(0, config.max_gpus - held.get(pool.id, 0)) for pool, _ in priced})
     pools = []
     for pool, sizes in priced:
         gpus = config.max_gpus if pool.id not in free else \

@@ -8,6 +8,7 @@ second call with the same key returns the node the first one made, never a secon
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -101,24 +102,27 @@ class Quota:
 
 
 def share(quotas: Iterable[Quota], pools: Container[str] | None = None,
-          sizes: Mapping[str, Sequence[int]] | None = None) -> dict[str, int]:
+          sizes: Mapping[str, Sequence[int]] | None = None,
+          caps: Mapping[str, int] | None = None) -> dict[str, int]:
     """Whole GPUs of free quota per pool, in whole instances: each quota's headroom is dealt out
     one instance per pool a round (of ``pools`` only, when given: the pools a fleet declares),
     the pool with the biggest instance first, each taking the largest of its instance sizes
     (GPUs per instance, ``sizes``; unknown: 1) that what is left still holds. Together they
     never exceed the quota, and an 8-GPU instance is not starved by the rounding of an even
-    split. A pool under several quotas (either may serve it) gets the sum."""
+    split. A pool is dealt no more than its ``caps`` GPUs (what the fleet lets it hold), so a
+    capped pool leaves the rest to the others. A pool under several quotas (either may serve
+    it) gets the sum."""
     out: dict[str, int] = {}
     for quota in quotas:
         mine = {p: units for p, units in quota.per_gpu.items()
                 if units > 0 and (pools is None or p in pools)}
-        for pool, gpus in _deal(quota.free, mine, sizes or {}).items():
+        for pool, gpus in _deal(quota.free, mine, sizes or {}, caps or {}).items():
             out[pool] = out.get(pool, 0) + gpus
     return out
 
 
-def _deal(free: float, units: Mapping[str, float],
-          sizes: Mapping[str, Sequence[int]]) -> dict[str, int]:
+def _deal(free: float, units: Mapping[str, float], sizes: Mapping[str, Sequence[int]],
+          caps: Mapping[str, int]) -> dict[str, int]:
     """``free`` units dealt as whole instances, round by round (see :func:`share`)."""
     counts = {p: sorted(sizes.get(p) or (1,), reverse=True) for p in units}
     order = sorted(units, key=lambda p: (-counts[p][0] * units[p], p))
@@ -127,7 +131,8 @@ def _deal(free: float, units: Mapping[str, float],
     while dealt:
         dealt = False
         for p in order:
-            n = next((n for n in counts[p] if n * units[p] <= free), 0)
+            room = caps.get(p, math.inf) - got[p]
+            n = next((n for n in counts[p] if n * units[p] <= free and n <= room), 0)
             if n:
                 free -= n * units[p]
                 got[p] += n

@@ -131,7 +131,8 @@ def test_pools_share_a_family_quota_and_keep_the_gpus_the_broker_holds() -> None
     pools = {p.id: p for p in cloud_pools("aws", config, offers, [family], {v100: 2})}
     # The 80 free vCPUs go out in whole instances to the two declared pools (H100 is not in
     # this fleet): an A100 instance (p4d, 8 GPUs, 96 vCPUs) does not fit, so V100 takes a
-    # p3.16xlarge (64) and two p3.2xlarge (8 + 8): its 2 held GPUs plus 10, capped at 8.
+    # p3.16xlarge would not fit its cap (max_gpus 8 less the 2 it holds): it is dealt 6 GPUs
+    # (p3.8xlarge and two p3.2xlarge) and holds 2 + 6 = 8.
     assert pools[a100].gpu_counts == (8,) and pools[a100].nodes == 0
     assert pools[v100].capacity == 8
     alone = CloudConfig(regions=["us-east-1"], accelerators=[Accelerator.V100],
@@ -155,6 +156,10 @@ def test_a_family_quota_is_split_in_whole_instances_biggest_first() -> None:
     assert share([Quota(free=80, per_gpu={"p3": 8})], sizes={"p3": [1, 4, 8]}) == {"p3": 10}
     # sizes unknown: one GPU an instance, dealt in turn (a GCP GPU quota: 1 unit a GPU)
     assert share([Quota(free=7, per_gpu={"a": 1, "b": 1})]) == {"a": 4, "b": 3}
+    # a pool the fleet caps (max_gpus less what it holds) is dealt no more: the rest goes on
+    # to the others instead of being promised to a pool that cannot use it
+    assert share([Quota(free=160, per_gpu=family.per_gpu)], sizes=sizes,
+                 caps={"eight": 8}) == {"eight": 8, "four": 12}
 
 
 def test_example_fleet_files_load() -> None:
