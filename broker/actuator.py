@@ -17,8 +17,8 @@ from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
 from broker.store import Conflict, Plan, Store
-from policies.migration import expire, mark_refused
-from policies.models import Pool
+from policies.migration import expire, location_keys, mark_launched, mark_refused
+from policies.models import Market, Pool
 from providers.base import (
     CapacityError,
     LaunchRequest,
@@ -196,5 +196,21 @@ class Actuator:
             batch_size=intent.batch_size,
             price_per_gpu_hour=launch_price(nodes, pool.price_for(intent.gpus)),
             ondemand_price_per_gpu_hour=ondemand_reference(pool, pools.values())))
+        if pool.market is Market.SPOT:
+            self._reactivate(job, pool, plan)
         self.store.apply(plan, fence=fence)
         return 1
+
+    def _reactivate(self, job: JobRecord, pool: Pool, plan: Plan) -> None:
+        """SpotHedge's ``mark_launched``: a spot launch that succeeded in a blocked location
+        (placement's last resort when nothing else had room) shows capacity is back there, so
+        the location is active again, in the launch's atomic step."""
+        now = time.time()
+        blocklist, read = self.store.blocklist()
+        back = [k for k in location_keys(pool) if blocklist.is_blocked(k, now)]
+        if not back:
+            return
+        for key in back:
+            blocklist = mark_launched(blocklist, key)
+        plan.set_blocklist(blocklist, read=read)
+        plan.event("location-active", job.id, {"locations": back, "pool": pool.id})

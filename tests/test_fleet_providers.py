@@ -379,6 +379,17 @@ def test_notice_blocks_the_spot_location_and_the_job_resumes_elsewhere(
         other = store.submit(spec("newcomer"), team="t")
         step()
         assert store.get_job(other.id).pool == "local:c:spot:T4"  # type: ignore[union-attr]
+        # with every other pool full, the blocked one is the last resort; the launch there
+        # succeeds, so SpotHedge's mark_launched makes it active again
+        late = [store.submit(spec(n), team="t").id for n in ("third", "fourth")]
+        step()
+        where = {store.get_job(i).pool: i for i in late}  # type: ignore[union-attr]
+        assert sorted(where) == ["local:a:spot:T4", "local:d:on-demand:T4"]
+        blocklist, _ = store.blocklist()
+        assert not blocklist.is_blocked("local:a", time.time())
+        (back,) = [e for e in store.events(job_id=where["local:a:spot:T4"])
+                   if e.type == "location-active"]
+        assert back.data == {"locations": ["local:a"], "pool": "local:a:spot:T4"}
     finally:
         for node in provider.nodes():
             provider.terminate(node.node_id)
