@@ -126,6 +126,7 @@ class AwsProvider(Provider):
         endpoint_url: str | None = None,
         offers: list[CatalogOffer] | None = None,
         agent_install: str | None = None,
+        shutdown_command: str | None = None,
     ) -> None:
         import boto3
 
@@ -137,6 +138,7 @@ class AwsProvider(Provider):
         self.broker_id = broker_id
         self.image_id = image_id
         self.agent_install = bootstrap.agent_install_spec(agent_install)
+        self.shutdown_command = shutdown_command
         self._endpoint_url = endpoint_url
         self._clients: dict[tuple[str, str], Any] = {}
         self._zones: dict[str, dict[str, str]] = {}  # region -> AZ id or name -> name
@@ -251,7 +253,8 @@ class AwsProvider(Provider):
             "InstanceType": instance_type,
             "MinCount": request.nodes,
             "MaxCount": request.nodes,
-            "UserData": bootstrap.agent_script(request, "aws", self.agent_install),
+            "UserData": bootstrap.agent_script(request, "aws", self.agent_install,
+                                               self.shutdown_command),
             # The start script powers the VM off once its agent exited: that must end the bill.
             "InstanceInitiatedShutdownBehavior": "terminate",
             "TagSpecifications": [

@@ -113,6 +113,7 @@ class AzureProvider(Provider):
         offers: list[CatalogOffer] | None = None,
         polling_interval: float = 15.0,
         agent_install: str | None = None,
+        shutdown_command: str | None = None,
     ) -> None:
         self.subscription_id = subscription_id or os.environ.get("AZURE_SUBSCRIPTION_ID")
         self.resource_group = resource_group or os.environ.get("FLEET_AZURE_RESOURCE_GROUP")
@@ -134,6 +135,7 @@ class AzureProvider(Provider):
         self.max_price = max_price  # -1: pay up to the on-demand price, never evicted for price
         self.polling_interval = polling_interval
         self.agent_install = bootstrap.agent_install_spec(agent_install)
+        self.shutdown_command = shutdown_command
         self._stopped: dict[str, tuple[Node, str]] = {}  # the last nodes(): VM -> power state
         self._offers = offers if offers is not None else load_offers(["azure"])
         self.regions = list(regions or sorted({o.region for o in self._offers}))
@@ -182,7 +184,8 @@ class AzureProvider(Provider):
 
     def vm_body(self, request: LaunchRequest, name: str) -> dict[str, Any]:
         """The ARM JSON of one VM (the documented ``Microsoft.Compute/virtualMachines`` shape)."""
-        script = bootstrap.agent_script(request, "azure", self.agent_install)
+        script = bootstrap.agent_script(request, "azure", self.agent_install,
+                                        self.shutdown_command)
         properties: dict[str, Any] = {
             "hardwareProfile": {"vmSize": self.vm_size_for(request)},
             "storageProfile": {

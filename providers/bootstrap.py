@@ -189,21 +189,23 @@ trap fleet_exit EXIT
 """
 
 
-def shutdown_line(request: LaunchRequest) -> str:
-    """``fleet_shutdown``: ``$FLEET_SHUTDOWN_COMMAND`` on the machine, else the job's, else
-    ``shutdown -h now`` (empty: stay up, e.g. to debug)."""
-    default = request.env.get(SHUTDOWN_ENV, DEFAULT_SHUTDOWN)
+def shutdown_line(request: LaunchRequest, command: str | None = None) -> str:
+    """``fleet_shutdown``: ``$FLEET_SHUTDOWN_COMMAND`` on the machine, else the provider's
+    ``shutdown_command`` option (``command``), else the launch's, else ``shutdown -h now``
+    (empty: stay up, e.g. to debug)."""
+    default = command if command is not None else request.env.get(SHUTDOWN_ENV, DEFAULT_SHUTDOWN)
     return (f"fleet_shutdown={shlex.quote(default)}\n"
             f"fleet_shutdown=${{{SHUTDOWN_ENV}-$fleet_shutdown}}\n")
 
 
-def agent_script(request: LaunchRequest, cloud: str, agent_install: str) -> str:
+def agent_script(request: LaunchRequest, cloud: str, agent_install: str,
+                 shutdown_command: str | None = None) -> str:
     """A shell start script (user data / startup-script / custom data): install the agent from
     ``agent_install`` where the image lacks it, with the image's own environment; then export
     the job's and run the agent; on exit report a failure and power the VM off (``EXIT_TRAP``)."""
     return (
         "#!/bin/bash\nset -euo pipefail\n"
-        f"{shutdown_line(request)}"
+        f"{shutdown_line(request, shutdown_command)}"
         f"{env_function(request, cloud)}"
         f"{EXIT_TRAP}"
         f"{install_step(agent_install)}"

@@ -128,6 +128,7 @@ class GcpProvider(Provider):
         offers: list[CatalogOffer] | None = None,
         termination_action: str = "DELETE",
         agent_install: str | None = None,
+        shutdown_command: str | None = None,
     ) -> None:
         if credentials is None:
             import google.auth
@@ -148,6 +149,7 @@ class GcpProvider(Provider):
         self.broker_id = broker_id
         self.image = image
         self.agent_install = bootstrap.agent_install_spec(agent_install)
+        self.shutdown_command = shutdown_command
         self.termination_action = termination_action
         self._offers = offers if offers is not None else load_offers(["gcp"])
         self.regions = list(regions or sorted({o.region for o in self._offers}))
@@ -216,7 +218,8 @@ class GcpProvider(Provider):
             items=[
                 compute_v1.Items(
                     key="startup-script",
-                    value=bootstrap.agent_script(request, "gcp", self.agent_install),
+                    value=bootstrap.agent_script(request, "gcp", self.agent_install,
+                                                 self.shutdown_command),
                 ),
                 compute_v1.Items(key=bootstrap.KEY_TAG, value=request.idempotency_key),
                 compute_v1.Items(key=bootstrap.JOB_TAG, value=request.job_id),

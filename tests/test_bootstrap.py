@@ -178,14 +178,19 @@ def test_a_clean_stop_powers_off_without_a_report(tmp_path: Path) -> None:
     assert not [c for c in calls if c.startswith("curl")] and calls[-1] == "shutdown -h now"
 
 
-@pytest.mark.parametrize(("machine", "job", "expected"), [
-    ({"FLEET_SHUTDOWN_COMMAND": "echo off-by-override >> $STATE/calls"}, {}, "off-by-override"),
-    ({"FLEET_SHUTDOWN_COMMAND": ""}, {}, None),  # empty: the VM stays up
-    ({}, {"FLEET_SHUTDOWN_COMMAND": ""}, None),  # a job may keep its VM up (to debug)
+@pytest.mark.parametrize(("machine", "job", "option", "expected"), [
+    ({"FLEET_SHUTDOWN_COMMAND": "echo off-by-override >> $STATE/calls"}, {}, None,
+     "off-by-override"),
+    ({"FLEET_SHUTDOWN_COMMAND": ""}, {}, None, None),  # empty: the VM stays up
+    ({}, {"FLEET_SHUTDOWN_COMMAND": ""}, None, None),  # a launch may keep its VM up (to debug)
+    # the provider's shutdown_command option (a fleet file's `options:`) beats the launch's
+    ({}, {"FLEET_SHUTDOWN_COMMAND": ""}, "echo off-by-option >> $STATE/calls", "off-by-option"),
+    ({}, {}, "", None),
 ])
 def test_the_power_off_command_can_be_overridden_or_disabled(
-        tmp_path: Path, machine: dict[str, str], job: dict[str, str], expected: str | None) -> None:
-    script = bootstrap.agent_script(reporting(**job), "aws", "fb")
+        tmp_path: Path, machine: dict[str, str], job: dict[str, str], option: str | None,
+        expected: str | None) -> None:
+    script = bootstrap.agent_script(reporting(**job), "aws", "fb", option)
     done, calls = run_script(script, tmp_path, **machine)
     assert done.returncode == 0, done.stderr
     assert not [c for c in calls if c.startswith("shutdown")]

@@ -91,6 +91,14 @@ def test_spot_launch_tags_user_data_and_client_token(aws: AwsProvider) -> None:
     assert behaviour["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
     assert "export FLEET_JOB_ID=job-1" in script and "export FLEET_MARKET=spot" in script
     assert "export FLEET_BROKER_URL=http://broker:8080" in script
+    assert "fleet_shutdown='shutdown -h now'\n" in script
+    # the fleet file's `options: {shutdown_command: ""}`: the VM stays up after its job
+    debug = AwsProvider(REGIONS, broker_id="test-broker", image_id=IMAGE, session=session(),
+                        shutdown_command="")
+    kept = debug.launch(request(key="job-1:7:9", nodes=1))[0].node_id.partition("/")[2]
+    raw = session().client("ec2", region).describe_instance_attribute(
+        InstanceId=kept, Attribute="userData")["UserData"]["Value"]
+    assert "fleet_shutdown=''\n" in base64.b64decode(raw).decode()
 
 
 def test_launch_is_idempotent_in_our_code(aws: AwsProvider) -> None:
