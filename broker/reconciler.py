@@ -23,7 +23,7 @@ from broker.models import JobRecord, JobState
 from broker.store import AgentReport, Conflict, Plan, Store
 from policies.migration import DEFAULT_DECAY_S, expire, location_keys, mark_preempted, register
 from policies.models import Market
-from providers.base import Node, NodeState, Provider
+from providers.base import Node, NodeState, Provider, ProviderError
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +91,20 @@ class Reconciler:
                     res.abandoned += 1
             except Conflict as exc:
                 log.info("reconcile %s: %s", job.id, exc)
+            except ProviderError as exc:  # one VM the cloud will not stop must not stall all
+                log.warning("reconcile %s: %s; retrying next pass", job.id, exc)
         for node in nodes.values():
             if node.node_id in claimed:
                 continue
-            if node.state is NodeState.TERMINATED:
-                self.provider.forget(node.node_id)
-            else:
-                log.warning("terminating orphan node %s (job %s)", node.node_id, node.job_id)
-                self.provider.terminate(node.node_id)
-                res.orphans += 1
+            try:
+                if node.state is NodeState.TERMINATED:
+                    self.provider.forget(node.node_id)
+                else:
+                    log.warning("terminating orphan node %s (job %s)", node.node_id, node.job_id)
+                    self.provider.terminate(node.node_id)
+                    res.orphans += 1
+            except ProviderError as exc:
+                log.warning("node %s: %s; retrying next pass", node.node_id, exc)
         return res
 
     def _release_vms(self, job: JobRecord, nodes: dict[str, Node]) -> None:
@@ -115,17 +120,24 @@ class Reconciler:
                         report: AgentReport) -> bool:
         """A running job on cloud VMs whose agent sent no heartbeat within the launch deadline:
         the image, the start script or the network is broken, and the VM bills on."""
-        if self.launch_deadline_s is None or job.state is not JobState.RUNNING or \
-                report.first_beat is not None or job.launched_at is None:
-            return False
-        if self.clock() - job.launched_at <= self.launch_deadline_s:
-            return False
-        return any(self.provider.outlives_agent(node) for node in _live(job, nodes))
+        return self._silent(job, report) and \
+            any(self.provider.outlives_agent(node) for node in _live(job, nodes))
+
+    def _silent(self, job: JobRecord, report: AgentReport) -> bool:
+        """A running job whose agent has not reported within the launch deadline."""
+        return self.launch_deadline_s is not None and job.state is JobState.RUNNING and \
+            report.first_beat is None and job.launched_at is not None and \
+            self.clock() - job.launched_at > self.launch_deadline_s
+
+    def _silent_reason(self) -> str:
+        return (f"no heartbeat from the agent within {self.launch_deadline_s:g} s of launch; "
+                "nodes terminated, job requeued")
 
     def _abandon(self, job: JobRecord, nodes: dict[str, Node], fence: int) -> None:
         """Terminate the silent nodes, then requeue the job, counting a failure so a launch
-        that never comes up is not retried forever. Terminating first: should the record
-        fail, the next pass finds the nodes gone and settles the job all the same."""
+        that never comes up is not retried forever. Terminating first: a terminate that fails
+        is retried next pass; should the record fail, the next pass finds the nodes gone and
+        settles the job as the same failure (:meth:`_settle`)."""
         for node in _live(job, nodes):
             log.warning("job %s: no heartbeat from %s within %g s of launch; terminating it",
                         job.id, node.node_id, self.launch_deadline_s)
@@ -133,8 +145,7 @@ class Reconciler:
         plan = Plan()
         plan.change(job, JobState.SUSPENDING, event="launch-deadline",
                     event_data={"nodes": job.node_ids, "deadline_s": self.launch_deadline_s},
-                    reason=f"no heartbeat from the agent within {self.launch_deadline_s:g} s of "
-                    "launch; nodes terminated, job requeued", failures=job.failures + 1,
+                    reason=self._silent_reason(), failures=job.failures + 1,
                     fence=fence)
         self.store.apply(plan, fence=fence)
 
@@ -189,6 +200,13 @@ class Reconciler:
         elif (codes and all(c == EXIT_CHECKPOINTED for c in codes)) or \
                 job.state is JobState.SUSPENDING:
             state, reason = JobState.SUSPENDED, job.reason or "checkpointed"
+        elif not codes and self._silent(job, report):
+            # its nodes went (``_abandon`` terminated them, its record did not land): a
+            # launch that never came up, not a reclaim
+            failures = job.failures + 1
+            fields["failures"] = failures
+            state = JobState.FAILED if failures > self.max_failures else JobState.SUSPENDED
+            reason = self._silent_reason()
         elif not codes:
             state, reason = JobState.SUSPENDED, "node lost"
             fields["preemptions"] = job.preemptions + 1

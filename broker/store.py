@@ -409,9 +409,15 @@ class Store:
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
             pipe.hmget(f"{self.p}progress:{job.id}", f"exit:{job.attempt}",
-                       f"notice:{job.attempt}", f"beat:{job.attempt}")
+                       f"notice:{job.attempt}", f"beat:{job.attempt}", "heartbeat_at")
         out = {}
-        for job, (code, notice, beat) in zip(jobs, pipe.execute(), strict=True):
+        for job, (code, notice, beat, last) in zip(jobs, pipe.execute(), strict=True):
+            # An attempt whose first beat predates that record (a broker before it, a restored
+            # backup) still reported if the job's last heartbeat came after its launch: the
+            # heartbeat script takes beats of the current attempt only.
+            if beat is None and last is not None and job.launched_at is not None and \
+                    float(last) >= job.launched_at:
+                beat = last
             if code is not None or notice is not None or beat is not None:
                 out[job.id] = AgentReport(
                     exit_code=None if code is None else int(json.loads(code)),

@@ -564,11 +564,16 @@ def test_a_vm_whose_agent_never_reports_is_terminated_at_the_launch_deadline(
     a counted failure (a launch that never comes up is not retried forever). One that reported
     is left alone however long it runs."""
     fence = store.acquire_lease("me", 60)
-    silent, talks = (store.submit(v100_spec(n), team="t") for n in ("silent", "talks"))
+    silent, talks, old = (store.submit(v100_spec(n), team="t") for n in ("silent", "talks",
+                                                                         "old"))
     broker_pass(store, aws_fleet, fence)
-    jobs = {j.id: j for j in (store.get_job(silent.id), store.get_job(talks.id)) if j}
+    jobs = {j.id: j for j in map(store.get_job, (silent.id, talks.id, old.id)) if j}
     assert {j.state for j in jobs.values()} == {JobState.RUNNING}
     store.record_heartbeat(talks.id, jobs[talks.id].attempt, samples_done=1)
+    # an agent that reported to a broker from before the first-beat record: only its job's
+    # last heartbeat says so (the first start of a new broker must not kill it)
+    store.record_heartbeat(old.id, jobs[old.id].attempt, samples_done=1)
+    store.r.hdel(f"{store.p}progress:{old.id}", f"beat:{jobs[old.id].attempt}")
     launched = max(j.launched_at or 0.0 for j in jobs.values())
     now = [launched + 1199.0]
     reconciler = Reconciler(store, aws_fleet, max_failures=max_failures, launch_deadline_s=1200,
@@ -577,7 +582,7 @@ def test_a_vm_whose_agent_never_reports_is_terminated_at_the_launch_deadline(
     now[0] = launched + 1201.0
     assert reconciler.run(fence).abandoned == 1
     live = {n.job_id for n in aws_fleet.nodes() if n.state is not NodeState.TERMINATED}
-    assert live == {talks.id}
+    assert live == {talks.id, old.id}
     reconciler.run(fence)  # the node is gone: the job settles, back in the queue
     requeued = store.get_job(silent.id)
     assert requeued is not None and requeued.state is then
@@ -587,6 +592,39 @@ def test_a_vm_whose_agent_never_reports_is_terminated_at_the_launch_deadline(
     assert [e.data["deadline_s"] for e in store.events(job_id=silent.id)
             if e.type == "launch-deadline"] == [1200]
     assert store.get_job(talks.id).state is JobState.RUNNING  # type: ignore[union-attr]
+    assert store.get_job(old.id).state is JobState.RUNNING  # type: ignore[union-attr]
+
+
+def test_a_failing_terminate_stalls_nothing_and_a_lost_record_still_counts_a_failure(
+        aws_fleet: FleetProvider, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cloud refuses to terminate one silent VM: the pass goes on (the other job is
+    settled) and retries it next time. A silent VM terminated whose record did not land is
+    settled as the launch failure it was, not as a reclaim."""
+    fence = store.acquire_lease("me", 60)
+    stuck, lost = (store.submit(v100_spec(n), team="t") for n in ("stuck", "lost"))
+    broker_pass(store, aws_fleet, fence)
+    jobs = {j.id: j for j in map(store.get_job, (stuck.id, lost.id)) if j}
+    for node_id in jobs[lost.id].node_ids:  # as if _abandon's record had not landed
+        aws_fleet.terminate(node_id)
+    launched = max(j.launched_at or 0.0 for j in jobs.values())
+    reconciler = Reconciler(store, aws_fleet, launch_deadline_s=1200,
+                            clock=lambda: launched + 1201.0)
+    real = aws_fleet.terminate
+
+    def refuse(node_id: str) -> None:
+        if node_id in jobs[stuck.id].node_ids:
+            raise ProviderError("aws terminate_instances: OperationNotPermitted")
+        real(node_id)
+
+    monkeypatch.setattr(aws_fleet, "terminate", refuse)
+    assert reconciler.run(fence).abandoned == 0  # refused: nothing recorded, no exception
+    settled = store.get_job(lost.id)
+    assert settled is not None and settled.state is JobState.SUSPENDED
+    assert (settled.failures, settled.preemptions) == (1, 0)
+    assert settled.reason.startswith("no heartbeat from the agent within 1200 s")
+    assert store.pool_stats().preemptions == {}
+    monkeypatch.setattr(aws_fleet, "terminate", real)
+    assert reconciler.run(fence).abandoned == 1  # retried
 
 
 def test_a_launch_that_fell_back_to_a_dearer_az_records_that_azs_price(
