@@ -173,13 +173,18 @@ class FleetProvider(Provider):
         self._lock = threading.Lock()
         self._cloud_pools: tuple[float, dict[str, list[Pool]]] | None = None
         self._local_clouds = {r.cloud for r in local.fleet.regions} if local else set()
-        self._down: dict[str, str] = {}  # backend name -> why its last listing failed
+        self._down: dict[str, str] = {}  # backend (_named) -> why its last listing failed
         self._advisor: dict[tuple[str, str], float] | None = None  # Spot Advisor, read once
         self._priors: dict[str, float] = {}  # pool id -> prior monthly reclaim rate
 
     @property
     def backends(self) -> list[Provider]:
-        return ([self.local] if self.local else []) + list(self.clouds.values())
+        return [backend for _, backend in self._named()]
+
+    def _named(self) -> list[tuple[str, Provider]]:
+        """Each backend under the name its outages are reported by: ``local``, else its
+        cloud's (a cloud launched through SkyPilot is still that cloud)."""
+        return ([("local", self.local)] if self.local else []) + list(self.clouds.items())
 
     def for_cloud(self, cloud: str) -> Provider:
         if self.local is not None and cloud in self._local_clouds:
@@ -270,25 +275,25 @@ class FleetProvider(Provider):
         """Every backend's nodes; a backend that fails is left out and named by
         ``unreachable()`` until a listing succeeds again."""
         out = []
-        for backend in self.backends:
+        for name, backend in self._named():
             try:
                 found = backend.nodes()
             except Exception as exc:  # one cloud's outage must not stop the others
-                if backend.name not in self._down:
+                if name not in self._down:
                     log.warning("%s: cannot list nodes (%s); its jobs wait until it answers",
-                                backend.name, exc)
-                self._down[backend.name] = str(exc)
+                                name, exc)
+                self._down[name] = str(exc)
                 continue
-            self._down.pop(backend.name, None)
+            self._down.pop(name, None)
             self._remember(backend, found)
             out += found
         return out
 
     def unreachable(self) -> frozenset[str]:
         down = set()
-        for backend in self.backends:
-            if backend.name in self._down:
-                down |= self._local_clouds if backend is self.local else {backend.name}
+        for name, backend in self._named():
+            if name in self._down:
+                down |= self._local_clouds if backend is self.local else {name}
         return frozenset(down)
 
     def notices(self) -> list[PreemptionNotice]:

@@ -37,6 +37,7 @@ NOT_INSTALLED = (
 )
 REGION_LABEL = "fleet-region"
 NODES_LABEL = "fleet-nodes"
+CLOUD_LABEL = "fleet-cloud"  # one SkyPilot provider per cloud lists only its own clusters
 STATE = {"INIT": NodeState.PENDING, "UP": NodeState.RUNNING, "STOPPED": NodeState.TERMINATED}
 
 
@@ -109,6 +110,7 @@ def task_for(
         **bootstrap.tags(request, broker_id),
         REGION_LABEL: request.region,
         NODES_LABEL: str(request.nodes),
+        **({CLOUD_LABEL: cloud} if cloud else {}),
     }
     if cloud == "gcp":  # GCE labels allow only a-z 0-9 _ -; AWS and Azure tags take any value
         labels = {k: bootstrap.label_value(v) for k, v in labels.items()}
@@ -225,7 +227,7 @@ class SkyPilotProvider(Provider):
             if labels.get(bootstrap.BROKER_TAG) not in (
                 self.broker_id,
                 bootstrap.label_value(self.broker_id),
-            ):
+            ) or labels.get(CLOUD_LABEL, self.cloud) != self.cloud:
                 continue
             launched = record.get("launched_at")
             for rank in range(int(labels.get(NODES_LABEL, "1"))):

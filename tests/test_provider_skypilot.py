@@ -287,6 +287,31 @@ def test_a_fleet_cloud_may_launch_through_skypilot(
     assert cluster not in sky.clusters
 
 
+def test_skypilot_clouds_list_their_own_clusters_and_an_outage_names_the_cloud(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two clouds through one SkyPilot: each lists only its own clusters, and a failing
+    `sky status` reports those clouds unreachable (their jobs wait), not "skypilot"."""
+    from broker.fleet import build_fleet_provider
+
+    sky = RecordingSky()
+    monkeypatch.setattr("providers.skypilot.SkySdk", lambda: sky)
+    (tmp_path / "fleet.yaml").write_text(SKY_FLEET + """
+  aws: {launcher: skypilot, regions: [us-east-1], accelerators: [V100], markets: [spot],
+        max_gpus: 8, options: {broker_id: unit}}
+""")
+    fleet, _ = build_fleet_provider(tmp_path / "fleet.yaml", tmp_path / "state", tmp_path)
+    (on_gcp,) = fleet.launch(request(cloud="gcp", nodes=1))
+    (on_aws,) = fleet.launch(request(idempotency_key="job-4:1:0", job_id="job-4", cloud="aws",
+                                     region="us-east-1", zone=None,
+                                     accelerator=Accelerator.V100, gpus_per_node=1, nodes=1))
+    assert [n.node_id for n in fleet.clouds["gcp"].nodes()] == [on_gcp.node_id]
+    assert [n.node_id for n in fleet.clouds["aws"].nodes()] == [on_aws.node_id]
+    assert sorted(n.node_id for n in fleet.nodes()) == sorted([on_gcp.node_id, on_aws.node_id])
+    monkeypatch.setattr(sky, "status", lambda: (_ for _ in ()).throw(OSError("api down")))
+    fleet.nodes()
+    assert fleet.unreachable() == {"gcp", "aws"}
+
+
 def test_a_skypilot_cloud_without_skypilot_is_skipped_naming_the_install(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from broker.fleet import build_fleet_provider
