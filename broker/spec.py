@@ -524,11 +524,14 @@ def _parse_checkpoint(p: _Problems, value: Any) -> dict[str, Any] | None:
         out["uri"] = uri
     region = value.get("region")
     if region is not None:
-        if not isinstance(region, str) or not _CLOUD_REGION.fullmatch(region.strip()):
-            p.add("checkpoint.region", region, "write the bucket's cloud:region, like "
+        text = region.strip().lower() if isinstance(region, str) else ""
+        why = None if not text or any(c in text for c in "*?[") else \
+            _unknown_cloud(text, bare=":" not in text)
+        if why or not _CLOUD_REGION.fullmatch(text):
+            p.add("checkpoint.region", region, why or "write the bucket's cloud:region, like "
                   "aws:us-east-1 or gcp:europe-west4 (no patterns)")
             return None
-        out["region"] = region.strip()
+        out["region"] = text
     interval = value.get("interval")
     if interval is not None:
         steps = re.fullmatch(r"\s*(\d+)\s*steps?\s*", interval) if isinstance(
