@@ -530,11 +530,14 @@ def requested_choice(job: JobRecord, opts: Sequence[Choice], pools: Sequence[Poo
                      marks: Marks, market: Market | None = None,
                      room: Mapping[str, int] | None = None) -> Choice | None:
     """The job's requested size: its largest configuration (``opts``, at most ``gpus.max``) that
-    one pool it may use (markets, regions, no refusal mark; only ``market``'s when given) holds
-    (its capacity, or its ``room`` this round when given: pool id -> GPUs) and can launch."""
+    one pool it may use (markets, regions, no refusal mark unless it runs there, as placement
+    lets it stay; only ``market``'s when given) holds (its capacity, or its ``room`` this round
+    when given: pool id -> GPUs) and can launch."""
     spec = job.spec
-    probe = PlacementRequest(job.id, 0, spot=spec.spot, allow=spec.regions.allow,
-                             deny=spec.regions.deny, refused=frozenset(marks.refused),
+    current = job.pool if job.state is JobState.RUNNING else None
+    probe = PlacementRequest(job.id, 0, current_pool=current, spot=spec.spot,
+                             allow=spec.regions.allow, deny=spec.regions.deny,
+                             refused=frozenset(marks.refused),
                              markets=frozenset(Market) if market is None else frozenset({market}))
     usable = [p for p in pools if eligible(p, probe)]
     return max((c for c in opts if any(

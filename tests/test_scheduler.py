@@ -522,6 +522,20 @@ def test_a_deadline_job_with_no_on_demand_room_gives_its_share_back(store: Store
     assert got["never"].reason == WAIT_FOR_ON_DEMAND  # type: ignore[union-attr]
 
 
+def test_a_running_job_s_requested_size_counts_its_own_refused_pool(store: Store) -> None:
+    """The cloud refused a launch in an 8-GPU spot pool where an 8-GPU deadline job runs: the
+    job may stay there (a refusal mark keeps only new launches out), so its requested size is
+    still 8; a job not running there is judged at the 4 the on-demand pool holds."""
+    spot8 = SPOT_T4.model_copy(update={"gpus_per_node": 8})
+    refused = Marks(refused={spot8.id: "capacity"})
+    running = store.get_job(paced_job(store, "running", 3.0, gpus=8, running_in=spot8))
+    queued = store.get_job(paced_job(store, "queued", 3.0, gpus=8))
+    got = {job.spec.name: requested_choice(job, job_choices(job, Policy.ELASTIC, 12),
+                                           [spot8, OD_T4], refused)
+           for job in (running, queued) if job is not None}
+    assert {k: c.gpus for k, c in got.items() if c is not None} == {"running": 8, "queued": 4}
+
+
 def test_a_spot_job_that_holds_its_pace_is_not_shrunk_for_a_newcomer(store: Store) -> None:
     """A 2-GPU deadline job runs on spot with 5 min of slack: above the safety net (166 s),
     under the return margin (392 s), so it holds its pace (``policies.spot.holds_pace``): a
