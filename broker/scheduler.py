@@ -474,7 +474,8 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if job.id in placed.waits:
                 _wait_for_spot(res, job, fence)
                 continue
-            if target is None and job.state is not JobState.RUNNING and job.id in placed.notes:
+            if target is None and job.state is not JobState.RUNNING and \
+                    job.id in placed.notes and not _dropped_if_left_out(job, config):
                 _note(res, job, "waiting", placed.notes[job.id])
             _diff(res, job, target, fence, config)
     return res
@@ -660,7 +661,7 @@ def _diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None,
                   f"resize to {target[1]} GPUs, batch {target[2]}", target)
         return
     if target is None:
-        if config.admission is Admission.DROP and job.state is JobState.QUEUED:
+        if _dropped_if_left_out(job, config):
             _drop(res, job, "admission control: no room when it arrived")
         return
     pool, gpus, batch = target
@@ -681,6 +682,12 @@ def _diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None,
     res.migrations += moved
     res.resizes += resized
     res.changed.append(job.id)
+
+
+def _dropped_if_left_out(job: JobRecord, config: SchedulerConfig) -> bool:
+    """Does a job the round gives no GPUs get dropped (admission drop, in the round it
+    arrives)? Then it gets no 'waiting' note first: one change per job and plan."""
+    return config.admission is Admission.DROP and job.state is JobState.QUEUED
 
 
 def _stop(res: RoundResult, job: JobRecord, fence: int, kind: IntentKind, reason: str,

@@ -648,6 +648,23 @@ def test_a_deadline_job_behind_pace_does_not_retry_on_demand_in_a_refused_pool(
     assert got.reason.startswith(f"pool {OD_T4.id} refused the launch (quota); retrying after ")
 
 
+def test_under_admission_drop_a_job_held_back_by_a_refusal_is_dropped_without_a_note(
+        store: Store) -> None:
+    """Admission drop; the only V100 pool refused a launch: the new job is dropped, in one
+    change, with no 'waiting' note (a stale reason) recorded before the drop."""
+    store.set_pools([V100_OD])
+    fence = store.acquire_lease("t", ttl_s=30)
+    refuse(store, V100_OD, "capacity", time.time())
+    job = store.submit(spec("late").model_copy(update={"accelerators": [Accelerator.V100]}),
+                       team="t")
+    res = Scheduler(store, SchedulerConfig(admission=Admission.DROP)).run_round(fence)
+    got = store.get_job(job.id)
+    assert got is not None and got.state is JobState.DROPPED
+    assert got.reason == "admission control: no room when it arrived"
+    assert "waiting" not in [e.type for e in store.events(job_id=job.id)]
+    assert res.changed == [job.id]
+
+
 def test_refusal_marks_cover_both_markets_and_lapse() -> None:
     pools = [SPOT_T4, OD_T4]
     marked = Blocklist(refused={OD_T4.id: 100.0, SPOT_T4.id: 100.0},
