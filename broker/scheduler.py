@@ -296,8 +296,10 @@ class Placed:
     where: dict[str, PlacementResult | None]
     waits: set[str] = field(default_factory=set)
     notes: dict[str, str] = field(default_factory=dict)
-    # sent to on-demand on the second try, no room there at the requested size: allocated anew
+    # sent to on-demand on the second try, no room there at its sizes: allocated anew
     switched: set[str] = field(default_factory=set)
+    # sent to on-demand first, no room in any market it may use: gives its share back
+    missed: set[str] = field(default_factory=set)
 
 
 WAIT_FOR_ON_DEMAND = ("waiting for on-demand: it must not be preempted (spot: never) and no "
@@ -307,16 +309,17 @@ WAIT_FOR_ON_DEMAND = ("waiting for on-demand: it must not be preempted (spot: ne
 @dataclass(frozen=True)
 class Paced:
     """A deadline job's standing: its requested size (:func:`requested_choice`), where it stands
-    at that size (:func:`deadline_job`), and the market ``choose_market`` picks while spot is
-    there."""
+    at that size (:func:`deadline_job`), the market ``choose_market`` picks while spot is there,
+    and the sizes it takes on on-demand, largest first (:func:`on_demand_choices`)."""
 
     requested: Choice
     view: DeadlineJob
     market: Market | None
+    on_demand: tuple[Choice, ...] = ()
 
     @classmethod
-    def of(cls, requested: Choice, view: DeadlineJob) -> Paced:
-        return cls(requested, view, choose_market(view, spot_available=True))
+    def of(cls, requested: Choice, view: DeadlineJob, on_demand: Sequence[Choice] = ()) -> Paced:
+        return cls(requested, view, choose_market(view, spot_available=True), tuple(on_demand))
 
 
 def place_by_deadline(requests: Sequence[PlacementRequest], paced: Mapping[str, Paced],
@@ -324,11 +327,12 @@ def place_by_deadline(requests: Sequence[PlacementRequest], paced: Mapping[str, 
                       risk: Mapping[str, PoolRisk], config: SchedulerConfig) -> Placed:
     """Placement with each job in ``paced`` (the jobs with a deadline) on its market while spot
     is there; one that finds no pool with room there is asked again (:func:`_second_market`):
-    sent to spot, on-demand when behind its pace, at its requested size, else it waits this round
+    sent to spot, on-demand when behind its pace (:func:`_retry`), else it waits this round
     (holds no GPUs), as the simulator's fleet policy does; sent to on-demand, spot (progress beats
     waiting; a running job keeps its spot pool), unless it must not be preempted: that one waits
-    for on-demand room and says so. On-demand is asked for at the size allocated, no smaller
-    fallback (:func:`_paced_choices` keeps it at the requested size). Others use any market."""
+    for on-demand room and says so. On-demand takes any smaller size the job accepts when the
+    one allocated finds no room: running beats idling behind pace. A job sent to on-demand first
+    that finds no room anywhere is ``missed``: it gives its share back. Others use any market."""
     first = {r.job_id: paced[r.job_id].market for r in requests if r.job_id in paced}
     placed = place([_on(r, first.get(r.job_id)) for r in requests], pools, dict(used), risk,
                    config.egress, config.move_margin)
@@ -345,16 +349,21 @@ def place_by_deadline(requests: Sequence[PlacementRequest], paced: Mapping[str, 
             out.waits.add(k)
         elif market is None:
             out.notes[k] = WAIT_FOR_ON_DEMAND
-        elif market is Market.ON_DEMAND and placed[k] is None:
+        elif market is Market.ON_DEMAND and placed[k] is None and paced[k].on_demand:
             out.switched.add(k)
+        if first[k] is Market.ON_DEMAND and placed[k] is None:
+            out.missed.add(k)
     return out
 
 
 def _retry(req: PlacementRequest, market: Market, paced: Paced) -> PlacementRequest:
-    """The request on the second market: on-demand at the requested size (the size its pace
-    is judged at), spot as allocated with its fallbacks."""
-    return _on(replace(req, gpus=paced.requested.gpus) if market is Market.ON_DEMAND else req,
-               market)
+    """The request on the second market: on-demand at the sizes it takes there
+    (``Paced.on_demand``, largest first; none fits: allocated anew, ``Placed.switched``), spot
+    as allocated with its fallbacks."""
+    if market is Market.ON_DEMAND and paced.on_demand:
+        top, *rest = paced.on_demand
+        req = replace(req, gpus=top.gpus, fallbacks=tuple(c.gpus for c in rest))
+    return _on(req, market)
 
 
 def _second_market(first: Market | None, view: DeadlineJob) -> Market | None:
@@ -375,12 +384,8 @@ def _held(used: Mapping[str, int], placed: Mapping[str, PlacementResult | None],
 
 
 def _on(req: PlacementRequest, market: Market | None) -> PlacementRequest:
-    """The request narrowed to ``market`` (``None``: as it is); on-demand, the deadline's
-    fallback, at the request's size only."""
-    if market is None:
-        return req
-    return replace(req, markets=frozenset({market}),
-                   fallbacks=() if market is Market.ON_DEMAND else req.fallbacks)
+    """The request narrowed to ``market`` (``None``: as it is)."""
+    return req if market is None else replace(req, markets=frozenset({market}))
 
 
 def pool_risk(pools: Sequence[Pool], priors: Mapping[str, float], stats: PoolStats,
@@ -469,7 +474,8 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if job.id in placed.waits:
                 _wait_for_spot(res, job, fence)
                 continue
-            if target is None and job.state is not JobState.RUNNING and job.id in placed.notes:
+            if target is None and job.state is not JobState.RUNNING and \
+                    job.id in placed.notes and not _dropped_if_left_out(job, config):
                 _note(res, job, "waiting", placed.notes[job.id])
             _diff(res, job, target, fence, config)
     return res
@@ -480,18 +486,24 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
                         pools_by_id: dict[str, Pool], used: Mapping[str, int],
                         risk: Mapping[str, PoolRisk], marks: Marks,
                         config: SchedulerConfig, now: float) -> Placed:
-    """One accelerator's allocation and placement; the deadline jobs that wait for spot (see
-    :func:`place_by_deadline`) give their share back: the others are allocated and placed again
-    without them, and those sent to on-demand that found no room at their requested size are
-    allocated that size on on-demand. A deadline job is judged at its requested size
-    (:func:`requested_choice`)."""
-    paced = {j.id: Paced.of(c, deadline_job(j, c, pools_by_id, config, now)) for j in jobs
-             if j.spec.deadline_s is not None
-             and (c := requested_choice(j, choices[j.id], pools, marks)) is not None}
+    """One accelerator's allocation and placement; the deadline jobs that wait for spot or
+    found no room in any market they may use (see :func:`place_by_deadline`) give their share
+    back: the others are allocated and placed again without them, and those sent to on-demand
+    on a second try that found no room there are allocated on on-demand (:func:`_paced_choices`).
+    A deadline job is judged at its requested size (:func:`requested_choice`)."""
+    room = {p.id: p.capacity - used.get(p.id, 0) for p in pools}
+    paced = {}
+    for job in (j for j in jobs if j.spec.deadline_s is not None):
+        if (c := requested_choice(job, choices[job.id], pools, marks)) is not None:
+            paced[job.id] = Paced.of(c, deadline_job(job, c, pools_by_id, config, now),
+                                     on_demand_choices(job, choices[job.id], c, pools, marks,
+                                                       room))
     waiting: set[str] = set()
+    missed: dict[str, PlacementRequest] = {}  # gave their share back: what they asked for
+    notes: dict[str, str] = {}
     for _ in range(2):
         allowed, required = _paced_choices(jobs, choices, paced, pools_by_id)
-        active = [j for j in jobs if j.id not in waiting]
+        active = [j for j in jobs if j.id not in waiting and j.id not in missed]
         t0 = time.perf_counter()
         chosen = _allocate(active, allowed, capacity, pools_by_id, config, now, required)
         res.solve_s += time.perf_counter() - t0
@@ -503,25 +515,55 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
             fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
             requests.append(placement_request(job, c, fallbacks, marks, pools_by_id, config))
         placed = place_by_deadline(requests, paced, pools, used, risk, config)
-        if not placed.waits and not placed.switched:
+        notes.update(placed.notes)
+        if not placed.waits and not placed.switched and not placed.missed:
             break
         waiting |= placed.waits
+        missed.update({r.job_id: r for r in requests if r.job_id in placed.missed})
         paced.update({k: replace(paced[k], market=Market.ON_DEMAND) for k in placed.switched})
     placed.waits = waiting
-    placed.notes.update(_refusal_notes(requests, placed, pools, used, risk, marks, config))
+    asked = [*requests, *(r for k, r in missed.items() if k not in placed.where)]
+    placed.notes = notes | _refusal_notes(asked, placed, pools, used, risk, marks, config)
     return placed
 
 
 def requested_choice(job: JobRecord, opts: Sequence[Choice], pools: Sequence[Pool],
-                     marks: Marks) -> Choice | None:
+                     marks: Marks, market: Market | None = None,
+                     room: Mapping[str, int] | None = None) -> Choice | None:
     """The job's requested size: its largest configuration (``opts``, at most ``gpus.max``) that
-    one pool it may use (markets, regions, no refusal mark) holds and can launch."""
+    one pool it may use (markets, regions, no refusal mark unless it runs there, as placement
+    lets it stay; only ``market``'s when given) holds (its capacity, or its ``room`` this round
+    when given: pool id -> GPUs) and can launch."""
     spec = job.spec
-    probe = PlacementRequest(job.id, 0, spot=spec.spot, allow=spec.regions.allow,
-                             deny=spec.regions.deny, refused=frozenset(marks.refused))
+    current = job.pool if job.state is JobState.RUNNING else None
+    probe = PlacementRequest(job.id, 0, current_pool=current, spot=spec.spot,
+                             allow=spec.regions.allow, deny=spec.regions.deny,
+                             refused=frozenset(marks.refused),
+                             markets=frozenset(Market) if market is None else frozenset({market}))
     usable = [p for p in pools if eligible(p, probe)]
-    return max((c for c in opts if any(p.capacity >= c.gpus and p.launchable(c.gpus)
-                                       for p in usable)), key=lambda c: c.gpus, default=None)
+    return max((c for c in opts if any(
+        (p.capacity if room is None else room.get(p.id, 0)) >= c.gpus and p.launchable(c.gpus)
+        for p in usable)), key=lambda c: c.gpus, default=None)
+
+
+def on_demand_choices(job: JobRecord, opts: Sequence[Choice], requested: Choice,
+                      pools: Sequence[Pool], marks: Marks, room: Mapping[str, int],
+                      ) -> list[Choice]:
+    """The sizes a deadline job takes on on-demand, largest first. Those that keep its pace (as
+    fast as at ``requested``, the size its pace is judged at), from the largest that fits an
+    on-demand pool's ``room`` this round (pool id -> GPUs not held by jobs the round does not
+    move) down to the smallest; where none fits, every size from the largest one on-demand pool
+    it may use holds (:func:`requested_choice` on that market) down to its smallest: running
+    beats idling behind pace. The simulator's fleet policy sizes its on-demand fallback the same
+    way: at the job's pace, else what the largest free on-demand pool holds."""
+    top = requested_choice(job, opts, pools, marks, Market.ON_DEMAND)
+    if top is None:
+        return []
+    sizes = sorted((c for c in opts if c.gpus <= top.gpus), key=lambda c: -c.gpus)
+    pace = samples_per_sec(job, requested.gpus, requested.batch_size)
+    on_pace = [c for c in sizes if samples_per_sec(job, c.gpus, c.batch_size) >= pace]
+    fits = requested_choice(job, on_pace, pools, marks, Market.ON_DEMAND, room)
+    return [c for c in on_pace if c.gpus <= fits.gpus] if fits else sizes
 
 
 def _paced_choices(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]],
@@ -529,11 +571,11 @@ def _paced_choices(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]
                    ) -> tuple[dict[str, list[Choice]], set[str]]:
     """The configurations the allocator may give each job, and the jobs that must get one of
     theirs (while all such pins can be honoured), as the simulator's fleet policy does: a
-    deadline job the pace rule sends to on-demand runs at its requested size (running, or its
-    current one) and comes first; one sent to spot that ``holds_pace``, running on spot at a
-    configuration at least as fast as its pace, keeps it (a rescale's restart would cost the
-    slack it lacks). Shrinking such a job below pace is the allocator's call, as in the
-    simulator: the safety net sends it to on-demand if it falls behind."""
+    deadline job the pace rule sends to on-demand runs at one of its ``Paced.on_demand`` sizes
+    (running, or its current one) and comes first; one sent to spot that ``holds_pace``,
+    running on spot at a configuration at least as fast as its pace, keeps it (a rescale's
+    restart would cost the slack it lacks). Shrinking such a job below pace is the allocator's
+    call, as in the simulator: the safety net sends it to on-demand if it falls behind."""
     allowed, required = dict(choices), set()
     for job in jobs:
         p = paced.get(job.id)
@@ -543,8 +585,8 @@ def _paced_choices(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]
         running = job.state is JobState.RUNNING
         current = [c for c in opts if running and (c.gpus, c.batch_size) == (job.gpus,
                                                                               job.batch_size)]
-        if p.market is Market.ON_DEMAND:
-            allowed[job.id] = [p.requested, *(c for c in current if c != p.requested)]
+        if p.market is Market.ON_DEMAND and p.on_demand:
+            allowed[job.id] = [*p.on_demand, *(c for c in current if c not in p.on_demand)]
             if not p.view.must_not_preempt:
                 required.add(job.id)
         elif p.market is Market.SPOT and holds_pace(p.view):
@@ -619,7 +661,7 @@ def _diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None,
                   f"resize to {target[1]} GPUs, batch {target[2]}", target)
         return
     if target is None:
-        if config.admission is Admission.DROP and job.state is JobState.QUEUED:
+        if _dropped_if_left_out(job, config):
             _drop(res, job, "admission control: no room when it arrived")
         return
     pool, gpus, batch = target
@@ -640,6 +682,12 @@ def _diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None,
     res.migrations += moved
     res.resizes += resized
     res.changed.append(job.id)
+
+
+def _dropped_if_left_out(job: JobRecord, config: SchedulerConfig) -> bool:
+    """Does a job the round gives no GPUs get dropped (admission drop, in the round it
+    arrives)? Then it gets no 'waiting' note first: one change per job and plan."""
+    return config.admission is Admission.DROP and job.state is JobState.QUEUED
 
 
 def _stop(res: RoundResult, job: JobRecord, fence: int, kind: IntentKind, reason: str,

@@ -301,21 +301,23 @@ OD_T4 = Pool(cloud="aws", region="west", accelerator=Accelerator.T4, market=Mark
 
 def paced_job(store: Store, name: str, deadline_h: float | None, elapsed_h: float = 1.0,
               done_h: float = 0.5, total_h: float = 2.0, running_in: Pool | None = None,
-              spot: str = "allowed", gpus: int = 1) -> str:
-    """A ``gpus``-GPU job (fixed batch 32) its agent measured at 1000 samples/s a GPU:
+              spot: str = "allowed", gpus: int = 1, batch: int = 32) -> str:
+    """A ``gpus``-GPU job (fixed ``batch``) its agent measured at 1000 samples/s a GPU:
     ``total_h`` hours of work at that size of which ``done_h`` are done, submitted ``elapsed_h``
-    ago; suspended after its first attempt, or running in ``running_in``."""
+    ago; suspended after its first attempt, or running in ``running_in``. At batch 32 the model
+    has 3 GPUs about as fast as 4 (8 GPUs split the batch too finely); at 256 more is faster."""
     deadline = None if deadline_h is None else deadline_h * HOUR
     rate = 1000.0 * gpus
     job = store.submit(spec(name, gmax=gpus, batch_mode="fixed", deadline_s=deadline,
                             spot=spot).model_copy(
-        update={"work_samples": int(total_h * HOUR * rate)}), team="t")
+        update={"work_samples": int(total_h * HOUR * rate),
+                "batch_size": BatchRange(min=32, max=512, default=batch)}), team="t")
     plan = Plan()
-    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=gpus, batch_size=32,
+    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=gpus, batch_size=batch,
                 pool=running_in and running_in.id, submitted_at=time.time() - elapsed_h * HOUR)
     store.apply(plan)
     store.record_heartbeat(job.id, 1, samples_done=int(done_h * HOUR * rate),
-                           samples_per_sec=rate, world_size=gpus, global_batch_size=32)
+                           samples_per_sec=rate, world_size=gpus, global_batch_size=batch)
     plan = Plan()
     if running_in is None:
         plan.change(store.get_job(job.id), JobState.SUSPENDED, gpus=0)  # type: ignore[arg-type]
@@ -381,12 +383,18 @@ def test_without_spot_room_a_job_behind_pace_takes_on_demand_and_one_ahead_waits
     assert store.get_job(ahead).version == got["ahead"].version  # type: ignore[union-attr]
 
 
-def fill(store: Store, pool: Pool) -> str:
-    """A job holding all of ``pool``'s GPUs (launching there)."""
-    job = store.submit(spec(f"fill-{pool.region}", gmax=pool.capacity), team="t")
+def fill(store: Store, pool: Pool, gpus: int | None = None, running: bool = False) -> str:
+    """A job holding ``gpus`` of ``pool``'s GPUs, all by default: launching there, or running
+    there since just now (so the allocator keeps its size: ``min_rescale_interval_s``)."""
+    gpus = pool.capacity if gpus is None else gpus
+    job = store.submit(spec(f"fill-{pool.region}", gmax=gpus, batch_mode="fixed"), team="t")
     plan = Plan()
-    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=pool.capacity, pool=pool.id)
+    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=gpus, batch_size=32, pool=pool.id)
     store.apply(plan)
+    if running:
+        plan = Plan()
+        plan.change(store.get_job(job.id), JobState.RUNNING, launched_at=time.time())  # type: ignore[arg-type]
+        store.apply(plan)
     return job.id
 
 
@@ -450,12 +458,82 @@ def test_on_demand_after_a_spot_miss_runs_at_the_requested_size(store: Store) ->
     store.set_pools([SPOT_T4, OD_T4])
     fence = store.acquire_lease("t", ttl_s=30)
     fill(store, SPOT_T4)
-    behind = paced_job(store, "behind", 3.0, gpus=4)
+    behind = paced_job(store, "behind", 3.0, gpus=4, batch=256)
     wide = store.submit(spec("wide", gmax=4), team="t").id
     Scheduler(store).run_round(fence)
     got = store.get_job(behind)
     assert got is not None and (got.pool, got.gpus) == (OD_T4.id, 4)
     assert store.get_job(wide).state is JobState.QUEUED  # type: ignore[union-attr]
+
+
+def test_on_demand_for_pace_takes_the_largest_size_an_on_demand_pool_holds(store: Store) -> None:
+    """An 8-GPU spot pool (a job just started there holds it) and a 4-GPU on-demand pool (free);
+    a job accepting 1-8 GPUs,
+    behind its pace, judged at 8 (the spot pool's size). Sent to spot first (3 h deadline) or to
+    on-demand first (2.55 h: at the net), it runs on on-demand at 4, the most an on-demand pool
+    holds, instead of idling at 8 (the simulator's fleet policy caps its on-demand fallback at
+    the largest on-demand pool the same way)."""
+    spot8 = SPOT_T4.model_copy(update={"gpus_per_node": 8})
+    for deadline_h, first in ((3.0, Market.SPOT), (2.55, Market.ON_DEMAND)):
+        store.r.flushdb()
+        store.set_pools([spot8, OD_T4])
+        fence = store.acquire_lease("t", ttl_s=30)
+        filler = fill(store, spot8, running=True)
+        job = paced_job(store, f"behind-{first.value}", deadline_h, gpus=8, batch=256)
+        record = store.get_job(job)
+        requested = requested_choice(record, job_choices(record, Policy.ELASTIC, 12),  # type: ignore[arg-type]
+                                     [spot8, OD_T4], Marks())
+        assert requested is not None and requested.gpus == 8
+        view = deadline_job(record, requested, {}, SchedulerConfig(), time.time())  # type: ignore[arg-type]
+        assert view.behind_pace and Paced.of(requested, view).market is first
+        Scheduler(store).run_round(fence)
+        got = store.get_job(job)
+        assert got is not None and (got.state, got.pool, got.gpus) == (
+            JobState.LAUNCHING, OD_T4.id, 4), first
+        assert store.get_job(filler).state is JobState.RUNNING  # type: ignore[union-attr]
+
+
+def test_a_spot_never_deadline_job_takes_the_on_demand_room_there_is(store: Store) -> None:
+    """A 4-GPU spot: never job with a deadline; another job holds 2 of the 4 on-demand GPUs. It
+    runs on the 2 free ones now instead of waiting for all 4."""
+    store.set_pools([SPOT_T4, OD_T4])
+    fence = store.acquire_lease("t", ttl_s=30)
+    fill(store, OD_T4, gpus=2)
+    never = paced_job(store, "never", 10.0, spot="never", gpus=4, batch=256)
+    Scheduler(store).run_round(fence)
+    got = store.get_job(never)
+    assert got is not None and (got.state, got.pool, got.gpus) == (
+        JobState.LAUNCHING, OD_T4.id, 2)
+
+
+def test_a_deadline_job_with_no_on_demand_room_gives_its_share_back(store: Store) -> None:
+    """On-demand is full, 4 spot GPUs are free. A spot: never deadline job finds no on-demand
+    room and waits (and says so); the GPUs the allocator had counted for it go to a job without
+    a deadline this round, which takes all 4."""
+    store.set_pools([SPOT_T4, OD_T4])
+    fence = store.acquire_lease("t", ttl_s=30)
+    fill(store, OD_T4)
+    never = paced_job(store, "never", 10.0, spot="never", gpus=4, batch=256)
+    wide = store.submit(spec("wide", gmax=4), team="t").id
+    Scheduler(store).run_round(fence)
+    got = {n: store.get_job(i) for n, i in (("never", never), ("wide", wide))}
+    assert (got["wide"].pool, got["wide"].gpus) == (SPOT_T4.id, 4)  # type: ignore[union-attr]
+    assert got["never"].state is JobState.SUSPENDED  # type: ignore[union-attr]
+    assert got["never"].reason == WAIT_FOR_ON_DEMAND  # type: ignore[union-attr]
+
+
+def test_a_running_job_s_requested_size_counts_its_own_refused_pool(store: Store) -> None:
+    """The cloud refused a launch in an 8-GPU spot pool where an 8-GPU deadline job runs: the
+    job may stay there (a refusal mark keeps only new launches out), so its requested size is
+    still 8; a job not running there is judged at the 4 the on-demand pool holds."""
+    spot8 = SPOT_T4.model_copy(update={"gpus_per_node": 8})
+    refused = Marks(refused={spot8.id: "capacity"})
+    running = store.get_job(paced_job(store, "running", 3.0, gpus=8, running_in=spot8))
+    queued = store.get_job(paced_job(store, "queued", 3.0, gpus=8))
+    got = {job.spec.name: requested_choice(job, job_choices(job, Policy.ELASTIC, 12),
+                                           [spot8, OD_T4], refused)
+           for job in (running, queued) if job is not None}
+    assert {k: c.gpus for k, c in got.items() if c is not None} == {"running": 8, "queued": 4}
 
 
 def test_a_spot_job_that_holds_its_pace_is_not_shrunk_for_a_newcomer(store: Store) -> None:
@@ -568,6 +646,23 @@ def test_a_deadline_job_behind_pace_does_not_retry_on_demand_in_a_refused_pool(
     got = store.get_job(behind)
     assert got is not None and got.state is JobState.SUSPENDED and not store.intents()
     assert got.reason.startswith(f"pool {OD_T4.id} refused the launch (quota); retrying after ")
+
+
+def test_under_admission_drop_a_job_held_back_by_a_refusal_is_dropped_without_a_note(
+        store: Store) -> None:
+    """Admission drop; the only V100 pool refused a launch: the new job is dropped, in one
+    change, with no 'waiting' note (a stale reason) recorded before the drop."""
+    store.set_pools([V100_OD])
+    fence = store.acquire_lease("t", ttl_s=30)
+    refuse(store, V100_OD, "capacity", time.time())
+    job = store.submit(spec("late").model_copy(update={"accelerators": [Accelerator.V100]}),
+                       team="t")
+    res = Scheduler(store, SchedulerConfig(admission=Admission.DROP)).run_round(fence)
+    got = store.get_job(job.id)
+    assert got is not None and got.state is JobState.DROPPED
+    assert got.reason == "admission control: no room when it arrived"
+    assert "waiting" not in [e.type for e in store.events(job_id=job.id)]
+    assert res.changed == [job.id]
 
 
 def test_refusal_marks_cover_both_markets_and_lapse() -> None:
