@@ -24,7 +24,14 @@ class ProviderError(Exception):
 
 
 class CapacityError(ProviderError):
-    """The backend has no capacity for the request now (stock-out, spot unavailable)."""
+    """The backend has no capacity for the request now (stock-out, spot unavailable).
+
+    ``zone``: only that zone of the pool refused and others may still have room (an AWS spot
+    launch tries one AZ per attempt); ``None``: the whole pool is out."""
+
+    def __init__(self, message: str, *, zone: str | None = None) -> None:
+        super().__init__(message)
+        self.zone = zone
 
 
 class QuotaError(ProviderError):
@@ -52,6 +59,9 @@ class LaunchRequest(BaseModel):
     cloud: str | None = None  # the pool's cloud: a provider serving several routes by it
     region: str
     zone: str | None = None
+    # Zones of the pool that just refused a launch (capacity): an unpinned spot launch picks
+    # another, so an AZ fallback is a new attempt, never a second launch in one.
+    avoid_zones: tuple[str, ...] = ()
     accelerator: Accelerator
     gpus_per_node: int = Field(ge=1)
     nodes: int = Field(default=1, ge=1)
