@@ -235,6 +235,44 @@ def test_not_configured_names_what_to_set(monkeypatch: pytest.MonkeyPatch) -> No
         AzureProvider()
 
 
+def serve_power(http: responses.RequestsMock, power: dict[str, str]) -> None:
+    """Each VM's instance view, with its power state from ``power`` (VM name -> state)."""
+
+    def instance_view(req):
+        name = re.search(r"virtualMachines/([\w-]+)/instanceView", req.url).group(1)
+        statuses = [{"code": "ProvisioningState/succeeded", "level": "Info"},
+                    {"code": f"PowerState/{power[name]}", "level": "Info"}]  # fmt: skip
+        return 200, {}, json.dumps({"statuses": statuses})
+
+    http.add_callback(responses.GET, re.compile(rf"{RG}/virtualMachines/[\w-]+/instanceView"),
+                      callback=instance_view)  # fmt: skip
+
+
+def test_a_vm_powered_off_from_inside_is_terminated_and_deleted_whatever_its_priority(
+        azure: AzureProvider, http) -> None:
+    """The start script's exit trap runs ``shutdown -h now``: on Azure that leaves the VM
+    ``Stopped``, provisioning state still ``Succeeded``, and billing for compute. An on-demand
+    VM and a Spot VM under ``Delete`` powered off so are gone for the broker (not evictions) and
+    deleted once it forgets them; a running one is left alone."""
+    store: dict[str, dict] = {}
+    serve_vms(http, store, {"status": "Succeeded"})
+    regular, running = (azure.launch(request(key=f"job-5:2:{i}", market=Market.ON_DEMAND))[0]
+                        .node_id for i in (0, 1))
+    spot = azure.launch(request(key="job-5:2:2"))[0].node_id  # evictionPolicy Delete
+    http.add(responses.GET, re.compile(rf"{RG}/virtualMachines\?"),
+             json={"value": [store[n] for n in (regular, running, spot)]})  # fmt: skip
+    serve_power(http, {regular: "stopped", running: "running", spot: "stopped"})
+    state = {n.node_id: n.state for n in azure.nodes()}
+    assert state == {regular: NodeState.TERMINATED, running: NodeState.RUNNING,
+                     spot: NodeState.TERMINATED}  # fmt: skip
+    assert azure.notices() == []  # shut down from inside, not evicted
+    http.add(responses.DELETE, VM_URL, status=200)
+    for name in (regular, running, spot):
+        azure.forget(name)
+    deleted = [c.request.url for c in http.calls if c.request.method == "DELETE"]
+    assert [u.split("/virtualMachines/")[1].split("?")[0] for u in deleted] == [regular, spot]
+
+
 def test_deallocated_spot_vm_is_an_eviction_not_a_running_node(http) -> None:
     """Under ``Deallocate`` an evicted Spot VM stays listed as ``Succeeded``: its instance view's
     power state tells it is gone (preempted), and it is deleted once the broker forgets it."""
@@ -248,21 +286,13 @@ def test_deallocated_spot_vm_is_an_eviction_not_a_running_node(http) -> None:
     assert json.loads(put.request.body)["properties"]["evictionPolicy"] == "Deallocate"
     http.add(responses.GET, re.compile(rf"{RG}/virtualMachines\?"),
              json={"value": [store[n] for n in (evicted, running, stopped, regular)]})  # fmt: skip
-    power = {evicted: "deallocated", running: "running", stopped: "stopped"}
-
-    def instance_view(req):
-        name = re.search(r"virtualMachines/([\w-]+)/instanceView", req.url).group(1)
-        statuses = [{"code": "ProvisioningState/succeeded", "level": "Info"},
-                    {"code": f"PowerState/{power[name]}", "level": "Info"}]  # fmt: skip
-        return 200, {}, json.dumps({"statuses": statuses})
-
-    http.add_callback(responses.GET, re.compile(rf"{RG}/virtualMachines/[\w-]+/instanceView"),
-                      callback=instance_view)  # fmt: skip
+    serve_power(http, {evicted: "deallocated", running: "running", stopped: "stopped",
+                       regular: "running"})
     state = {n.node_id: n.state for n in azure.nodes()}
     assert state == {evicted: NodeState.TERMINATED, running: NodeState.RUNNING,
                      stopped: NodeState.TERMINATED, regular: NodeState.RUNNING}  # fmt: skip
     viewed = [c.request.url for c in http.calls if "/instanceView" in c.request.url]
-    assert len(viewed) == 3 and not [u for u in viewed if regular in u]  # on-demand: no call
+    assert len(viewed) == 4  # every VM's power state, on-demand too
     assert [n.node_id for n in azure.notices()] == [evicted]  # stopped from inside: no eviction
     http.add(responses.DELETE, VM_URL, status=200)
     azure.forget(running)  # still running: forget deletes nothing
