@@ -90,7 +90,7 @@ def test_spot_launch_tags_user_data_and_client_token(aws: AwsProvider) -> None:
         .describe_instance_attribute(InstanceId=iid, Attribute="userData")["UserData"]["Value"]
     )
     script = base64.b64decode(raw).decode()
-    assert "\npython3 -m broker.runtime.agent -- python train.py --lr 0.1\n" in script
+    assert "\npython3 -m broker.runtime.agent -- python train.py --lr 0.1 &\n" in script
     behaviour = session().client("ec2", region).describe_instance_attribute(
         InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior")
     assert behaviour["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
