@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
-from policies.models import Accelerator, Market, Offer, Pool
+from policies.models import Accelerator, Market, Offer
 from providers import bootstrap
 from providers.base import (
     CapacityError,
@@ -33,7 +33,7 @@ from providers.catalog import (
     cheapest_type_for,
     instance_sizes,
     load_offers,
-    vcpus_per_gpu,
+    vcpu_quota,
 )
 
 CAPACITY_CODES = {
@@ -173,13 +173,10 @@ class AwsProvider(Provider):
                 quota = self._quota(region, code)
                 if quota is None:
                     continue
-                per_gpu = {
-                    Pool(cloud="aws", region=region, accelerator=acc, market=market, nodes=0,
-                         gpus_per_node=1).id: vcpus
-                    for acc, vcpus in vcpus_per_gpu(self._offers, region, family).items()
-                }  # fmt: skip
-                if per_gpu:
-                    out.append(Quota(max(quota - used.get((family, market), 0), 0), per_gpu))
+                free = max(quota - used.get((family, market), 0), 0)
+                budget = vcpu_quota("aws", self._offers, region, market, free, family)
+                if budget is not None:
+                    out.append(budget)
         return out
 
     def _quota(self, region: str, code: str) -> float | None:

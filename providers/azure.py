@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from policies.models import Accelerator, Market, Offer, Pool
+from policies.models import Accelerator, Market, Offer
 from providers import bootstrap
 from providers.base import (
     CapacityError,
@@ -36,7 +36,7 @@ from providers.catalog import (
     cheapest_type_for,
     instance_sizes,
     load_offers,
-    vcpus_per_gpu,
+    vcpu_quota,
 )
 
 log = logging.getLogger(__name__)
@@ -165,14 +165,10 @@ class AzureProvider(Provider):
             for market, metric in ((Market.SPOT, "lowPriorityCores"), (Market.ON_DEMAND, "cores")):
                 if metric not in usages:
                     continue
-                per_gpu = {
-                    Pool(cloud="azure", region=region, accelerator=acc, market=market, nodes=0,
-                         gpus_per_node=1).id: vcpus
-                    for acc, vcpus in vcpus_per_gpu(self._offers, region).items()
-                }  # fmt: skip
-                if per_gpu:
-                    free = max(usages[metric].limit - usages[metric].current_value, 0)
-                    out.append(Quota(free, per_gpu))
+                free = max(usages[metric].limit - usages[metric].current_value, 0)
+                budget = vcpu_quota("azure", self._offers, region, market, free)
+                if budget is not None:
+                    out.append(budget)
         return out
 
     # --- launch, terminate, inventory -------------------------------------------------------

@@ -154,6 +154,10 @@ def test_a_family_quota_is_split_in_whole_instances_biggest_first() -> None:
                                                                             "four": 4}
     # a pool of several sizes takes the largest that what is left holds (p3: 1, 4 or 8 GPUs)
     assert share([Quota(free=80, per_gpu={"p3": 8})], sizes={"p3": [1, 4, 8]}) == {"p3": 10}
+    # each size charged its instance's own vCPUs: 72 hold no 4-GPU NC96ads_A100_v4 (96) though
+    # 4 x 12 (the fewest a GPU, ND96asr_v4's) is 48; they hold three 1-GPU NC24ads (24 each)
+    a100 = Quota(free=72, per_gpu={"a100": 12}, per_instance={"a100": {1: 24, 4: 96, 8: 96}})
+    assert share([a100], sizes={"a100": [1, 4, 8]}) == {"a100": 3}
     # sizes unknown: one GPU an instance, dealt in turn (a GCP GPU quota: 1 unit a GPU)
     assert share([Quota(free=7, per_gpu={"a": 1, "b": 1})]) == {"a": 4, "b": 3}
     # a pool the fleet caps (max_gpus less what it holds) is dealt no more: the rest goes on

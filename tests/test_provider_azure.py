@@ -219,11 +219,18 @@ def test_capacity_from_regional_vcpu_quotas(azure: AzureProvider, http) -> None:
     # of it would overcommit the region), and every count is one the pool's instances launch.
     sizes = instance_sizes("azure", OFFERS)
     spot_pools = sorted(spot.per_gpu)
-    assert sum(cap[p] * spot.per_gpu[p] for p in spot_pools) <= 88
-    assert sum(cap[p] > 0 for p in spot_pools) >= 2  # A100 4, H100 2, M60 1, T4 1
     for pool in spot_pools:
         assert cap[pool] == 0 or any(cap[pool] % n == 0 for n in sizes[pool])
     assert cap["azure:eastus:on-demand:V100"] == 0
+    # Each instance is charged its own type's vCPUs, not its GPUs times the fewest vCPUs a GPU
+    # (12 for A100, from ND96asr_v4's 8): the cheapest 1, 2 and 4 A100 types have 24 a GPU.
+    # Charged 12 a GPU, 88 vCPUs were A100 4 (an NC96ads_A100_v4, really 96 vCPUs), H100 2
+    # (NC80adis, 80), M60 1 and T4 1: 192 vCPUs of launches against 88.
+    a100, h100 = "azure:eastus:spot:A100", "azure:eastus:spot:H100"
+    assert spot.per_gpu[a100] == 12
+    assert spot.per_instance[a100] == {1: 24, 2: 48, 4: 96, 8: 96}
+    assert {p: n for p, n in cap.items() if n and ":spot:" in p} == {a100: 2, h100: 1}
+    assert spot.units(a100, 2) + spot.units(h100, 1) == 48 + 40 <= 88
 
 
 def test_not_configured_names_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
