@@ -17,7 +17,14 @@ from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
 from broker.store import Conflict, Plan, Store
-from policies.migration import expire, location_keys, mark_launched, mark_refused
+from policies.migration import (
+    expire,
+    location_keys,
+    mark_launched,
+    mark_refused,
+    refusal_key,
+    refused_zones,
+)
 from policies.models import Market, Pool
 from providers.base import (
     CapacityError,
@@ -42,10 +49,12 @@ class ActuatorConfig(BaseModel):
 
 
 def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorConfig, *,
-                   backend_starts_agent: bool = False) -> LaunchRequest:
+                   backend_starts_agent: bool = False,
+                   avoid_zones: tuple[str, ...] = ()) -> LaunchRequest:
     """The provider request for a launch intent: the job's command under the runtime agent with
     the assigned world size, batch size and checkpoint location in its environment. Where the
-    backend's start script runs the agent itself (cloud VMs) the command is not wrapped again."""
+    backend's start script runs the agent itself (cloud VMs) the command is not wrapped again.
+    ``avoid_zones``: the pool's zones that just refused a launch."""
     spec = job.spec
     checkpoint = spec.checkpoint.uri or str((config.checkpoint_root / job.id).resolve())
     env = {
@@ -76,7 +85,8 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
             if config.use_agent and not backend_starts_agent else f"sh -c {run}")
     script = (f"{spec.setup}\n" if spec.setup else "") + f"exec {main}"
     return LaunchRequest(idempotency_key=intent.key, job_id=job.id, cloud=pool.cloud,
-                         region=pool.region, zone=pool.zone, accelerator=pool.accelerator,
+                         region=pool.region, zone=pool.zone, avoid_zones=avoid_zones,
+                         accelerator=pool.accelerator,
                          gpus_per_node=intent.gpus, market=pool.market, env=env,
                          command=["sh", "-c", script])
 
@@ -130,15 +140,19 @@ class Actuator:
         """The cloud refused the launch for want of capacity or quota, which says nothing
         about the job: suspend it without counting a failure, and block the pool in the stored
         blocklist for ``refusal_decay_s`` (the same atomic step) so the next round places the
-        job elsewhere while any other pool has room."""
+        job elsewhere while any other pool has room. A refusal in one zone while the pool has
+        others (an AWS spot AZ) blocks only that zone: the next round's attempt, a new launch
+        key, may go to the same pool and avoids the zone (``launch_request``)."""
         now = time.time()
         missing = "capacity" if isinstance(exc, CapacityError) else "quota"
+        zone = exc.zone if isinstance(exc, CapacityError) else None
         blocklist, read = self.store.blocklist()
-        blocklist = mark_refused(expire(blocklist, now), pool.id, now, missing)
+        blocklist = mark_refused(expire(blocklist, now), refusal_key(pool.id, zone), now,
+                                 missing)
         plan.set_blocklist(blocklist, read=read)
         what = f"no {missing}"
         plan.change(job, JobState.SUSPENDED, reason=f"{what}: {exc}", fence=fence)
-        plan.event("pool-refused", job.id, {"pool": pool.id, "error": what,
+        plan.event("pool-refused", job.id, {"pool": pool.id, "zone": zone, "error": what,
                                             "decay_s": blocklist.refusal_decay_s})
         self.store.apply(plan, fence=fence)
 
@@ -169,7 +183,8 @@ class Actuator:
         try:
             starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
             nodes = self.provider.launch(launch_request(
-                job, intent, pool, self.config, backend_starts_agent=starts_agent))
+                job, intent, pool, self.config, backend_starts_agent=starts_agent,
+                avoid_zones=self._refused_zones(pool)))
         except (CapacityError, QuotaError) as exc:
             self._refused(job, pool, exc, fence, plan)
             return 1
@@ -200,6 +215,12 @@ class Actuator:
             self._reactivate(job, pool, plan)
         self.store.apply(plan, fence=fence)
         return 1
+
+    def _refused_zones(self, pool: Pool) -> tuple[str, ...]:
+        """The zones of an unpinned spot pool that just refused a launch (``_refused``)."""
+        if pool.market is not Market.SPOT or pool.zone:
+            return ()
+        return refused_zones(self.store.blocklist()[0], pool.id, time.time())
 
     def _reactivate(self, job: JobRecord, pool: Pool, plan: Plan) -> None:
         """SpotHedge's ``mark_launched``: a spot launch that succeeded in a blocked location

@@ -5,7 +5,8 @@ launch goes to the cheapest active location not in use; when fewer than two rema
 reset to active. Marks also decay after ``decay_s`` so a reclaimed location comes back on its own.
 A launch the cloud refused (stock-out, quota) blocks that one pool (not a location: V100 spot
 being out says nothing of A100, nor of on-demand) for the shorter ``refusal_decay_s``; SpotHedge's
-reset leaves those marks alone.
+reset leaves those marks alone. A refusal in one zone of a pool (an AWS spot AZ) marks only that
+zone (``refusal_key``): the pool stays usable, its next launch avoids the zone.
 The state is a plain pydantic object (JSON round-trip) so the broker can keep it in Redis.
 """
 
@@ -79,6 +80,20 @@ def mark_refused(state: Blocklist, pool_id: str, now: float, why: str = "") -> B
     that pool."""
     return state.model_copy(update={"refused": {**state.refused, pool_id: now},
                                     "refusal_why": {**state.refusal_why, pool_id: why}})
+
+
+def refusal_key(pool_id: str, zone: str | None = None) -> str:
+    """The refusal mark's key: the pool's id, or ``pool@zone`` for one zone of it (no pool id
+    holds an ``@``, so a zone's mark never blocks the whole pool)."""
+    return pool_id if zone is None else f"{pool_id}@{zone}"
+
+
+def refused_zones(state: Blocklist, pool_id: str, now: float) -> tuple[str, ...]:
+    """The zones of ``pool_id`` with a fresh refusal mark, in the order they were refused."""
+    prefix = refusal_key(pool_id, "")
+    marks = sorted((t, k) for k, t in state.refused.items()
+                   if k.startswith(prefix) and state.is_refused(k, now))
+    return tuple(k.removeprefix(prefix) for _, k in marks)
 
 
 def expire(state: Blocklist, now: float) -> Blocklist:

@@ -1,18 +1,19 @@
 """AWS EC2 provider (boto3): catalog offers, vCPU quotas, idempotent spot/on-demand launches.
 
-Idempotency is twofold: EC2's ``ClientToken`` (derived from the idempotency key) and, before every
-launch, a lookup of instances tagged with that key, so a retry returns the first launch's nodes even
-where ``ClientToken`` is not honoured (moto) or has expired.
+Idempotency is twofold: EC2's ``ClientToken`` (derived from the idempotency key alone, so one key
+is one EC2 request whatever a lookup shows) and, before every launch, a lookup of instances tagged
+with that key, so a retry returns the first launch's nodes even where ``ClientToken`` is not
+honoured (moto) or has expired. One launch tries one AZ: falling back to another AZ is the
+broker's next attempt, under a new key (``LaunchRequest.avoid_zones``).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
-from policies.models import Accelerator, Market, Offer, Pool
+from policies.models import Accelerator, Market, Offer
 from providers import bootstrap
 from providers.base import (
     CapacityError,
@@ -32,12 +33,8 @@ from providers.catalog import (
     cheapest_type_for,
     instance_sizes,
     load_offers,
-    vcpus_per_gpu,
+    vcpu_quota,
 )
-
-log = logging.getLogger(__name__)
-
-ZonePrice = tuple[str | None, float | None]  # an AZ name (None: EC2 picks) and its USD/GPU-hour
 
 CAPACITY_CODES = {
     "InsufficientInstanceCapacity",
@@ -85,12 +82,11 @@ NOT_CONFIGURED = (
 
 
 def placement(key: str, zone: str | None) -> dict[str, Any]:
-    """The AZ of a launch and its ``ClientToken``: the idempotency key's, plus the AZ, so a retry
-    in one AZ is idempotent and a fallback to another AZ is a new request."""
-    if zone is None:
-        return {"ClientToken": bootstrap.token(key)}
-    return {"ClientToken": bootstrap.token(f"{key}@{zone}"),
-            "Placement": {"AvailabilityZone": zone}}
+    """The AZ of a launch (``None``: EC2 picks) and its ``ClientToken``, the idempotency key's
+    alone: EC2 runs one request per key, so a retry can never start a second instance, in
+    whatever AZ (a different AZ under the same token is ``IdempotentParameterMismatch``)."""
+    token = {"ClientToken": bootstrap.token(key)}
+    return token if zone is None else {**token, "Placement": {"AvailabilityZone": zone}}
 
 
 def map_error(exc: Exception, what: str) -> Exception:
@@ -107,6 +103,11 @@ def map_error(exc: Exception, what: str) -> Exception:
         return QuotaError(message)
     if code in AUTH_CODES:
         return NotConfiguredError(f"{message}. {NOT_CONFIGURED}")
+    if code == "IdempotentParameterMismatch":
+        return ProviderError(
+            f"{message}. This launch key already started an instance with other parameters "
+            "(another AZ: the AZs refused or the catalog changed since); it carries the key's "
+            "tag, and the job's next attempt ends it first")
     return ProviderError(message)
 
 
@@ -172,13 +173,10 @@ class AwsProvider(Provider):
                 quota = self._quota(region, code)
                 if quota is None:
                     continue
-                per_gpu = {
-                    Pool(cloud="aws", region=region, accelerator=acc, market=market, nodes=0,
-                         gpus_per_node=1).id: vcpus
-                    for acc, vcpus in vcpus_per_gpu(self._offers, region, family).items()
-                }  # fmt: skip
-                if per_gpu:
-                    out.append(Quota(max(quota - used.get((family, market), 0), 0), per_gpu))
+                free = max(quota - used.get((family, market), 0), 0)
+                budget = vcpu_quota("aws", self._offers, region, market, free, family)
+                if budget is not None:
+                    out.append(budget)
         return out
 
     def _quota(self, region: str, code: str) -> float | None:
@@ -217,30 +215,25 @@ class AwsProvider(Provider):
         return cheapest_type_for(self._offers, request, "aws")
 
     def launch(self, request: LaunchRequest) -> list[Node]:
-        """Launch in the first AZ with capacity (``_launch_zones``); each node carries the AZ's spot
-        price, the price its placement records."""
+        """Launch in one AZ (``_launch_zone``) under the key's ``ClientToken``. With no capacity
+        there while other priced AZs remain, the ``CapacityError`` names that AZ: the broker's
+        next attempt (a new key) avoids it. Each node carries its AZ's spot price, the price its
+        placement records, on a retry that finds the first launch too."""
         existing = self._by_key(request.region, request.idempotency_key)
         if existing:
             return existing
-        ec2 = self._client("ec2", request.region)
         instance_type = self.instance_type_for(request)
-        kwargs = self._run_args(request, instance_type)
-        refusals: list[str] = []
-        for zone, price in self._launch_zones(request, instance_type):
-            try:
-                resp = ec2.run_instances(**kwargs, **placement(request.idempotency_key, zone))
-            except Exception as exc:
-                error = map_error(exc, f"run_instances in {zone or request.region}")
-                if not isinstance(error, CapacityError):
-                    raise error from exc
-                log.info("%s; trying the next priced AZ", error)
-                refusals.append(str(error))  # that AZ is out: the next one may not be
-                continue
-            return [
-                self._node(request.region, inst).model_copy(update={"price_per_gpu_hour": price})
-                for inst in resp["Instances"]
-            ]
-        raise CapacityError("; ".join(refusals))
+        zone, others = self._launch_zone(request, instance_type)
+        try:
+            resp = self._client("ec2", request.region).run_instances(
+                **self._run_args(request, instance_type),
+                **placement(request.idempotency_key, zone))
+        except Exception as exc:
+            error = map_error(exc, f"run_instances in {zone or request.region}")
+            if isinstance(error, CapacityError) and others:
+                raise CapacityError(f"{error} (other AZs may have room)", zone=zone) from exc
+            raise error from exc
+        return self._launched(request.region, resp["Instances"])
 
     def _run_args(self, request: LaunchRequest, instance_type: str) -> dict[str, Any]:
         """``run_instances`` arguments but the AZ and the token (``placement``)."""
@@ -272,27 +265,49 @@ class AwsProvider(Provider):
             }
         return kwargs
 
-    def _launch_zones(self, request: LaunchRequest, instance_type: str) -> list[ZonePrice]:
-        """The AZs (by name) to launch in, in order, each with the type's spot price per
-        GPU-hour there. Spot: every AZ of the region with a spot price, cheapest first; the
-        first is the price the pool carries (unpinned, EC2 picks any AZ, often a dearer one),
-        the others are tried when it has no capacity. A request's own zone: that one only.
-        On-demand costs the same in every AZ: EC2 picks (``None``)."""
+    def _launch_zone(self, request: LaunchRequest, instance_type: str) -> tuple[str | None, bool]:
+        """The AZ (by name) of this launch attempt, and whether other priced AZs remain after
+        it. A pool's own zone: that one. Spot: the cheapest AZ with a spot price for the type
+        that the request does not avoid; its price is the pool's (unpinned, EC2 picks any AZ,
+        often a dearer one). On-demand costs the same in every AZ: EC2 picks (``None``)."""
+        if request.zone:
+            return self._zone_names(request.region).get(request.zone, request.zone), False
         if request.market is not Market.SPOT:
-            return [(request.zone, None)]
+            return None, False
+        priced = self._spot_prices(request.region, instance_type)
         names = self._zone_names(request.region)
+        avoid = {names.get(z, z) for z in request.avoid_zones}
+        left = [z for z in priced if z not in avoid]
+        if priced and not left:
+            raise CapacityError(f"aws {request.region}: every AZ with a {instance_type} spot "
+                                f"price refused a launch just now ({', '.join(sorted(avoid))})")
+        return (left[0], len(left) > 1) if left else (None, False)
+
+    def _spot_prices(self, region: str, instance_type: str) -> dict[str, float | None]:
+        """AZ name -> the type's spot price per GPU-hour there, cheapest first."""
+        names = self._zone_names(region)
         priced: dict[str, float | None] = {}
         for price, zone in sorted(
             (o.per_gpu(Market.SPOT), names[o.zone])
             for o in self._offers
-            if o.region == request.region and o.instance_type == instance_type
+            if o.region == region and o.instance_type == instance_type
             and o.spot_price is not None and o.zone in names
         ):  # fmt: skip
             priced.setdefault(zone, price)
-        if request.zone:
-            zone = names.get(request.zone, request.zone)
-            return [(zone, priced.get(zone))]
-        return list(priced.items()) or [(None, None)]
+        return priced
+
+    def _launched(self, region: str, instances: list[dict[str, Any]]) -> list[Node]:
+        """The nodes of a launch, each spot one with its AZ's price from the catalog (by AZ,
+        instance type and market), the same whether the launch was just made or found again
+        by its key; on-demand costs the pool's price everywhere (``None``)."""
+        nodes = []
+        for inst in instances:
+            node = self._node(region, inst)
+            if node.market is Market.SPOT and node.zone:
+                price = self._spot_prices(region, inst["InstanceType"]).get(node.zone)
+                node = node.model_copy(update={"price_per_gpu_hour": price})
+            nodes.append(node)
+        return nodes
 
     def _zone_names(self, region: str) -> dict[str, str]:
         """AZ id (the catalog's ``use1-az1``, the same in every account) and name -> the name
@@ -373,7 +388,7 @@ class AwsProvider(Provider):
             {"Name": f"tag:{bootstrap.KEY_TAG}", "Values": [key]},
             {"Name": "instance-state-name", "Values": LIVE_STATES},
         ]
-        return [self._node(region, inst) for inst in self._instances(region, filters)]
+        return self._launched(region, self._instances(region, filters))
 
     def _instances(self, region: str, filters: list[dict[str, Any]]) -> list[dict[str, Any]]:
         try:

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from policies.models import Accelerator, Market, Offer, Pool
+from policies.models import Accelerator, Market, Offer
 from providers import bootstrap
 from providers.base import (
     CapacityError,
@@ -36,7 +36,7 @@ from providers.catalog import (
     cheapest_type_for,
     instance_sizes,
     load_offers,
-    vcpus_per_gpu,
+    vcpu_quota,
 )
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,9 @@ STATE = {
     "Updating": NodeState.PENDING,
     "Succeeded": NodeState.RUNNING,
 }
-# Power states (instance view) of a VM whose workload is gone though ARM still lists it.
+# Power states (instance view) of a VM whose workload is gone though ARM still lists it as
+# ``Succeeded``: evicted under ``Deallocate``, or powered off from inside (the start script's
+# exit trap), which leaves it stopped and still billing until it is deleted.
 STOPPED_POWER = {"deallocating", "deallocated", "stopping", "stopped"}
 IMAGE = {  # Ubuntu 22.04 with NVIDIA drivers and CUDA (Microsoft's HPC image)
     "publisher": "microsoft-dsvm",
@@ -163,14 +165,10 @@ class AzureProvider(Provider):
             for market, metric in ((Market.SPOT, "lowPriorityCores"), (Market.ON_DEMAND, "cores")):
                 if metric not in usages:
                     continue
-                per_gpu = {
-                    Pool(cloud="azure", region=region, accelerator=acc, market=market, nodes=0,
-                         gpus_per_node=1).id: vcpus
-                    for acc, vcpus in vcpus_per_gpu(self._offers, region).items()
-                }  # fmt: skip
-                if per_gpu:
-                    free = max(usages[metric].limit - usages[metric].current_value, 0)
-                    out.append(Quota(free, per_gpu))
+                free = max(usages[metric].limit - usages[metric].current_value, 0)
+                budget = vcpu_quota("azure", self._offers, region, market, free)
+                if budget is not None:
+                    out.append(budget)
         return out
 
     # --- launch, terminate, inventory -------------------------------------------------------
@@ -318,12 +316,11 @@ class AzureProvider(Provider):
         return out
 
     def _power(self, vm: Any) -> str | None:
-        """The VM's power state (``running``, ``deallocated``...) where the provisioning state
-        cannot tell: a Spot VM evicted under the ``Deallocate`` policy stays ``Succeeded``.
-        (Under ``Delete`` an evicted VM leaves the listing, so other VMs cost no extra call.)"""
-        props = vm.properties
-        if props.priority != "Spot" or props.eviction_policy != "Deallocate":
-            return None
+        """The VM's power state (``running``, ``stopped``, ``deallocated``...), which the
+        provisioning state cannot tell: a VM of any priority powered off from inside, and a Spot
+        VM evicted under ``Deallocate``, stay ``Succeeded``. One call per VM: the resource
+        group's listing expands the instance view only under a scale-set filter, and the
+        subscription's ``statusOnly`` listing needs a role beyond the resource group."""
         from azure.core.exceptions import AzureError, ResourceNotFoundError
 
         try:
@@ -342,17 +339,18 @@ class AzureProvider(Provider):
         return next((c.split("/", 1)[1] for c in codes if c.startswith("PowerState/")), None)
 
     def notices(self) -> list[PreemptionNotice]:
-        """Spot VMs the last ``nodes()`` found deallocated: Azure evicted them (a stopped one was
-        shut down from inside, not evicted)."""
+        """Spot VMs the last ``nodes()`` found deallocated: Azure evicted them (a stopped one, or
+        an on-demand one, was shut down from inside, not evicted)."""
         now = datetime.now(UTC)
         return [
             PreemptionNotice(node_id=node.node_id, region=node.region, deadline=now)
             for node, power in self._stopped.values()
-            if power.startswith("dealloc")
+            if node.market is Market.SPOT and power.startswith("dealloc")
         ]
 
     def forget(self, node_id: str) -> None:
-        """A stopped or deallocated VM still bills (its disk at least): delete it once settled."""
+        """A stopped VM still bills for compute, a deallocated one for its disk: delete it once
+        settled, whatever its priority."""
         if self._stopped.pop(node_id, None) is not None:
             self.terminate(node_id)
 

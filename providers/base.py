@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Container, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
@@ -24,7 +24,14 @@ class ProviderError(Exception):
 
 
 class CapacityError(ProviderError):
-    """The backend has no capacity for the request now (stock-out, spot unavailable)."""
+    """The backend has no capacity for the request now (stock-out, spot unavailable).
+
+    ``zone``: only that zone of the pool refused and others may still have room (an AWS spot
+    launch tries one AZ per attempt); ``None``: the whole pool is out."""
+
+    def __init__(self, message: str, *, zone: str | None = None) -> None:
+        super().__init__(message)
+        self.zone = zone
 
 
 class QuotaError(ProviderError):
@@ -52,6 +59,9 @@ class LaunchRequest(BaseModel):
     cloud: str | None = None  # the pool's cloud: a provider serving several routes by it
     region: str
     zone: str | None = None
+    # Zones of the pool that just refused a launch (capacity): an unpinned spot launch picks
+    # another, so an AZ fallback is a new attempt, never a second launch in one.
+    avoid_zones: tuple[str, ...] = ()
     accelerator: Accelerator
     gpus_per_node: int = Field(ge=1)
     nodes: int = Field(default=1, ge=1)
@@ -95,10 +105,18 @@ class PreemptionNotice(BaseModel):
 class Quota:
     """One account quota's headroom and the pools that draw on it: ``free`` units left (an AWS
     instance family's vCPUs, a GCP region's GPUs of one type) and, per pool id, the units one GPU
-    there takes. Pools under one quota share it: the fleet must not promise it to each in full."""
+    there takes. Pools under one quota share it: the fleet must not promise it to each in full.
+    ``per_instance``: per pool id, the units one instance of each size (GPUs) takes, where that
+    is not the size times ``per_gpu`` (a vCPU quota: each size's instance type has its own
+    vCPUs per GPU)."""
 
     free: float
     per_gpu: Mapping[str, float]
+    per_instance: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+
+    def units(self, pool: str, gpus: int) -> float:
+        """What one instance of ``gpus`` GPUs in ``pool`` takes of this quota."""
+        return self.per_instance.get(pool, {}).get(gpus, gpus * self.per_gpu[pool])
 
 
 def share(quotas: Iterable[Quota], pools: Container[str] | None = None,
@@ -114,27 +132,29 @@ def share(quotas: Iterable[Quota], pools: Container[str] | None = None,
     it) gets the sum."""
     out: dict[str, int] = {}
     for quota in quotas:
-        mine = {p: units for p, units in quota.per_gpu.items()
-                if units > 0 and (pools is None or p in pools)}
-        for pool, gpus in _deal(quota.free, mine, sizes or {}, caps or {}).items():
+        mine = [p for p, units in quota.per_gpu.items()
+                if units > 0 and (pools is None or p in pools)]
+        for pool, gpus in _deal(quota, mine, sizes or {}, caps or {}).items():
             out[pool] = out.get(pool, 0) + gpus
     return out
 
 
-def _deal(free: float, units: Mapping[str, float], sizes: Mapping[str, Sequence[int]],
+def _deal(quota: Quota, pools: Sequence[str], sizes: Mapping[str, Sequence[int]],
           caps: Mapping[str, int]) -> dict[str, int]:
-    """``free`` units dealt as whole instances, round by round (see :func:`share`)."""
-    counts = {p: sorted(sizes.get(p) or (1,), reverse=True) for p in units}
-    order = sorted(units, key=lambda p: (-counts[p][0] * units[p], p))
-    got = dict.fromkeys(units, 0)
+    """``quota``'s free units dealt to ``pools`` as whole instances, each charged what its
+    size takes (``Quota.units``), round by round (see :func:`share`)."""
+    free = quota.free
+    counts = {p: sorted(sizes.get(p) or (1,), reverse=True) for p in pools}
+    order = sorted(pools, key=lambda p: (-quota.units(p, counts[p][0]), p))
+    got = dict.fromkeys(pools, 0)
     dealt = True
     while dealt:
         dealt = False
         for p in order:
             room = caps.get(p, math.inf) - got[p]
-            n = next((n for n in counts[p] if n * units[p] <= free and n <= room), 0)
+            n = next((n for n in counts[p] if quota.units(p, n) <= free and n <= room), 0)
             if n:
-                free -= n * units[p]
+                free -= quota.units(p, n)
                 got[p] += n
                 dealt = True
     return got

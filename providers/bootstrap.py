@@ -189,6 +189,27 @@ trap fleet_exit EXIT
 """
 
 
+def run_agent(request: LaunchRequest) -> str:
+    """Shell lines that run the agent in the background so that a TERM or INT to the script (a
+    service stop, the final kill of a shutdown) reaches it: the agent checkpoints and exits, and
+    the script exits with the agent's own code, which the exit trap then judges. (Run in the
+    foreground, bash ran the trap at once with the last command's status, 0: a power-off under
+    a running agent, and no report.) TERM for both: a background job of a non-interactive shell
+    starts with INT ignored, and the agent stops the same way for either."""
+    return (
+        "fleet_stop() {\n"
+        "  local code=0\n"
+        '  kill -TERM "$fleet_agent" 2>/dev/null || true\n'
+        '  wait "$fleet_agent" || code=$?\n'
+        '  exit "$code"\n'
+        "}\n"
+        f"{agent_invocation(request)} &\n"
+        "fleet_agent=$!\n"
+        "trap fleet_stop TERM INT\n"
+        'wait "$fleet_agent"\n'
+    )
+
+
 def shutdown_line(request: LaunchRequest, command: str | None = None) -> str:
     """``fleet_shutdown``: ``$FLEET_SHUTDOWN_COMMAND`` on the machine, else the provider's
     ``shutdown_command`` option (``command``), else the launch's, else ``shutdown -h now``
@@ -202,7 +223,8 @@ def agent_script(request: LaunchRequest, cloud: str, agent_install: str,
                  shutdown_command: str | None = None) -> str:
     """A shell start script (user data / startup-script / custom data): install the agent from
     ``agent_install`` where the image lacks it, with the image's own environment; then export
-    the job's and run the agent; on exit report a failure and power the VM off (``EXIT_TRAP``)."""
+    the job's and run the agent (``run_agent``); on exit report a failure and power the VM off
+    (``EXIT_TRAP``)."""
     return (
         "#!/bin/bash\nset -euo pipefail\n"
         f"{shutdown_line(request, shutdown_command)}"
@@ -210,5 +232,5 @@ def agent_script(request: LaunchRequest, cloud: str, agent_install: str,
         f"{EXIT_TRAP}"
         f"{install_step(agent_install)}"
         "fleet_job_env\n"
-        f"{agent_invocation(request)}\n"
+        f"{run_agent(request)}"
     )

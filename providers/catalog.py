@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policies.models import Accelerator, Market, Offer, Pool
-from providers.base import CapacityError, LaunchRequest
+from providers.base import CapacityError, LaunchRequest, Quota
 
 DATA = Path(__file__).parent / "data"
 AWS_CSV = DATA / "aws-gpu-prices-skypilot-catalog" / "aws_gpu_prices_us_subset.csv"
@@ -331,7 +331,13 @@ def cheapest_type_for(offers: Iterable[Offer], request: LaunchRequest, cloud: st
             f"{cloud} {request.region}: no instance type with {request.gpus_per_node}x "
             f"{request.accelerator.value} on {request.market.value} in the catalog"
         )
-    return min(fits, key=lambda o: (o.hourly(request.market), o.instance_type)).instance_type
+    return _cheapest(fits, request.market).instance_type
+
+
+def _cheapest(fits: Iterable[Offer], market: Market) -> Offer:
+    """The offer a launch picks among ``fits`` (all priced on ``market``): the cheapest, ties
+    broken by type name."""
+    return min(fits, key=lambda o: (o.hourly(market), o.instance_type))
 
 
 def vcpus_per_gpu(
@@ -345,6 +351,45 @@ def vcpus_per_gpu(
             ratio = o.vcpus / o.accelerator_count
             best[o.accelerator] = min(best.get(o.accelerator, ratio), ratio)
     return best
+
+
+def vcpu_quota(cloud: str, offers: Iterable[Offer], region: str, market: Market, free: float,
+               family: str = "") -> Quota | None:
+    """A vCPU quota with ``free`` vCPUs left, shared by the pools of the region's accelerators
+    (of ``family``) on ``market``: each pool's fewest vCPUs a GPU and each size's instance vCPUs
+    (``vcpus_per_instance``). ``None`` where no type in the catalog has vCPUs."""
+    offers = list(offers)
+
+    def pool(acc: Accelerator) -> str:
+        return Pool(cloud=cloud, region=region, accelerator=acc, market=market, nodes=0,
+                    gpus_per_node=1).id
+
+    per_gpu = {pool(acc): v for acc, v in vcpus_per_gpu(offers, region, family).items()}
+    if not per_gpu:
+        return None
+    sizes = vcpus_per_instance(offers, region, market, family)
+    return Quota(free, per_gpu, {pool(acc): vcpus for acc, vcpus in sizes.items()})
+
+
+def vcpus_per_instance(
+    offers: Iterable[Offer], region: str, market: Market, family: str = ""
+) -> dict[Accelerator, dict[int, float]]:
+    """vCPUs of the instance a launch of each size picks (GPUs per instance -> the vCPUs of the
+    cheapest type that size on ``market``, as ``cheapest_type_for``), per accelerator in a
+    region (``family`` prefix): what one instance takes of a vCPU quota. Per size, not the
+    fewest per GPU: a small type often has more vCPUs a GPU (Azure NC24ads_A100_v4, 24 for its
+    one A100; ND96asr_v4, 12 for each of 8)."""
+    sizes: dict[tuple[Accelerator, int], list[Offer]] = {}
+    for o in offers:
+        if (o.region == region and o.instance_type.startswith(family)
+                and o.hourly(market) is not None):
+            sizes.setdefault((o.accelerator, o.accelerator_count), []).append(o)
+    out: dict[Accelerator, dict[int, float]] = {}
+    for (acc, gpus), fits in sizes.items():
+        vcpus = _cheapest(fits, market).vcpus
+        if vcpus:
+            out.setdefault(acc, {})[gpus] = float(vcpus)
+    return out
 
 
 def instance_sizes(cloud: str, offers: Iterable[Offer]) -> dict[str, list[int]]:

@@ -73,6 +73,19 @@ def ec2_params(request: Any) -> dict[str, str]:
     return {k: v[0] for k, v in parse_qs(body).items()}
 
 
+def record_launches(ec2: Any) -> dict[str, set[str]]:
+    """The AZs ``ec2``'s RunInstances go to, in order, each with the ClientTokens sent there
+    (botocore itself retries a refusal with HTTP 500, as InsufficientInstanceCapacity)."""
+    sent: dict[str, set[str]] = {}
+
+    def record(request: Any, **_: Any) -> None:
+        params = ec2_params(request)
+        sent.setdefault(params["Placement.AvailabilityZone"], set()).add(params["ClientToken"])
+
+    ec2.meta.events.register("before-send.ec2.RunInstances", record)
+    return sent
+
+
 def ec2_refuses(client: Any, code: str, zone: str | None = None) -> None:
     """Make ``client``'s (EC2) RunInstances fail with error ``code`` in EC2's XML shape (HTTP
     500 for the Insufficient* capacity codes, 400 else): moto never runs out of anything.
@@ -93,3 +106,27 @@ def ec2_refuses(client: Any, code: str, zone: str | None = None) -> None:
         return refusal
 
     client.meta.events.register("before-send.ec2.RunInstances", reply)
+
+
+def ec2_honours_client_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make moto's RunInstances idempotent by ``ClientToken`` as EC2 is: a token seen before
+    returns that launch's reservation (same AZ) or fails with IdempotentParameterMismatch (another
+    AZ) and never starts an instance; moto launches again for any token."""
+    from moto.ec2.exceptions import EC2ClientError
+    from moto.ec2.models.instances import InstanceBackend
+
+    launch = InstanceBackend.run_instances
+
+    def run_instances(backend: Any, *args: Any, **kwargs: Any) -> Any:
+        token = kwargs.get("client_token")
+        for reservation in backend.reservations.values():
+            first = reservation.instances[0] if reservation.instances else None
+            if token is None or first is None or first.client_token != token:
+                continue
+            if kwargs.get("placement") not in (None, first.placement.zone):
+                raise EC2ClientError("IdempotentParameterMismatch",
+                                     f"token {token} was used with other parameters")
+            return reservation
+        return launch(backend, *args, **kwargs)
+
+    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,14 @@ case "$1 $2 $3" in
   "-c import broker.runtime.agent "*) [ -e "$STATE/installed" ] ;;
   "-m pip --version") [ ! -e "$STATE/no-pip" ] ;;
   "-m pip install") [ ! -e "$STATE/pip-fails" ] && touch "$STATE/installed" ;;
-  "-m broker.runtime.agent "*) echo "agent ran: $*"; exit "$(cat "$STATE/agent-exit" || echo 0)" ;;
+  "-m broker.runtime.agent "*)
+    echo "agent ran: $*"
+    if [ -e "$STATE/agent-runs" ]; then  # until TERM, then exit as the real agent does
+      trap 'echo "agent got TERM" >> "$STATE/calls"; exit "$(cat "$STATE/agent-exit")"' TERM
+      touch "$STATE/agent-started"
+      for _ in $(seq 400); do sleep 0.05; done  # 20 s at most: never left behind
+    fi
+    exit "$(cat "$STATE/agent-exit" || echo 0)" ;;
   *) exit 3 ;;
 esac
 """
@@ -51,10 +60,9 @@ def request() -> LaunchRequest:
     )  # fmt: skip
 
 
-def run_script(script: str, tmp_path: Path, **machine_env: str,
-               ) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """Run ``script`` with bash as user data runs, the shim and stubs first on PATH, plus
-    ``machine_env``; the calls they saw."""
+def start_script(script: str, tmp_path: Path, **machine_env: str) -> subprocess.Popen:
+    """Start ``script`` with bash as user data runs, the shim and stubs first on PATH, plus
+    ``machine_env``."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, body in {"python3": SHIM, **{k: f"#!/bin/bash\n{v}" for k, v in STUBS.items()}
@@ -65,10 +73,25 @@ def run_script(script: str, tmp_path: Path, **machine_env: str,
     path = tmp_path / "user-data.sh"
     path.write_text(script)
     env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin", "STATE": str(tmp_path), **machine_env}
-    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True,
-                          timeout=30, check=False)  # fmt: skip
+    return subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, tmp_path: Path,
+           ) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Wait for a started script; how it ended and the calls the shim and stubs saw."""
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()  # our own child, if the wait timed out
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
-    return done, calls
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), calls
+
+
+def run_script(script: str, tmp_path: Path, **machine_env: str,
+               ) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run ``script`` to its end (``start_script``); how it ended and the calls they saw."""
+    return finish(start_script(script, tmp_path, **machine_env), tmp_path)
 
 
 def test_stock_image_installs_the_agent_once_then_runs_it(tmp_path: Path) -> None:
@@ -178,11 +201,36 @@ def test_a_clean_stop_powers_off_without_a_report(tmp_path: Path) -> None:
     assert not [c for c in calls if c.startswith("curl")] and calls[-1] == "shutdown -h now"
 
 
+@pytest.mark.parametrize(("agent_exit", "report"), [(75, False), (3, True)])
+def test_a_term_to_the_script_stops_the_agent_and_the_trap_sees_its_code(
+        tmp_path: Path, agent_exit: int, report: bool) -> None:
+    """A TERM to the start script (a service stop, a shutdown's final kill) is forwarded to the
+    agent, and the script waits for it: the exit trap judges the agent's own code (75, a
+    checkpoint: no report), not the status of the script's last command while the agent runs."""
+    (tmp_path / "agent-runs").touch()
+    (tmp_path / "agent-exit").write_text(str(agent_exit))
+    proc = start_script(bootstrap.agent_script(reporting(), "aws", "fb"), tmp_path)
+    started = time.monotonic()
+    while not (tmp_path / "agent-started").exists():
+        assert time.monotonic() - started < 20 and proc.poll() is None, "the agent never ran"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    done, calls = finish(proc, tmp_path)
+    assert done.returncode == agent_exit
+    names = [c.split()[0] for c in calls]
+    expected = ["-m", "agent", *(["curl"] if report else []), "shutdown"]
+    assert names[-len(expected):] == expected  # the agent stopped, then the trap ran
+    assert calls[-len(expected) + 1] == "agent got TERM"
+    if report:
+        assert reported(tmp_path, calls).exit_code == agent_exit
+
+
 @pytest.mark.parametrize(("machine", "job", "option", "expected"), [
     ({"FLEET_SHUTDOWN_COMMAND": "echo off-by-override >> $STATE/calls"}, {}, None,
      "off-by-override"),
     ({"FLEET_SHUTDOWN_COMMAND": ""}, {}, None, None),  # empty: the VM stays up
-    ({}, {"FLEET_SHUTDOWN_COMMAND": ""}, None, None),  # a launch may keep its VM up (to debug)
+    # the launch request's env: only code sets it (a spec's envs may not start with FLEET_)
+    ({}, {"FLEET_SHUTDOWN_COMMAND": ""}, None, None),
     # the provider's shutdown_command option (a fleet file's `options:`) beats the launch's
     ({}, {"FLEET_SHUTDOWN_COMMAND": ""}, "echo off-by-option >> $STATE/calls", "off-by-option"),
     ({}, {}, "", None),

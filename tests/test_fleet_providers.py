@@ -17,9 +17,9 @@ from broker.actuator import Actuator, ActuatorConfig
 from broker.fleet import CloudConfig, FleetFile, FleetProvider, build_fleet_provider, cloud_pools
 from broker.models import JobState
 from broker.reconciler import Reconciler
-from broker.scheduler import Scheduler, SchedulerConfig, blocked_pools
+from broker.scheduler import Scheduler, SchedulerConfig, blocked_pools, refused_pools
 from broker.store import Conflict, Plan, Store
-from policies.migration import Blocklist, mark_preempted
+from policies.migration import Blocklist, mark_preempted, refusal_key
 from policies.models import (
     Accelerator,
     BatchRange,
@@ -35,7 +35,7 @@ from providers import catalog
 from providers.aws import AwsProvider
 from providers.base import LaunchRequest, NodeState, ProviderError, Quota, share
 from providers.local import LocalProvider
-from tests.cloud_env import aws_quotas, ec2_refuses, no_cloud_config
+from tests.cloud_env import aws_quotas, ec2_refuses, no_cloud_config, record_launches
 from tests.redis_server import RedisServer
 
 SECRET = "wJalrXUtnFEMI-not-a-real-secret"
@@ -154,6 +154,10 @@ def test_a_family_quota_is_split_in_whole_instances_biggest_first() -> None:
                                                                             "four": 4}
     # a pool of several sizes takes the largest that what is left holds (p3: 1, 4 or 8 GPUs)
     assert share([Quota(free=80, per_gpu={"p3": 8})], sizes={"p3": [1, 4, 8]}) == {"p3": 10}
+    # each size charged its instance's own vCPUs: 72 hold no 4-GPU NC96ads_A100_v4 (96) though
+    # 4 x 12 (the fewest a GPU, ND96asr_v4's) is 48; they hold three 1-GPU NC24ads (24 each)
+    a100 = Quota(free=72, per_gpu={"a100": 12}, per_instance={"a100": {1: 24, 4: 96, 8: 96}})
+    assert share([a100], sizes={"a100": [1, 4, 8]}) == {"a100": 3}
     # sizes unknown: one GPU an instance, dealt in turn (a GCP GPU quota: 1 unit a GPU)
     assert share([Quota(free=7, per_gpu={"a": 1, "b": 1})]) == {"a": 4, "b": 3}
     # a pool the fleet caps (max_gpus less what it holds) is dealt no more: the rest goes on
@@ -627,42 +631,68 @@ def test_a_failing_terminate_stalls_nothing_and_a_lost_record_still_counts_a_fai
     assert reconciler.run(fence).abandoned == 1  # retried
 
 
-def test_a_launch_that_fell_back_to_a_dearer_az_records_that_azs_price(
+def test_a_launch_that_falls_back_to_a_dearer_az_records_that_azs_price(
         aws_fleet: FleetProvider, store: Store) -> None:
-    """The pool carries use1-az1's $0.5197 (us-east-1b on moto); with no capacity there the
-    launch lands in use1-az6 (us-east-1a), $0.6827, and the job's cost is counted at that."""
+    """The pool carries use1-az1's $0.5197 (us-east-1b on moto). With no capacity there, that
+    attempt is refused and marks only that AZ: the pool stays usable, and the next round's
+    attempt (a new key) lands in use1-az6 (us-east-1a), $0.6827, the price the job is counted
+    at. One launch, one AZ, one ``ClientToken``: a retry can never start a second instance."""
     aws = aws_fleet.for_cloud("aws")
     assert isinstance(aws, AwsProvider)
     ec2_refuses(aws._client("ec2", "us-east-1"), "InsufficientInstanceCapacity", "us-east-1b")
     fence = store.acquire_lease("me", 60)
     job = store.submit(v100_spec("fallback"), team="t")
     broker_pass(store, aws_fleet, fence)
+    refused = store.get_job(job.id)
+    assert refused is not None and refused.state is JobState.SUSPENDED
+    assert (refused.failures, aws_fleet.nodes()) == (0, [])
+    (event,) = [e for e in store.events(job_id=job.id) if e.type == "pool-refused"]
+    assert (event.data["pool"], event.data["zone"]) == (EAST, "us-east-1b")
+    blocklist, _ = store.blocklist()
+    now = time.time()
+    assert blocklist.is_refused(refusal_key(EAST, "us-east-1b"), now)
+    assert not blocklist.is_refused(EAST, now)  # the pool itself is not blocked
+    assert blocked_pools(store.pools(), blocklist, now) == frozenset()
+    assert refused_pools(store.pools(), blocklist, now) == {}
+    broker_pass(store, aws_fleet, fence)
     running = store.get_job(job.id)
     assert running is not None and running.state is JobState.RUNNING and running.pool == EAST
+    assert (running.attempt, running.failures) == (2, 0)
     assert [n.zone for n in aws_fleet.nodes()] == ["us-east-1a"]
     assert [p.price_per_gpu_hour for p in store.placements(job.id)] == [0.6827]
 
 
-@pytest.mark.parametrize(("code", "reason"), [("InsufficientInstanceCapacity", "no capacity"),
-                                              ("VcpuLimitExceeded", "no quota")])
+# p3.2xlarge spot in us-east-1 (moto's names): use1-az1, az6, az5, az2, cheapest first
+EAST_AZS = ["us-east-1b", "us-east-1a", "us-east-1f", "us-east-1c"]
+
+
+@pytest.mark.parametrize(("code", "reason", "zones"), [
+    ("InsufficientInstanceCapacity", "no capacity", [*EAST_AZS[:3], None]),
+    ("VcpuLimitExceeded", "no quota", [None])])
 def test_a_refused_launch_blocks_the_pool_and_the_job_launches_in_another(
-        aws_fleet: FleetProvider, store: Store, code: str, reason: str) -> None:
+        aws_fleet: FleetProvider, store: Store, code: str, reason: str,
+        zones: list[str | None]) -> None:
+    """A stock-out in every AZ: one attempt per priced AZ, each marking its AZ, the last one
+    the pool; a quota is the region's, so its first refusal marks the pool."""
     aws = aws_fleet.for_cloud("aws")
     assert isinstance(aws, AwsProvider)
     east = aws._client("ec2", "us-east-1")
     east.meta.config.retries = {"max_attempts": 0}
+    sent = record_launches(east)
     ec2_refuses(east, code)
     fence = store.acquire_lease("me", 60)
     job = store.submit(v100_spec("refused"), team="t")
-    for _ in range(5):  # before, the same cheapest pool every round: a quota error FAILED it
+    for _ in range(len(zones) + 4):  # before, the same pool each round: a quota error FAILED it
         broker_pass(store, aws_fleet, fence)
     done = store.get_job(job.id)
     assert done is not None and done.state is JobState.RUNNING and done.pool == WEST
-    assert done.failures == 0 and done.attempt == 2
+    assert done.failures == 0 and done.attempt == len(zones) + 1
+    assert list(sent) == EAST_AZS[:len(zones)]  # each AZ once, cheapest first
     refused = [e for e in store.events(job_id=job.id) if e.type == "pool-refused"]
-    assert [(e.data["pool"], e.data["error"]) for e in refused] == [(EAST, reason)]
+    assert [(e.data["pool"], e.data["zone"], e.data["error"]) for e in refused] == \
+        [(EAST, zone, reason) for zone in zones]
     suspended = [e for e in store.events(job_id=job.id) if e.data.get("to") == "suspended"]
-    assert len(suspended) == 1
+    assert len(suspended) == len(zones)
     blocklist, _ = store.blocklist()
     now = time.time()
     assert blocklist.is_refused(EAST, now) and not blocklist.is_refused(WEST, now)

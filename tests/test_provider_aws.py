@@ -25,7 +25,13 @@ from providers.base import (
     ProviderError,
     QuotaError,
 )
-from tests.cloud_env import aws_quotas, ec2_params, ec2_refuses, fake_aws_keys
+from tests.cloud_env import (
+    aws_quotas,
+    ec2_honours_client_tokens,
+    ec2_refuses,
+    fake_aws_keys,
+    record_launches,
+)
 
 REGIONS = ["us-east-1", "us-west-2"]
 IMAGE = "ami-12c6146b"  # moto accepts any AMI id; this one is in its default image list
@@ -75,8 +81,7 @@ def test_spot_launch_tags_user_data_and_client_token(aws: AwsProvider) -> None:
     inst = _describe(iid, region)
     assert inst["InstanceType"] == "p3.2xlarge"  # the catalog's only 1x V100 type
     assert inst["InstanceLifecycle"] == "spot"
-    zone = inst["Placement"]["AvailabilityZone"]
-    assert inst["ClientToken"] == bootstrap.token(f"{req.idempotency_key}@{zone}")
+    assert inst["ClientToken"] == bootstrap.token(req.idempotency_key)  # in any AZ
     tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
     assert tags[bootstrap.BROKER_TAG] == "test-broker" and tags[bootstrap.KEY_TAG] == "job-1:7:0"
     raw = (
@@ -85,7 +90,7 @@ def test_spot_launch_tags_user_data_and_client_token(aws: AwsProvider) -> None:
         .describe_instance_attribute(InstanceId=iid, Attribute="userData")["UserData"]["Value"]
     )
     script = base64.b64decode(raw).decode()
-    assert "\npython3 -m broker.runtime.agent -- python train.py --lr 0.1\n" in script
+    assert "\npython3 -m broker.runtime.agent -- python train.py --lr 0.1 &\n" in script
     behaviour = session().client("ec2", region).describe_instance_attribute(
         InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior")
     assert behaviour["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
@@ -207,50 +212,75 @@ def zone_names(region: str = "us-east-1") -> dict[str, str]:
     return {z["ZoneId"]: z["ZoneName"] for z in zones}
 
 
-def record_launches(ec2) -> dict[str, set[str]]:
-    """The AZs ``ec2``'s RunInstances go to, in order, each with the ClientTokens sent there
-    (botocore itself retries a refusal with HTTP 500, as InsufficientInstanceCapacity)."""
-    sent: dict[str, set[str]] = {}
-
-    def record(request, **_) -> None:
-        params = ec2_params(request)
-        sent.setdefault(params["Placement.AvailabilityZone"], set()).add(params["ClientToken"])
-
-    ec2.meta.events.register("before-send.ec2.RunInstances", record)
-    return sent
-
-
-def test_spot_launch_without_capacity_in_the_priced_az_tries_the_next_cheapest(
+def test_spot_launch_without_capacity_in_the_priced_az_names_it_and_tries_no_other(
         aws: AwsProvider) -> None:
-    """p3.2xlarge spot in us-east-1: use1-az1 $0.5197, az6 $0.6827, az5 $0.7031, az2 $0.7657."""
+    """p3.2xlarge spot in us-east-1: use1-az1 $0.5197, az6 $0.6827, az5 $0.7031, az2 $0.7657.
+    One attempt tries one AZ; the next attempt (a new key) avoids the AZs that refused."""
     names = zone_names()
     cheapest, second = names["use1-az1"], names["use1-az6"]
     ec2 = aws._client("ec2", "us-east-1")
     sent = record_launches(ec2)
     ec2_refuses(ec2, "InsufficientInstanceCapacity", zone=cheapest)
-    req = request(nodes=1)
-    (node,) = aws.launch(req)
-    assert (node.zone, node.price_per_gpu_hour) == (second, 0.6827)  # what the launch costs
-    # One token per key and AZ: a retry in an AZ is idempotent, another AZ a new request.
-    tokens = {z: {bootstrap.token(f"{req.idempotency_key}@{z}")} for z in (cheapest, second)}
-    assert sent == tokens and list(sent) == [cheapest, second]
-    assert {_describe(node.node_id.partition("/")[2])["ClientToken"]} == tokens[second]
-    assert [n.node_id for n in aws.launch(req)] == [node.node_id]  # found by its key tag
+    with pytest.raises(CapacityError, match=f"run_instances in {cheapest}") as refused:
+        aws.launch(request(nodes=1))
+    assert refused.value.zone == cheapest  # others remain: only that AZ is out
+    assert sent == {cheapest: {bootstrap.token("job-1:7:0")}} and aws.nodes() == []
+    # The next attempt names the refused AZ by name or by id, as the blocklist holds it.
+    for key, avoid in (("job-1:8:0", (cheapest,)), ("job-1:9:0", ("use1-az1",))):
+        (node,) = aws.launch(request(nodes=1, key=key, avoid_zones=avoid))
+        assert (node.zone, node.price_per_gpu_hour) == (second, 0.6827)  # what it costs
+        assert sent[second] >= {bootstrap.token(key)}
     assert list(sent) == [cheapest, second]
+
+
+def test_a_retry_of_a_key_never_launches_a_second_instance(
+        aws: AwsProvider, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first launch's record was lost and the tag lookup misses its instance (eventually
+    consistent): EC2's ``ClientToken``, the key's in every AZ, returns the first launch (M5: at
+    its AZ's price); the same key sent to another AZ fails and starts nothing."""
+    ec2_honours_client_tokens(monkeypatch)
+    names = zone_names()
+    req = request(nodes=1, avoid_zones=("use1-az1",))  # lands in use1-az6, $0.6827
+    (first,) = aws.launch(req)
+    found = aws._by_key
+    missed: list[str] = []
+
+    def lagging(region: str, key: str) -> list:
+        if not missed:
+            missed.append(key)
+            return []  # DescribeInstances does not show the new instance yet
+        return found(region, key)
+
+    monkeypatch.setattr(aws, "_by_key", lagging)
+    again = aws.launch(req)
+    assert missed == [req.idempotency_key]
+    assert [(n.node_id, n.zone, n.price_per_gpu_hour) for n in again] == \
+        [(first.node_id, names["use1-az6"], 0.6827)]
+    # Found by its tag this time: the same node, at the same price.
+    assert [(n.node_id, n.price_per_gpu_hour) for n in aws.launch(req)] == \
+        [(first.node_id, 0.6827)]
+    # The zone refusals changed meanwhile: the retry picks another AZ under the same token.
+    missed.clear()
+    with pytest.raises(ProviderError, match=r"IdempotentParameterMismatch.*next attempt ends"):
+        aws.launch(req.model_copy(update={"avoid_zones": ("use1-az1", "use1-az6")}))
+    assert [n.node_id for n in aws.nodes()] == [first.node_id]
 
 
 def test_spot_launch_without_capacity_in_any_priced_az_is_a_capacity_error(
         aws: AwsProvider) -> None:
+    names = zone_names()
+    tried = [names[z] for z in ("use1-az1", "use1-az6", "use1-az5", "use1-az2")]
     ec2 = aws._client("ec2", "us-east-1")
     sent = record_launches(ec2)
     ec2_refuses(ec2, "InsufficientInstanceCapacity")
-    with pytest.raises(CapacityError) as refused:
-        aws.launch(request(nodes=1))
-    names = zone_names()
-    tried = [names[z] for z in ("use1-az1", "use1-az6", "use1-az5", "use1-az2")]
-    assert list(sent) == tried  # cheapest first
-    assert all(f"run_instances in {z}: InsufficientInstanceCapacity" in str(refused.value)
-               for z in tried)
+    for n, zone in enumerate(tried):  # one attempt per AZ, cheapest first
+        with pytest.raises(CapacityError, match=f"run_instances in {zone}") as refused:
+            aws.launch(request(nodes=1, key=f"job-1:7:{n}", avoid_zones=tuple(tried[:n])))
+        assert refused.value.zone == (zone if n < 3 else None)  # the last: the pool is out
+    assert list(sent) == tried
+    with pytest.raises(CapacityError, match=r"every AZ with a p3\.2xlarge spot price") as refused:
+        aws.launch(request(nodes=1, key="job-1:7:4", avoid_zones=tuple(tried)))
+    assert refused.value.zone is None and list(sent) == tried  # not sent at all
     assert aws.nodes() == []
 
 
@@ -259,8 +289,9 @@ def test_a_pool_with_a_zone_and_quota_errors_do_not_fall_back(aws: AwsProvider) 
     ec2 = aws._client("ec2", "us-east-1")
     sent = record_launches(ec2)
     ec2_refuses(ec2, "InsufficientInstanceCapacity", zone=names["use1-az6"])
-    with pytest.raises(CapacityError):
+    with pytest.raises(CapacityError) as refused:
         aws.launch(request(nodes=1, zone="use1-az6"))  # the pool's zone, by id or name
+    assert refused.value.zone is None  # the pool is that zone: the whole pool is out
     ec2_refuses(ec2, "MaxSpotInstanceCountExceeded", zone=names["use1-az1"])
     with pytest.raises(QuotaError):
         aws.launch(request(nodes=1, key="k-quota"))

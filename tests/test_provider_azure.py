@@ -219,11 +219,18 @@ def test_capacity_from_regional_vcpu_quotas(azure: AzureProvider, http) -> None:
     # of it would overcommit the region), and every count is one the pool's instances launch.
     sizes = instance_sizes("azure", OFFERS)
     spot_pools = sorted(spot.per_gpu)
-    assert sum(cap[p] * spot.per_gpu[p] for p in spot_pools) <= 88
-    assert sum(cap[p] > 0 for p in spot_pools) >= 2  # A100 4, H100 2, M60 1, T4 1
     for pool in spot_pools:
         assert cap[pool] == 0 or any(cap[pool] % n == 0 for n in sizes[pool])
     assert cap["azure:eastus:on-demand:V100"] == 0
+    # Each instance is charged its own type's vCPUs, not its GPUs times the fewest vCPUs a GPU
+    # (12 for A100, from ND96asr_v4's 8): the cheapest 1, 2 and 4 A100 types have 24 a GPU.
+    # Charged 12 a GPU, 88 vCPUs were A100 4 (an NC96ads_A100_v4, really 96 vCPUs), H100 2
+    # (NC80adis, 80), M60 1 and T4 1: 192 vCPUs of launches against 88.
+    a100, h100 = "azure:eastus:spot:A100", "azure:eastus:spot:H100"
+    assert spot.per_gpu[a100] == 12
+    assert spot.per_instance[a100] == {1: 24, 2: 48, 4: 96, 8: 96}
+    assert {p: n for p, n in cap.items() if n and ":spot:" in p} == {a100: 2, h100: 1}
+    assert spot.units(a100, 2) + spot.units(h100, 1) == 48 + 40 <= 88
 
 
 def test_not_configured_names_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,6 +240,44 @@ def test_not_configured_names_what_to_set(monkeypatch: pytest.MonkeyPatch) -> No
         NotConfiguredError, match="azure is not configured: set AZURE_SUBSCRIPTION_ID"
     ):
         AzureProvider()
+
+
+def serve_power(http: responses.RequestsMock, power: dict[str, str]) -> None:
+    """Each VM's instance view, with its power state from ``power`` (VM name -> state)."""
+
+    def instance_view(req):
+        name = re.search(r"virtualMachines/([\w-]+)/instanceView", req.url).group(1)
+        statuses = [{"code": "ProvisioningState/succeeded", "level": "Info"},
+                    {"code": f"PowerState/{power[name]}", "level": "Info"}]  # fmt: skip
+        return 200, {}, json.dumps({"statuses": statuses})
+
+    http.add_callback(responses.GET, re.compile(rf"{RG}/virtualMachines/[\w-]+/instanceView"),
+                      callback=instance_view)  # fmt: skip
+
+
+def test_a_vm_powered_off_from_inside_is_terminated_and_deleted_whatever_its_priority(
+        azure: AzureProvider, http) -> None:
+    """The start script's exit trap runs ``shutdown -h now``: on Azure that leaves the VM
+    ``Stopped``, provisioning state still ``Succeeded``, and billing for compute. An on-demand
+    VM and a Spot VM under ``Delete`` powered off so are gone for the broker (not evictions) and
+    deleted once it forgets them; a running one is left alone."""
+    store: dict[str, dict] = {}
+    serve_vms(http, store, {"status": "Succeeded"})
+    regular, running = (azure.launch(request(key=f"job-5:2:{i}", market=Market.ON_DEMAND))[0]
+                        .node_id for i in (0, 1))
+    spot = azure.launch(request(key="job-5:2:2"))[0].node_id  # evictionPolicy Delete
+    http.add(responses.GET, re.compile(rf"{RG}/virtualMachines\?"),
+             json={"value": [store[n] for n in (regular, running, spot)]})  # fmt: skip
+    serve_power(http, {regular: "stopped", running: "running", spot: "stopped"})
+    state = {n.node_id: n.state for n in azure.nodes()}
+    assert state == {regular: NodeState.TERMINATED, running: NodeState.RUNNING,
+                     spot: NodeState.TERMINATED}  # fmt: skip
+    assert azure.notices() == []  # shut down from inside, not evicted
+    http.add(responses.DELETE, VM_URL, status=200)
+    for name in (regular, running, spot):
+        azure.forget(name)
+    deleted = [c.request.url for c in http.calls if c.request.method == "DELETE"]
+    assert [u.split("/virtualMachines/")[1].split("?")[0] for u in deleted] == [regular, spot]
 
 
 def test_deallocated_spot_vm_is_an_eviction_not_a_running_node(http) -> None:
@@ -248,21 +293,13 @@ def test_deallocated_spot_vm_is_an_eviction_not_a_running_node(http) -> None:
     assert json.loads(put.request.body)["properties"]["evictionPolicy"] == "Deallocate"
     http.add(responses.GET, re.compile(rf"{RG}/virtualMachines\?"),
              json={"value": [store[n] for n in (evicted, running, stopped, regular)]})  # fmt: skip
-    power = {evicted: "deallocated", running: "running", stopped: "stopped"}
-
-    def instance_view(req):
-        name = re.search(r"virtualMachines/([\w-]+)/instanceView", req.url).group(1)
-        statuses = [{"code": "ProvisioningState/succeeded", "level": "Info"},
-                    {"code": f"PowerState/{power[name]}", "level": "Info"}]  # fmt: skip
-        return 200, {}, json.dumps({"statuses": statuses})
-
-    http.add_callback(responses.GET, re.compile(rf"{RG}/virtualMachines/[\w-]+/instanceView"),
-                      callback=instance_view)  # fmt: skip
+    serve_power(http, {evicted: "deallocated", running: "running", stopped: "stopped",
+                       regular: "running"})
     state = {n.node_id: n.state for n in azure.nodes()}
     assert state == {evicted: NodeState.TERMINATED, running: NodeState.RUNNING,
                      stopped: NodeState.TERMINATED, regular: NodeState.RUNNING}  # fmt: skip
     viewed = [c.request.url for c in http.calls if "/instanceView" in c.request.url]
-    assert len(viewed) == 3 and not [u for u in viewed if regular in u]  # on-demand: no call
+    assert len(viewed) == 4  # every VM's power state, on-demand too
     assert [n.node_id for n in azure.notices()] == [evicted]  # stopped from inside: no eviction
     http.add(responses.DELETE, VM_URL, status=200)
     azure.forget(running)  # still running: forget deletes nothing
