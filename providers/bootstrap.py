@@ -175,6 +175,7 @@ EXIT_TRAP = r"""fleet_report_failure() {
 fleet_exit() {
   local code=$?
   trap - EXIT
+  trap '' TERM INT  # a signal now must not cut the report or the power-off short
   if [ "$code" != 0 ] && [ "$code" != 75 ]; then
     echo "fleet: the agent exited with $code; reporting the failure to the broker" >&2
     ( fleet_job_env; fleet_report_failure "$code" ) || echo "fleet: could not report it" >&2

@@ -45,7 +45,8 @@ esac
 # Each stub records its name and arguments; curl also what it read on stdin (the header).
 STUBS = {
     "apt-get": 'echo "apt-get $*" >> "$STATE/calls"\n',
-    "curl": 'echo "curl $*" >> "$STATE/calls"; cat > "$STATE/curl-stdin"\n',
+    "curl": 'echo "curl $*" >> "$STATE/calls"; cat > "$STATE/curl-stdin"\n'
+            '[ -e "$STATE/curl-slow" ] && { touch "$STATE/curl-started"; sleep 1; }; true\n',
     "shutdown": 'echo "shutdown $*" >> "$STATE/calls"\n',
 }
 TOKEN = "attempt-token-s3cret"
@@ -223,6 +224,23 @@ def test_a_term_to_the_script_stops_the_agent_and_the_trap_sees_its_code(
     assert calls[-len(expected) + 1] == "agent got TERM"
     if report:
         assert reported(tmp_path, calls).exit_code == agent_exit
+
+
+def test_a_signal_during_the_exit_trap_cuts_neither_the_report_nor_the_power_off(
+        tmp_path: Path) -> None:
+    """curl may retry for many seconds; a TERM that lands while the trap reports a failure
+    (or powers off) must not end the script before the VM is powered off."""
+    (tmp_path / "agent-exit").write_text("3")
+    (tmp_path / "curl-slow").touch()
+    proc = start_script(bootstrap.agent_script(reporting(), "aws", "fb"), tmp_path)
+    started = time.monotonic()
+    while not (tmp_path / "curl-started").exists():
+        assert time.monotonic() - started < 20 and proc.poll() is None, "no report was sent"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    done, calls = finish(proc, tmp_path)
+    assert done.returncode == 3
+    assert [c.split()[0] for c in calls][-2:] == ["curl", "shutdown"]
 
 
 @pytest.mark.parametrize(("machine", "job", "option", "expected"), [
