@@ -111,6 +111,12 @@ def map_error(exc: Exception, what: str) -> Exception:
     return ProviderError(message)
 
 
+def _mismatch(exc: Exception) -> bool:
+    """EC2 saw this ``ClientToken`` before with other parameters."""
+    response = getattr(exc, "response", None) or {}
+    return response.get("Error", {}).get("Code") == "IdempotentParameterMismatch"
+
+
 class AwsProvider(Provider):
     """EC2 in a set of regions; nodes are ``<region>/<instance-id>``."""
 
@@ -225,15 +231,37 @@ class AwsProvider(Provider):
         instance_type = self.instance_type_for(request)
         zone, others = self._launch_zone(request, instance_type)
         try:
-            resp = self._client("ec2", request.region).run_instances(
-                **self._run_args(request, instance_type),
-                **placement(request.idempotency_key, zone))
+            resp = self._run(request, instance_type, zone)
         except Exception as exc:
             error = map_error(exc, f"run_instances in {zone or request.region}")
             if isinstance(error, CapacityError) and others:
                 raise CapacityError(f"{error} (other AZs may have room)", zone=zone) from exc
+            if _mismatch(exc):
+                return self._replay(request, instance_type, zone, error)
             raise error from exc
         return self._launched(request.region, resp["Instances"])
+
+    def _run(self, request: LaunchRequest, instance_type: str, zone: str | None) -> Any:
+        return self._client("ec2", request.region).run_instances(
+            **self._run_args(request, instance_type), **placement(request.idempotency_key, zone))
+
+    def _replay(self, request: LaunchRequest, instance_type: str, tried: str | None,
+                error: Exception) -> list[Node]:
+        """The key's token already launched in another AZ (the refusals or the catalog changed
+        between a launch and its retry, and the listing does not show the instance yet): the
+        same request in that AZ returns that launch, and in any other starts nothing. So ask
+        each priced AZ in turn for the original."""
+        for zone in self._spot_prices(request.region, instance_type):
+            if zone == tried:
+                continue
+            try:
+                resp = self._run(request, instance_type, zone)
+            except Exception as exc:
+                if _mismatch(exc):
+                    continue
+                raise map_error(exc, f"run_instances in {zone}") from exc
+            return self._launched(request.region, resp["Instances"])
+        raise error
 
     def _run_args(self, request: LaunchRequest, instance_type: str) -> dict[str, Any]:
         """``run_instances`` arguments but the AZ and the token (``placement``)."""
