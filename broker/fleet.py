@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -34,6 +34,7 @@ from providers.local import LocalFleet, LocalProvider, LocalRegion
 from providers.registry import build_providers
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class CloudConfig(BaseModel):
@@ -261,13 +262,7 @@ class FleetProvider(Provider):
             backend = self.backends[0]
         else:
             backend = self.for_cloud(request.cloud)
-        try:
-            nodes = backend.launch(request)
-        except ProviderError:
-            raise
-        except Exception as exc:  # e.g. the cloud's endpoint unreachable: a failed launch
-            raise ProviderError(f"{backend.name} launch {request.idempotency_key}: {exc}") \
-                from exc
+        nodes = _as_provider_error(backend, "launch", backend.launch, request)
         self._remember(backend, nodes)
         return nodes
 
@@ -308,12 +303,12 @@ class FleetProvider(Provider):
     def terminate(self, node_id: str) -> None:
         backend = self._backend(node_id)
         if backend is not None:  # unknown everywhere: already gone
-            backend.terminate(node_id)
+            _as_provider_error(backend, "terminate", backend.terminate, node_id)
 
     def forget(self, node_id: str) -> None:
         backend = self._backend(node_id)
         if backend is not None:
-            backend.forget(node_id)
+            _as_provider_error(backend, "forget", backend.forget, node_id)
 
     def read_log(self, node_id: str, offset: int = 0) -> tuple[list[str], int]:
         backend = self._backend(node_id)
@@ -335,6 +330,18 @@ class FleetProvider(Provider):
             with self._lock:
                 known = self._owner.get(node_id)
         return known
+
+
+def _as_provider_error(backend: Provider, what: str, call: Callable[[Any], T], arg: Any) -> T:
+    """``call(arg)`` with any failure as a ``ProviderError`` (an endpoint unreachable, an SDK's
+    own exception type): the callers handle that one kind, so one cloud's trouble stays a
+    failed launch or a node to retry, not a crash of the broker's pass."""
+    try:
+        return call(arg)
+    except ProviderError:
+        raise
+    except Exception as exc:
+        raise ProviderError(f"{backend.name} {what} {arg}: {exc}") from exc
 
 
 def build_fleet_provider(path: Path, state_dir: Path, workdir: Path) -> tuple[

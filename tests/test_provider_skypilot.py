@@ -283,6 +283,12 @@ def test_a_fleet_cloud_may_launch_through_skypilot(
     assert task["resources"]["cloud"] == "gcp" and task["resources"]["region"] == "us-central1"
     assert (node.provider, node.region, node.job_id) == ("skypilot", "us-central1", "job-3")
     assert [n.node_id for n in fleet.nodes() if n.provider == "skypilot"] == [node.node_id]
+    down = sky.down
+    sky.down = lambda name: (_ for _ in ()).throw(OSError("api server unreachable"))
+    # an SDK's own exception reaches the broker as a ProviderError, which its passes retry
+    with pytest.raises(ProviderError, match=r"skypilot terminate .*api server unreachable"):
+        fleet.terminate(node.node_id)
+    sky.down = down
     fleet.terminate(node.node_id)  # routed to the backend that listed it: `sky down`
     assert cluster not in sky.clusters
 
