@@ -475,6 +475,19 @@ _REGION_SHAPES = {
 }
 
 
+_REGION_EXAMPLES = {"aws": "us-east-1", "gcp": "europe-west4", "azure": "eastus"}
+
+
+def _not_a_region(location: str) -> str | None:
+    """Why ``cloud:region`` names no region its cloud could have (``aws:us-east1``), or None."""
+    cloud, _, region = location.partition(":")
+    shape = _REGION_SHAPES.get(cloud)
+    if shape is None or shape.match(region):
+        return None
+    return (f"{region!r} is not a {cloud} region name; write one like "
+            f"{cloud}:{_REGION_EXAMPLES[cloud]}")
+
+
 def _bare_region_fix(region: str) -> str | None:
     """For a region written without its cloud: the pattern it meant (``europe-west4`` ->
     ``gcp:europe-west4``), or for a region glob the clouds to choose from; None for a word that
@@ -526,7 +539,7 @@ def _parse_checkpoint(p: _Problems, value: Any) -> dict[str, Any] | None:
     if region is not None:
         text = region.strip().lower() if isinstance(region, str) else ""
         why = None if not text or any(c in text for c in "*?[") else \
-            _unknown_cloud(text, bare=":" not in text)
+            _unknown_cloud(text, bare=":" not in text) or _not_a_region(text)
         if why or not _CLOUD_REGION.fullmatch(text):
             p.add("checkpoint.region", region, why or "write the bucket's cloud:region, like "
                   "aws:us-east-1 or gcp:europe-west4 (no patterns)")
