@@ -448,11 +448,12 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             g for p in pools for g in p.gpu_counts or ()}
         choices = {j.id: [c for c in job_choices(j, config.policy, capacity)
                           if counts is None or c.gpus in counts] for j in jobs}
-        for j in jobs:
-            g = j.spec.gpus
-            if counts is not None and j.state is JobState.QUEUED and not any(
-                    g.min <= n <= g.max for n in counts):
-                _unlaunchable(res, j, accel, sorted(counts), config)
+        unfit = [j for j in jobs if counts is not None and j.state is JobState.QUEUED
+                 and not any(j.spec.gpus.min <= n <= j.spec.gpus.max for n in counts)]
+        for j in unfit:
+            _unlaunchable(res, j, accel, sorted(counts or ()), config)
+        if config.admission is Admission.DROP:  # dropped now: one change per job and plan
+            jobs = [j for j in jobs if j not in unfit]
         placed = _allocate_and_place(res, jobs, choices, capacity, pools, pools_by_id, used,
                                      risk, marks, config, now)
         # GPUs free right now: running jobs hold theirs until they have checkpointed, so a

@@ -222,8 +222,10 @@ def test_only_gpu_counts_an_instance_type_offers_are_chosen_and_placed(store: St
     sched.run_round(fence)
     assert store.get_job(odd.id).version == version  # type: ignore[union-attr]  # said once
     dropper = Scheduler(store, SchedulerConfig(admission=Admission.DROP))
-    dropper.run_round(fence)
+    dropped = dropper.run_round(fence)
     assert store.get_job(odd.id).state is JobState.DROPPED  # type: ignore[union-attr]
+    assert (dropped.dropped, dropped.changed.count(odd.id)) == (1, 1)  # one change, one event
+    assert [e.type for e in store.events(job_id=odd.id)].count("dropped") == 1
     assert Pool(cloud="local", region="lab", accelerator=Accelerator.T4, nodes=1,
                 gpus_per_node=4).launchable(3)  # no instance types: any count that fits
 
