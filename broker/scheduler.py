@@ -452,6 +452,14 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
                  and not any(j.spec.gpus.min <= n <= j.spec.gpus.max for n in counts)]
         for j in unfit:
             _unlaunchable(res, j, accel, sorted(counts or ()), config)
+        never = [j for j in jobs if j.state is JobState.QUEUED and j not in unfit
+                 and must_not_preempt(j.spec.spot) and not _on_demand_launches(j, pools)]
+        for j in never:
+            g = j.spec.gpus
+            _unlaunchable(res, j, accel, [], config, reason=(
+                f"spot: never runs on on-demand only, and no on-demand {accel.value} pool in its "
+                f"regions launches {g.min}-{g.max} GPUs; allow spot, or widen gpus or regions"))
+        unfit += never
         if config.admission is Admission.DROP:  # dropped now: one change per job and plan
             jobs = [j for j in jobs if j not in unfit]
         placed = _allocate_and_place(res, jobs, choices, capacity, pools, pools_by_id, used,
@@ -728,12 +736,14 @@ def _note(res: RoundResult, job: JobRecord, event: str, reason: str) -> None:
 
 
 def _unlaunchable(res: RoundResult, job: JobRecord, accel: Accelerator, sizes: list[int],
-                  config: SchedulerConfig) -> None:
-    """No instance type of the fleet has a GPU count the job accepts: say so on the job (once),
-    or drop it under admission drop, instead of leaving it queued without a word."""
+                  config: SchedulerConfig, reason: str | None = None) -> None:
+    """No instance type of the fleet has a GPU count the job accepts (or ``reason``): say so on
+    the job (once), or drop it under admission drop, instead of leaving it queued without a
+    word."""
     g = job.spec.gpus
-    reason = (f"gpus {g.min}:{g.max}: no {accel.value} instance type in this fleet has that many "
-              f"GPUs (sizes {', '.join(map(str, sizes))}); widen the job's gpus range")
+    reason = reason or (f"gpus {g.min}:{g.max}: no {accel.value} instance type in this fleet "
+                        f"has that many GPUs (sizes {', '.join(map(str, sizes))}); widen the "
+                        "job's gpus range")
     if config.admission is Admission.DROP:
         _drop(res, job, reason)
     else:
@@ -750,6 +760,14 @@ def _no_pool(res: RoundResult, job: JobRecord, region_reason: str | None,
         _drop(res, job, region_reason or "no pool offers its accelerators")
     elif region_reason is not None:
         _note(res, job, "no-region", region_reason)
+
+
+def _on_demand_launches(job: JobRecord, pools: Sequence[Pool]) -> bool:
+    """Does an on-demand pool in the job's regions launch a GPU count it accepts?"""
+    g, r = job.spec.gpus, job.spec.regions
+    return any(p.market is Market.ON_DEMAND and region_allowed(p, r.allow, r.deny) and
+               any(p.launchable(n) for n in range(g.min, min(g.max, p.capacity) + 1))
+               for p in pools)
 
 
 def _drop(res: RoundResult, job: JobRecord, reason: str) -> None:

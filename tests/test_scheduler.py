@@ -495,6 +495,22 @@ def test_on_demand_for_pace_takes_the_largest_size_an_on_demand_pool_holds(store
         assert store.get_job(filler).state is JobState.RUNNING  # type: ignore[union-attr]
 
 
+def test_a_spot_never_job_no_on_demand_pool_can_launch_says_so(store: Store) -> None:
+    """On-demand T4 comes only as 8-GPU instances; a spot: never job accepting 1-4 GPUs (which
+    the spot pool could launch) would wait forever: it says why, once, or is dropped."""
+    od8 = OD_T4.model_copy(update={"gpus_per_node": 8, "gpu_prices": {8: 0.9}})
+    store.set_pools([SPOT_T4, od8])
+    fence = store.acquire_lease("t", ttl_s=30)
+    job = store.submit(spec("never", gmax=4, spot="never"), team="t").id
+    Scheduler(store).run_round(fence)
+    got = store.get_job(job)
+    assert got is not None and got.state is JobState.QUEUED and got.reason == (
+        "spot: never runs on on-demand only, and no on-demand T4 pool in its regions launches "
+        "1-4 GPUs; allow spot, or widen gpus or regions")
+    Scheduler(store, SchedulerConfig(admission=Admission.DROP)).run_round(fence)
+    assert store.get_job(job).state is JobState.DROPPED  # type: ignore[union-attr]
+
+
 def test_a_spot_never_deadline_job_takes_the_on_demand_room_there_is(store: Store) -> None:
     """A 4-GPU spot: never job with a deadline; another job holds 2 of the 4 on-demand GPUs. It
     runs on the 2 free ones now instead of waiting for all 4."""
