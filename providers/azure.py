@@ -11,6 +11,7 @@ import base64
 import logging
 import os
 import re
+import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -116,6 +117,7 @@ class AzureProvider(Provider):
         polling_interval: float = 15.0,
         agent_install: str | None = None,
         shutdown_command: str | None = None,
+        power_ttl_s: float = 30.0,
     ) -> None:
         self.subscription_id = subscription_id or os.environ.get("AZURE_SUBSCRIPTION_ID")
         self.resource_group = resource_group or os.environ.get("FLEET_AZURE_RESOURCE_GROUP")
@@ -139,6 +141,10 @@ class AzureProvider(Provider):
         self.agent_install = bootstrap.agent_install_spec(agent_install)
         self.shutdown_command = shutdown_command
         self._stopped: dict[str, tuple[Node, str]] = {}  # the last nodes(): VM -> power state
+        # VM name -> (when read, power state): one instance-view call per VM a pass would spend
+        # ARM's read budget (about 12,000 an hour a subscription) at a few dozen VMs
+        self.power_ttl_s = power_ttl_s
+        self._powers: dict[str, tuple[float, str]] = {}
         self._offers = offers if offers is not None else load_offers(["azure"])
         self.regions = list(regions or sorted({o.region for o in self._offers}))
 
@@ -302,6 +308,7 @@ class AzureProvider(Provider):
         from azure.core.exceptions import ResourceNotFoundError
 
         out, stopped = [], {}
+        self._powers = {k: v for k, v in self._powers.items() if k in {vm.name for vm in owned}}
         for vm in owned:
             node = self._node(vm)
             try:
@@ -318,11 +325,16 @@ class AzureProvider(Provider):
     def _power(self, vm: Any) -> str | None:
         """The VM's power state (``running``, ``stopped``, ``deallocated``...), which the
         provisioning state cannot tell: a VM of any priority powered off from inside, and a Spot
-        VM evicted under ``Deallocate``, stay ``Succeeded``. One call per VM: the resource
+        VM evicted under ``Deallocate``, stay ``Succeeded``. One call per VM (the resource
         group's listing expands the instance view only under a scale-set filter, and the
-        subscription's ``statusOnly`` listing needs a role beyond the resource group."""
+        subscription's ``statusOnly`` listing needs a role beyond the resource group), reused
+        for ``power_ttl_s``: a VM that powered off is seen that much later at most."""
         from azure.core.exceptions import AzureError, ResourceNotFoundError
 
+        now = time.monotonic()
+        read = self._powers.get(vm.name)
+        if read is not None and now - read[0] < self.power_ttl_s:
+            return read[1]
         try:
             view = self._compute.virtual_machines.instance_view(self.resource_group, vm.name)
         except ResourceNotFoundError:
@@ -336,7 +348,10 @@ class AzureProvider(Provider):
                         getattr(exc, "status_code", None), code)
             return None
         codes = [s.code or "" for s in view.statuses or []]
-        return next((c.split("/", 1)[1] for c in codes if c.startswith("PowerState/")), None)
+        power = next((c.split("/", 1)[1] for c in codes if c.startswith("PowerState/")), None)
+        if power is not None:
+            self._powers[vm.name] = (now, power)
+        return power
 
     def notices(self) -> list[PreemptionNotice]:
         """Spot VMs the last ``nodes()`` found deallocated: Azure evicted them (a stopped one, or

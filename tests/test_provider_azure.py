@@ -340,3 +340,19 @@ def test_listing_skips_a_vm_deleted_meanwhile_and_keeps_one_whose_view_failed(
     assert [n.node_id for n in azure.notices()] == [evicted]
     (line,) = [r.getMessage() for r in caplog.records]
     assert flaky in line and "HTTP 409 OperationNotAllowed" in line and "SECRET" not in line
+
+
+@pytest.mark.parametrize(("ttl", "views"), [(30.0, 1), (0.0, 2)])
+def test_power_states_are_read_once_per_ttl_not_every_pass(http, ttl: float, views: int) -> None:
+    """Each owned VM's instance view is one ARM read; the broker lists every pass, so a power
+    state is reused for ``power_ttl_s`` (ARM allows about 12,000 reads an hour)."""
+    azure = make_azure(power_ttl_s=ttl)
+    store: dict[str, dict] = {}
+    serve_vms(http, store, {"status": "Succeeded"})
+    vm = azure.launch(request())[0].node_id
+    http.add(responses.GET, re.compile(rf"{RG}/virtualMachines\?"), json={"value": [store[vm]]})
+    http.add(responses.GET, re.compile(rf"{RG}/virtualMachines/[\w-]+/instanceView"),
+             json={"statuses": [{"code": "PowerState/running", "level": "Info"}]})
+    for _ in range(2):
+        assert [n.state for n in azure.nodes()] == [NodeState.RUNNING]
+    assert len([c for c in http.calls if "/instanceView" in c.request.url]) == views
