@@ -324,7 +324,8 @@ class Paced:
 
 def place_by_deadline(requests: Sequence[PlacementRequest], paced: Mapping[str, Paced],
                       pools: Sequence[Pool], used: Mapping[str, int],
-                      risk: Mapping[str, PoolRisk], config: SchedulerConfig) -> Placed:
+                      risk: Mapping[str, PoolRisk], config: SchedulerConfig,
+                      below_pace: bool = False) -> Placed:
     """Placement with each job in ``paced`` (the jobs with a deadline) on its market while spot
     is there; one that finds no pool with room there is asked again (:func:`_second_market`):
     sent to spot, on-demand when behind its pace (:func:`_retry`), else it waits this round
@@ -338,7 +339,7 @@ def place_by_deadline(requests: Sequence[PlacementRequest], paced: Mapping[str, 
                    config.egress, config.move_margin)
     missed = [r for r in requests if r.job_id in first and placed[r.job_id] is None]
     second = {r.job_id: _second_market(first[r.job_id], paced[r.job_id].view) for r in missed}
-    retry = [_retry(r, m, paced[r.job_id]) for r in missed
+    retry = [_retry(r, m, paced[r.job_id], below_pace) for r in missed
              if (m := second[r.job_id]) is not None]
     if retry:
         placed.update(place(retry, pools, _held(used, placed), risk, config.egress,
@@ -356,13 +357,18 @@ def place_by_deadline(requests: Sequence[PlacementRequest], paced: Mapping[str, 
     return out
 
 
-def _retry(req: PlacementRequest, market: Market, paced: Paced) -> PlacementRequest:
+def _retry(req: PlacementRequest, market: Market, paced: Paced,
+           below_pace: bool = False) -> PlacementRequest:
     """The request on the second market: on-demand at the sizes it takes there
-    (``Paced.on_demand``, largest first; none fits: allocated anew, ``Placed.switched``), spot
-    as allocated with its fallbacks."""
+    (``Paced.on_demand``, largest first; none fits: allocated anew, ``Placed.switched``), and
+    with ``below_pace`` (the round's last try) then at the size allocated and its fallbacks:
+    running beats idling when another job behind pace holds the rest of the room. Spot as
+    allocated with its fallbacks."""
     if market is Market.ON_DEMAND and paced.on_demand:
         top, *rest = paced.on_demand
-        req = replace(req, gpus=top.gpus, fallbacks=tuple(c.gpus for c in rest))
+        smaller = {c.gpus for c in rest} | ({req.gpus, *req.fallbacks} if below_pace else set())
+        req = replace(req, gpus=top.gpus,
+                      fallbacks=tuple(sorted((g for g in smaller if g < top.gpus), reverse=True)))
     return _on(req, market)
 
 
@@ -510,7 +516,7 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
     waiting: set[str] = set()
     missed: dict[str, PlacementRequest] = {}  # gave their share back: what they asked for
     notes: dict[str, str] = {}
-    for _ in range(2):
+    for last in (False, True):
         allowed, required = _paced_choices(jobs, choices, paced, pools_by_id)
         active = [j for j in jobs if j.id not in waiting and j.id not in missed]
         t0 = time.perf_counter()
@@ -523,7 +529,7 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
                 continue
             fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
             requests.append(placement_request(job, c, fallbacks, marks, pools_by_id, config))
-        placed = place_by_deadline(requests, paced, pools, used, risk, config)
+        placed = place_by_deadline(requests, paced, pools, used, risk, config, below_pace=last)
         notes.update(placed.notes)
         if not placed.waits and not placed.switched and not placed.missed:
             break

@@ -511,6 +511,21 @@ def test_a_spot_never_job_no_on_demand_pool_can_launch_says_so(store: Store) -> 
     assert store.get_job(job).state is JobState.DROPPED  # type: ignore[union-attr]
 
 
+def test_two_jobs_behind_pace_share_the_on_demand_room(store: Store) -> None:
+    """Spot (4 GPUs) is full; 6 of 8 on-demand GPUs are free; two 4-GPU jobs behind their pace.
+    Both cannot run at their pace size: one runs at 4, the other at 2 below its pace, rather
+    than idling beside free GPUs."""
+    od8 = OD_T4.model_copy(update={"gpus_per_node": 8})
+    store.set_pools([SPOT_T4, od8])
+    fence = store.acquire_lease("t", ttl_s=30)
+    fill(store, SPOT_T4, running=True)
+    fill(store, od8, gpus=2)
+    jobs = [paced_job(store, f"behind-{i}", 3.0, gpus=4, batch=256) for i in range(2)]
+    Scheduler(store).run_round(fence)
+    got = sorted((j.pool or "", j.gpus) for j in map(store.get_job, jobs) if j)
+    assert got == [(od8.id, 2), (od8.id, 4)]
+
+
 def test_a_spot_never_deadline_job_takes_the_on_demand_room_there_is(store: Store) -> None:
     """A 4-GPU spot: never job with a deadline; another job holds 2 of the 4 on-demand GPUs. It
     runs on the 2 free ones now instead of waiting for all 4."""
