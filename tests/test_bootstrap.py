@@ -202,6 +202,17 @@ def test_a_clean_stop_powers_off_without_a_report(tmp_path: Path) -> None:
     assert not [c for c in calls if c.startswith("curl")] and calls[-1] == "shutdown -h now"
 
 
+def term_once(tmp_path: Path, when: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run a reporting start script, send it TERM once the stub touched ``when``, finish."""
+    proc = start_script(bootstrap.agent_script(reporting(), "aws", "fb"), tmp_path)
+    started = time.monotonic()
+    while not (tmp_path / when).exists():
+        assert time.monotonic() - started < 20 and proc.poll() is None, f"never {when}"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    return finish(proc, tmp_path)
+
+
 @pytest.mark.parametrize(("agent_exit", "report"), [(75, False), (3, True)])
 def test_a_term_to_the_script_stops_the_agent_and_the_trap_sees_its_code(
         tmp_path: Path, agent_exit: int, report: bool) -> None:
@@ -210,13 +221,7 @@ def test_a_term_to_the_script_stops_the_agent_and_the_trap_sees_its_code(
     checkpoint: no report), not the status of the script's last command while the agent runs."""
     (tmp_path / "agent-runs").touch()
     (tmp_path / "agent-exit").write_text(str(agent_exit))
-    proc = start_script(bootstrap.agent_script(reporting(), "aws", "fb"), tmp_path)
-    started = time.monotonic()
-    while not (tmp_path / "agent-started").exists():
-        assert time.monotonic() - started < 20 and proc.poll() is None, "the agent never ran"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    done, calls = finish(proc, tmp_path)
+    done, calls = term_once(tmp_path, "agent-started")
     assert done.returncode == agent_exit
     names = [c.split()[0] for c in calls]
     expected = ["-m", "agent", *(["curl"] if report else []), "shutdown"]
@@ -232,13 +237,7 @@ def test_a_signal_during_the_exit_trap_cuts_neither_the_report_nor_the_power_off
     (or powers off) must not end the script before the VM is powered off."""
     (tmp_path / "agent-exit").write_text("3")
     (tmp_path / "curl-slow").touch()
-    proc = start_script(bootstrap.agent_script(reporting(), "aws", "fb"), tmp_path)
-    started = time.monotonic()
-    while not (tmp_path / "curl-started").exists():
-        assert time.monotonic() - started < 20 and proc.poll() is None, "no report was sent"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    done, calls = finish(proc, tmp_path)
+    done, calls = term_once(tmp_path, "curl-started")
     assert done.returncode == 3
     assert [c.split()[0] for c in calls][-2:] == ["curl", "shutdown"]
 
