@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from policies.models import Accelerator, Market, Offer, Pool
+from policies.models import Accelerator, Market, Offer, Pool, pool_id
 from providers.base import (
     LaunchRequest,
     Node,
@@ -142,8 +142,7 @@ def held_gpus(cloud: str, nodes: Sequence[Node]) -> dict[str, int]:
     out: dict[str, int] = {}
     for n in nodes:
         if n.state is not NodeState.TERMINATED:
-            pool = Pool(cloud=cloud, region=n.region, accelerator=n.accelerator, market=n.market,
-                        nodes=0, gpus_per_node=1).id
+            pool = pool_id(cloud, n.region, n.market, n.accelerator)
             out[pool] = out.get(pool, 0) + n.gpus
     return out
 

@@ -331,9 +331,10 @@ def place_by_deadline(requests: Sequence[PlacementRequest], paced: Mapping[str, 
     sent to spot, on-demand when behind its pace (:func:`_retry`), else it waits this round
     (holds no GPUs), as the simulator's fleet policy does; sent to on-demand, spot (progress beats
     waiting; a running job keeps its spot pool), unless it must not be preempted: that one waits
-    for on-demand room and says so. On-demand takes any smaller size the job accepts when the
-    one allocated finds no room: running beats idling behind pace. A job sent to on-demand first
-    that finds no room anywhere is ``missed``: it gives its share back. Others use any market."""
+    for on-demand room and says so. On the round's last try (``below_pace``) on-demand also
+    takes the smaller sizes the job accepts: running beats idling behind pace. A job sent to
+    on-demand first that finds no room anywhere is ``missed``: it gives its share back. Others
+    use any market."""
     first = {r.job_id: paced[r.job_id].market for r in requests if r.job_id in paced}
     placed = place([_on(r, first.get(r.job_id)) for r in requests], pools, dict(used), risk,
                    config.egress, config.move_margin)

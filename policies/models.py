@@ -90,6 +90,14 @@ class Offer(BaseModel):
         return self.spot_price if market is Market.SPOT else self.price
 
 
+def pool_id(cloud: str, region: str, market: Market, accelerator: Accelerator,
+            zone: str | None = None) -> str:
+    """A pool's id, ``cloud:region[/zone]:market:accelerator`` (``Pool.id``), for code that
+    knows a pool's coordinates but holds no ``Pool``."""
+    where = f"{region}/{zone}" if zone else region
+    return f"{cloud}:{where}:{market.value}:{accelerator.value}"
+
+
 class Pool(BaseModel):
     """A place GPUs come from: one accelerator type in one (cloud, region, market)."""
 
@@ -117,8 +125,7 @@ class Pool(BaseModel):
 
     @property
     def id(self) -> str:
-        zone = f"/{self.zone}" if self.zone else ""
-        return f"{self.cloud}:{self.region}{zone}:{self.market.value}:{self.accelerator.value}"
+        return pool_id(self.cloud, self.region, self.market, self.accelerator, self.zone)
 
     @property
     def capacity(self) -> int:

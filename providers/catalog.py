@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from policies.models import Accelerator, Market, Offer, Pool
+from policies.models import Accelerator, Market, Offer, Pool, pool_id
 from providers.base import CapacityError, LaunchRequest, Quota
 
 DATA = Path(__file__).parent / "data"
@@ -361,8 +361,7 @@ def vcpu_quota(cloud: str, offers: Iterable[Offer], region: str, market: Market,
     offers = list(offers)
 
     def pool(acc: Accelerator) -> str:
-        return Pool(cloud=cloud, region=region, accelerator=acc, market=market, nodes=0,
-                    gpus_per_node=1).id
+        return pool_id(cloud, region, market, acc)
 
     per_gpu = {pool(acc): v for acc, v in vcpus_per_gpu(offers, region, family).items()}
     if not per_gpu:
@@ -399,8 +398,7 @@ def instance_sizes(cloud: str, offers: Iterable[Offer]) -> dict[str, list[int]]:
     for o in offers:
         for market in Market:
             if o.hourly(market) is not None:
-                pool = Pool(cloud=cloud, region=o.region, accelerator=o.accelerator,
-                            market=market, nodes=0, gpus_per_node=1).id
+                pool = pool_id(cloud, o.region, market, o.accelerator)
                 sizes.setdefault(pool, set()).add(o.accelerator_count)
     return {pool: sorted(counts) for pool, counts in sizes.items()}
 

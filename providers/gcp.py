@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from policies.models import Accelerator, Market, Offer, Pool
+from policies.models import Accelerator, Market, Offer, pool_id
 from providers import bootstrap
 from providers.base import (
     CapacityError,
@@ -176,10 +176,9 @@ class GcpProvider(Provider):
                 if parsed is None:
                     continue
                 acc, market = parsed
-                pool = Pool(cloud="gcp", region=region, accelerator=acc, market=market, nodes=0,
-                            gpus_per_node=1)  # fmt: skip
+                pool = pool_id("gcp", region, market, acc)
                 free = int(max(quota.limit - quota.usage, 0))
-                out[pool.id] = out.get(pool.id, 0) + free
+                out[pool] = out.get(pool, 0) + free
         return out
 
     # --- launch, terminate, inventory -------------------------------------------------------
