@@ -101,6 +101,10 @@ class JobRecord(BaseModel):
     batch_size: int | None = None  # assigned global batch size
     pool: str | None = None  # assigned pool id (cloud:region:market:accelerator)
     node_ids: list[str] = Field(default_factory=list)
+    nodes: int = 1  # nodes of the current attempt (a gang of the pool's largest instance)
+    # Rendezvous round of the current attempt: 0 at launch, one more with every lost node the
+    # broker replaced (the survivors' agents re-form the group in the new round).
+    round: int = 0
     launch_key: str | None = None  # idempotency key of the current attempt's launch
     samples_done: int = 0
     samples_per_sec: float | None = None  # last measured throughput (agent heartbeats)

@@ -133,16 +133,35 @@ class Pool(BaseModel):
 
     @property
     def gpu_counts(self) -> tuple[int, ...] | None:
-        """GPU counts one launch here can have; None: any count that fits."""
-        return None if self.gpu_prices is None else tuple(sorted(self.gpu_prices))
+        """GPU counts one launch here can have (see :meth:`shape`) up to the pool's capacity;
+        None: any count that fits."""
+        if self.gpu_prices is None:
+            return None
+        big = max(self.gpu_prices)
+        gangs = range(2 * big, self.capacity + 1, big)
+        return tuple(sorted({*self.gpu_prices, *gangs}))
+
+    def shape(self, gpus: int) -> tuple[int, int] | None:
+        """(nodes, GPUs per node) of a launch of ``gpus`` GPUs here: one instance of a size the
+        pool sells, or a gang of its largest instance (16 GPUs: two 8-GPU instances, in one
+        region); None when no launch has that count. A pool with no sizes: one node."""
+        if gpus < 1:
+            return None
+        if self.gpu_prices is None or gpus in self.gpu_prices:
+            return 1, gpus
+        big = max(self.gpu_prices)
+        return (gpus // big, big) if gpus % big == 0 else None
 
     def launchable(self, gpus: int) -> bool:
-        """Can one launch here have ``gpus`` GPUs (an instance type of that size)?"""
-        return self.gpu_prices is None or gpus in self.gpu_prices
+        """Can one launch here have ``gpus`` GPUs (an instance type of that size, or a gang of
+        the largest)?"""
+        return self.shape(gpus) is not None
 
     def price_for(self, gpus: int) -> float:
-        """USD per GPU-hour of a launch of ``gpus`` GPUs here."""
-        return (self.gpu_prices or {}).get(gpus, self.price_per_gpu_hour)
+        """USD per GPU-hour of a launch of ``gpus`` GPUs here (a gang: its instances' price)."""
+        shape = self.shape(gpus)
+        per_node = shape[1] if shape else gpus
+        return (self.gpu_prices or {}).get(per_node, self.price_per_gpu_hour)
 
 
 class SpotPolicy(StrEnum):

@@ -65,6 +65,10 @@ class LaunchRequest(BaseModel):
     accelerator: Accelerator
     gpus_per_node: int = Field(ge=1)
     nodes: int = Field(default=1, ge=1)
+    # The launch's nodes are ranks first_rank .. first_rank + nodes - 1 of the job (a lost
+    # node's replacement is one node of its rank); each node's agent gets its own as
+    # FLEET_NODE_RANK, and the node reports it as ``Node.rank``.
+    first_rank: int = Field(default=0, ge=0)
     market: Market = Market.ON_DEMAND
     instance_type: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
@@ -90,6 +94,7 @@ class Node(BaseModel):
     # USD per GPU-hour where the launch landed (an AWS spot AZ's price), when the backend knows
     # it better than the pool's price; set on the nodes ``launch`` returns.
     price_per_gpu_hour: float | None = None
+    rank: int | None = None  # its node rank in the job (``LaunchRequest.first_rank``); None: 0
 
 
 class PreemptionNotice(BaseModel):
@@ -158,6 +163,17 @@ def _deal(quota: Quota, pools: Sequence[str], sizes: Mapping[str, Sequence[int]]
                 got[p] += n
                 dealt = True
     return got
+
+
+def replacement_key(launch_key: str, rank: int, round_: int) -> str:
+    """The idempotency key of the node that replaces rank ``rank`` of a multi-node launch in
+    rendezvous round ``round_``: its own key (one replacement per round), under the launch's."""
+    return f"{launch_key}~r{rank}.{round_}"
+
+
+def launch_key_of(key: str | None) -> str | None:
+    """The launch a node's idempotency key belongs to (a replacement's key names it)."""
+    return None if key is None else key.split("~", 1)[0]
 
 
 class Provider(abc.ABC):
