@@ -34,6 +34,7 @@ from providers.base import (
     Provider,
     ProviderError,
     QuotaError,
+    replacement_key,
 )
 
 log = logging.getLogger(__name__)
@@ -50,28 +51,39 @@ class ActuatorConfig(BaseModel):
 
 def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorConfig, *,
                    backend_starts_agent: bool = False,
-                   avoid_zones: tuple[str, ...] = ()) -> LaunchRequest:
+                   avoid_zones: tuple[str, ...] = (),
+                   ranks: tuple[int, int] | None = None) -> LaunchRequest:
     """The provider request for a launch intent: the job's command under the runtime agent with
     the assigned world size, batch size and checkpoint location in its environment. Where the
     backend's start script runs the agent itself (cloud VMs) the command is not wrapped again.
-    ``avoid_zones``: the pool's zones that just refused a launch."""
+    ``avoid_zones``: the pool's zones that just refused a launch.
+
+    A count the pool sells only as a gang (``Pool.shape``) is that many nodes; the provider
+    gives each its rank, and their agents find rank 0 through the broker's rendezvous.
+    ``ranks`` (first rank, nodes): a REPLACE intent's stand-ins for lost nodes of the job's
+    current launch, under their own key (``providers.base.replacement_key``)."""
     spec = job.spec
+    nodes, per_node = pool.shape(intent.gpus) or (1, intent.gpus)
+    first_rank, count = ranks or (0, nodes)
+    key = intent.key if ranks is None else \
+        replacement_key(job.launch_key or intent.key, first_rank, intent.round)
     checkpoint = spec.checkpoint.uri or str((config.checkpoint_root / job.id).resolve())
     env = {
         **spec.envs,
         "FLEET_JOB_ID": job.id,
         "FLEET_ATTEMPT": str(intent.attempt),
-        "FLEET_LAUNCH_KEY": intent.key,
-        "FLEET_NPROC": str(intent.gpus),
-        "FLEET_NNODES": "1",
-        "FLEET_NODE_RANK": "0",
-        "FLEET_MASTER_ADDR": "127.0.0.1",
+        "FLEET_LAUNCH_KEY": key,
+        "FLEET_NPROC": str(per_node),
+        "FLEET_NNODES": str(nodes),
+        "FLEET_ROUND": str(intent.round),
         "FLEET_GLOBAL_BATCH_SIZE": str(intent.batch_size or spec.batch_size.initial),
         "FLEET_BATCH_MODE": spec.batch_mode.value,
         "FLEET_CHECKPOINT_URI": checkpoint,
         "FLEET_RUN": spec.run,
         "FLEET_HEARTBEAT_INTERVAL": str(config.heartbeat_interval_s),
     }
+    if nodes == 1:  # one node is its own master; a gang meets at the broker's rendezvous
+        env["FLEET_MASTER_ADDR"] = "127.0.0.1"
     # The spec's interval is the runtime's default; an interval the script passes itself wins.
     every, in_steps = spec.checkpoint.every
     env["FLEET_CHECKPOINT_EVERY_STEPS" if in_steps else "FLEET_CHECKPOINT_EVERY_SECONDS"] = \
@@ -84,10 +96,10 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     main = (f"{shlex.quote(sys.executable)} -m broker.runtime.agent -- sh -c {run}"
             if config.use_agent and not backend_starts_agent else f"sh -c {run}")
     script = (f"{spec.setup}\n" if spec.setup else "") + f"exec {main}"
-    return LaunchRequest(idempotency_key=intent.key, job_id=job.id, cloud=pool.cloud,
+    return LaunchRequest(idempotency_key=key, job_id=job.id, cloud=pool.cloud,
                          region=pool.region, zone=pool.zone, avoid_zones=avoid_zones,
-                         accelerator=pool.accelerator,
-                         gpus_per_node=intent.gpus, market=pool.market, env=env,
+                         accelerator=pool.accelerator, gpus_per_node=per_node, nodes=count,
+                         first_rank=first_rank, market=pool.market, env=env,
                          command=["sh", "-c", script])
 
 
@@ -127,6 +139,8 @@ class Actuator:
             return 1
         if intent.kind is IntentKind.LAUNCH:
             return self._launch(job, intent, fence, pools, plan)
+        if intent.kind is IntentKind.REPLACE:
+            return self._replace(job, intent, fence, pools, plan)
         # resize / migrate / suspend / stop: ask the nodes to checkpoint and exit. The
         # reconciler records the outcome when they are gone.
         for node_id in job.node_ids:
@@ -143,6 +157,12 @@ class Actuator:
         job elsewhere while any other pool has room. A refusal in one zone while the pool has
         others (an AWS spot AZ) blocks only that zone: the next round's attempt, a new launch
         key, may go to the same pool and avoids the zone (``launch_request``)."""
+        what = self._mark_refused(job, pool, exc, plan)
+        plan.change(job, JobState.SUSPENDED, reason=f"{what}: {exc}", fence=fence)
+        self.store.apply(plan, fence=fence)
+
+    def _mark_refused(self, job: JobRecord, pool: Pool, exc: ProviderError, plan: Plan) -> str:
+        """Put ``pool``'s (or its zone's) refusal mark into ``plan``; returns what was missing."""
         now = time.time()
         missing = "capacity" if isinstance(exc, CapacityError) else "quota"
         zone = exc.zone if isinstance(exc, CapacityError) else None
@@ -151,10 +171,9 @@ class Actuator:
                                  missing)
         plan.set_blocklist(blocklist, read=read)
         what = f"no {missing}"
-        plan.change(job, JobState.SUSPENDED, reason=f"{what}: {exc}", fence=fence)
         plan.event("pool-refused", job.id, {"pool": pool.id, "zone": zone, "error": what,
-                                            "decay_s": blocklist.refusal_decay_s})
-        self.store.apply(plan, fence=fence)
+                                          "decay_s": blocklist.refusal_decay_s})
+        return what
 
     def _launch(self, job: JobRecord, intent: Intent, fence: int, pools: dict[str, Pool],
                 plan: Plan) -> int:
@@ -204,6 +223,7 @@ class Actuator:
         plan.change(job, JobState.RUNNING, event_data={"pool": pool.id, "gpus": intent.gpus,
                                                        "batch_size": intent.batch_size},
                     node_ids=[n.node_id for n in nodes], launched_at=start,
+                    nodes=len(nodes), round=0,
                     started_at=job.started_at or start, fence=fence, reason="running")
         plan.open_placement(Placement(
             job_id=job.id, attempt=intent.attempt, start=start, pool=pool.id, cloud=pool.cloud,
@@ -213,6 +233,42 @@ class Actuator:
             ondemand_price_per_gpu_hour=ondemand_reference(pool, pools.values())))
         if pool.market is Market.SPOT:
             self._reactivate(job, pool, plan)
+        self.store.apply(plan, fence=fence)
+        return 1
+
+    def _replace(self, job: JobRecord, intent: Intent, fence: int, pools: dict[str, Pool],
+                 plan: Plan) -> int:
+        """Launch stand-ins for a running multi-node job's lost ranks in its pool, each under
+        its own key (idempotent), and add them to the job; its survivors wait for them in the
+        intent's rendezvous round. When the pool refuses (capacity, quota) or is gone, the whole
+        job checkpoints and moves instead (``policies.migration.Recovery.MIGRATE``)."""
+        if job.state is not JobState.RUNNING or job.attempt != intent.attempt or \
+                job.round != intent.round:
+            self.store.apply(plan, fence=fence)  # superseded: the job moved on
+            return 1
+        pool = pools.get(job.pool or "")
+        try:
+            if pool is None:
+                raise ProviderError(f"pool {job.pool} is gone")
+            starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
+            nodes = [n for rank in intent.ranks for n in self.provider.launch(launch_request(
+                job, intent, pool, self.config, backend_starts_agent=starts_agent,
+                ranks=(rank, 1)))]
+        except ProviderError as exc:
+            if pool is not None and isinstance(exc, CapacityError | QuotaError):
+                self._mark_refused(job, pool, exc, plan)
+            for node_id in job.node_ids:  # the survivors checkpoint and exit
+                self.provider.terminate(node_id)
+            plan.change(job, JobState.SUSPENDING, event="replace-failed",
+                        event_data={"ranks": intent.ranks, "error": str(exc)},
+                        reason=f"no stand-in for lost node(s) {intent.ranks}: {exc}; moving "
+                        "the job", fence=fence)
+            self.store.apply(plan, fence=fence)
+            return 1
+        plan.change(job, event="nodes-replaced",
+                    event_data={"ranks": intent.ranks, "round": intent.round,
+                                "nodes": [n.node_id for n in nodes]},
+                    node_ids=[*job.node_ids, *(n.node_id for n in nodes)], fence=fence)
         self.store.apply(plan, fence=fence)
         return 1
 

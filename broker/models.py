@@ -170,6 +170,9 @@ class IntentKind(StrEnum):
     MIGRATE = "migrate"  # checkpoint, then relaunch in another pool
     SUSPEND = "suspend"  # checkpoint and go back to the queue
     STOP = "stop"  # terminate for good (cancel)
+    # launch stand-ins for a running multi-node job's lost ``ranks`` in its pool, for
+    # rendezvous ``round``; the survivors keep their nodes and re-form the group with them
+    REPLACE = "replace"
 
 
 class Intent(BaseModel):
@@ -187,6 +190,8 @@ class Intent(BaseModel):
     batch_size: int | None = None
     pool: str | None = None
     reason: str | None = None
+    ranks: list[int] = Field(default_factory=list)  # REPLACE: the node ranks to stand in for
+    round: int = 0  # REPLACE: the rendezvous round the stand-ins join
     created_at: float = Field(default_factory=time.time)
 
     @property
@@ -195,7 +200,9 @@ class Intent(BaseModel):
 
     @property
     def id(self) -> str:
-        return f"{self.kind.value}:{self.key}"
+        # one REPLACE per round: a second loss in the same pass of the same leader is a new one
+        suffix = f".{self.round}" if self.kind is IntentKind.REPLACE else ""
+        return f"{self.kind.value}:{self.key}{suffix}"
 
 
 class Event(BaseModel):

@@ -10,6 +10,11 @@ blocklist, all in the job's one atomic step; a VM whose agent has exited is term
 one whose agent never sent a first heartbeat within the launch deadline too (its job requeued);
 nodes no active job claims (stale attempts, jobs lost with Redis data) are terminated; nodes'
 output is copied into the job logs.
+
+A multi-node job that loses some of its nodes (gone, or under a preemption notice) while others
+live is recovered by ``policies.migration.recover_lost_nodes``: stand-ins of the lost ranks are
+launched in its pool (a REPLACE intent) and its survivors re-form the group with them in the next
+rendezvous round, keeping their nodes; when that cannot work the whole job checkpoints and moves.
 """
 
 from __future__ import annotations
@@ -19,11 +24,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from broker.models import JobRecord, JobState
+from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.store import AgentReport, Conflict, Plan, Store
-from policies.migration import DEFAULT_DECAY_S, expire, location_keys, mark_preempted, register
+from policies.migration import (
+    DEFAULT_DECAY_S,
+    Recovery,
+    expire,
+    location_keys,
+    mark_preempted,
+    recover_lost_nodes,
+    refusal_key,
+    register,
+)
 from policies.models import Market
-from providers.base import Node, NodeState, Provider, ProviderError
+from providers.base import Node, NodeState, Provider, ProviderError, replacement_key
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +51,22 @@ class ReconcileResult:
     preempted: int = 0
     orphans: int = 0
     abandoned: int = 0  # launches whose agent never reported
+    recovered: int = 0  # multi-node jobs whose lost nodes are being replaced or that move
 
 
 class Reconciler:
     def __init__(self, store: Store, provider: Provider, *, max_failures: int = 3,
                  blocklist_decay_s: float = DEFAULT_DECAY_S,
                  launch_deadline_s: float | None = None,
+                 replace_lost_nodes: bool = False,
                  clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.provider = provider
         self.max_failures = max_failures
         self.blocklist_decay_s = blocklist_decay_s
         self.launch_deadline_s = launch_deadline_s  # None: agents cannot report (no broker URL)
+        # whether agents can re-form a group with a stand-in (they reach the rendezvous)
+        self.replace_lost_nodes = replace_lost_nodes
         self.clock = clock
 
     def run(self, fence: int) -> ReconcileResult:
@@ -63,7 +81,7 @@ class Reconciler:
         for job in jobs:
             if job.pool and job.pool.split(":", 1)[0] in down:
                 continue  # its nodes are unknown right now, not gone
-            mine = [n for n in nodes.values() if n.idempotency_key == job.launch_key]
+            mine = [n for n in nodes.values() if _claims(job, n)]
             claimed |= {n.node_id for n in mine}
             if job.state is JobState.LAUNCHING:
                 continue  # the actuator owns it until the launch is recorded
@@ -71,10 +89,13 @@ class Reconciler:
             report = reports.get(job.id, AgentReport())
             try:
                 preempted = bool(noticed & set(job.node_ids)) or report.notice is not None
-                if report.exit_code is not None:
-                    self._release_vms(job, nodes)
-                if self._settle(job, [nodes.get(i) for i in job.node_ids], fence, preempted,
-                                report):
+                if report.exits:
+                    self._release_vms(job, nodes, report)
+                recovery = self._recover(job, nodes, noticed, report, fence)
+                if recovery is not None:
+                    res.recovered += 1
+                elif self._settle(job, [nodes.get(i) for i in job.node_ids], fence, preempted,
+                                  report):
                     res.settled += 1
                 elif job.state is JobState.RUNNING and preempted:
                     plan = Plan()
@@ -107,14 +128,72 @@ class Reconciler:
                 log.warning("node %s: %s; retrying next pass", node.node_id, exc)
         return res
 
-    def _release_vms(self, job: JobRecord, nodes: dict[str, Node]) -> None:
-        """The agent reported its exit: a VM that outlives it is no longer needed."""
+    def _release_vms(self, job: JobRecord, nodes: dict[str, Node],
+                     report: AgentReport) -> None:
+        """Agents reported their exit: the VMs that outlive them are no longer needed."""
         for node_id in job.node_ids:
             node = nodes.get(node_id)
-            if node is not None and node.state is not NodeState.TERMINATED and \
-                    self.provider.outlives_agent(node):
+            if node is not None and (node.rank or 0) in report.exits and \
+                    node.state is not NodeState.TERMINATED and self.provider.outlives_agent(node):
                 log.info("job %s: agent exited; terminating %s", job.id, node_id)
                 self.provider.terminate(node_id)
+
+    def _recover(self, job: JobRecord, nodes: dict[str, Node], noticed: set[str],
+                 report: AgentReport, fence: int) -> Recovery | None:
+        """A running multi-node job that lost some nodes (gone, or under a preemption notice)
+        while others live: replace the lost ranks in its pool, the survivors staying, or move
+        the whole job (``recover_lost_nodes``). None when there is nothing to recover (no loss,
+        every node lost, an agent that ended its command: the job ends its usual way)."""
+        if job.state is not JobState.RUNNING or job.nodes < 2 or \
+                any(code != EXIT_CHECKPOINTED for code in report.exits.values()):
+            return None
+        live = [n for i in job.node_ids if (n := nodes.get(i)) is not None
+                and n.state is not NodeState.TERMINATED]
+        warned = {n.node_id for n in live if n.node_id in noticed
+                  or (n.rank or 0) in report.notices}
+        alive = [n for n in live if n.node_id not in warned]
+        if not alive or any(n.rank is None for n in alive):
+            return None  # all gone (the job settles), or ranks unknown: it cannot re-form
+        lost = sorted(set(range(job.nodes)) - {n.rank for n in alive})  # type: ignore[misc]
+        if not lost:
+            return None
+        pool = next((p for p in self.store.pools() if p.id == job.pool), None)
+        now = time.time()
+        blocklist = self.store.blocklist(self.blocklist_decay_s)[0]
+        decision = recover_lost_nodes(
+            job.nodes, len(lost), can_rejoin=self.replace_lost_nodes, elastic=False,
+            replacement_available=pool is not None and pool.capacity > 0
+            and not blocklist.is_refused(refusal_key(pool.id), now),
+            location_blocked=pool is not None
+            and any(blocklist.is_blocked(k, now) for k in location_keys(pool)))
+        preempted = bool(warned) or bool(report.notices)
+        plan = Plan()
+        fields: dict[str, object] = {"fence": fence}
+        if preempted:
+            fields["preemptions"] = job.preemptions + 1
+            _count_preemption(plan, job)
+            self._block(plan, job)
+        what = f"node(s) of rank {', '.join(map(str, lost))} lost"
+        if decision is Recovery.REPLACE:
+            round_ = job.round + 1
+            plan.change(job, event="nodes-lost",
+                        event_data={"ranks": lost, "round": round_, "recovery": decision.value},
+                        reason=f"{what}; replacing them in {job.pool}", round=round_,
+                        node_ids=[n.node_id for n in alive], **fields)
+            plan.add_intent(Intent(kind=IntentKind.REPLACE, job_id=job.id, fence=fence,
+                                   attempt=job.attempt, gpus=job.gpus,
+                                   batch_size=job.batch_size, pool=job.pool, ranks=lost,
+                                   round=round_))
+            self.store.apply(plan, fence=fence)
+            log.info("job %s: %s; replacing them (round %d)", job.id, what, round_)
+        else:
+            plan.change(job, JobState.SUSPENDING, event="nodes-lost",
+                        event_data={"ranks": lost, "recovery": decision.value},
+                        reason=f"{what}; moving the job", **fields)
+            self.store.apply(plan, fence=fence)
+            for node in alive:  # the survivors checkpoint and exit
+                self.provider.terminate(node.node_id)
+        return decision
 
     def _never_reported(self, job: JobRecord, nodes: dict[str, Node],
                         report: AgentReport) -> bool:
@@ -177,10 +256,15 @@ class Reconciler:
         """If every node of the job is gone, record how it ended. True when settled."""
         if any(n is not None and n.state is not NodeState.TERMINATED for n in nodes):
             return False
-        # A VM does not tell how the command ended; its agent did (``report.exit_code``).
+        # A VM does not tell how the command ended; its agent did (``report.exits``).
         agent = report.exit_code
-        codes = [agent if n is None or n.exit_code is None else n.exit_code
-                 for n in nodes if n is not None or agent is not None]
+
+        def code(n: Node | None) -> int | None:
+            if n is not None and n.exit_code is not None:
+                return n.exit_code
+            return agent if n is None else report.exits.get(n.rank or 0, agent)
+
+        codes = [code(n) for n in nodes if n is not None or agent is not None]
         ended = max((n.ended_at.timestamp() for n in nodes if n and n.ended_at),
                     default=time.time())
         plan = Plan()
@@ -235,6 +319,20 @@ class Reconciler:
             if lines:
                 self.store.append_log(job.id, lines)
                 self.store.r.set(key, new, ex=7 * 86400)
+
+
+def _claims(job: JobRecord, node: Node) -> bool:
+    """Whether ``node`` is ``job``'s: one it records, one of its launch not yet recorded, or a
+    stand-in for a lost rank launched in its current rendezvous round (``IntentKind.REPLACE``).
+    A node it lost and replaced is no longer claimed: the orphan sweep stops or forgets it."""
+    if node.node_id in job.node_ids:
+        return True
+    key, launch = node.idempotency_key, job.launch_key
+    if key is None or launch is None:
+        return False
+    if job.state is JobState.LAUNCHING:
+        return key == launch
+    return job.round > 0 and key == replacement_key(launch, node.rank or 0, job.round)
 
 
 def _live(job: JobRecord, nodes: dict[str, Node]) -> list[Node]:

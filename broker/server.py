@@ -140,7 +140,9 @@ class Broker:
             store, provider, max_failures=config.scheduler.max_failures,
             blocklist_decay_s=config.blocklist_decay_s,
             # without a broker URL no agent can report: no heartbeat is ever late
-            launch_deadline_s=config.launch_deadline_s if config.broker_url else None)
+            launch_deadline_s=config.launch_deadline_s if config.broker_url else None,
+            # agents re-form a multi-node group with a stand-in through the broker's rendezvous
+            replace_lost_nodes=config.broker_url is not None)
         self.fence = 0
         self.rounds = 0
         self._stop = threading.Event()

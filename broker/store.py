@@ -50,6 +50,8 @@ class AgentReport:
     exit_code: int | None = None
     notice: str | None = None
     first_beat: float | None = None  # when the attempt's agent first reported (epoch seconds)
+    exits: dict[int, int] = field(default_factory=dict)  # node rank -> exit, this round
+    notices: dict[int, str] = field(default_factory=dict)  # node rank -> notice, this round
 
 
 class StoreError(Exception):
@@ -419,10 +421,13 @@ class Store:
                     float(last) >= job.launched_at:
                 beat = last
             if code is not None or notice is not None or beat is not None:
+                exit_code = None if code is None else int(json.loads(code))
+                notice = None if notice is None else json.loads(notice)
                 out[job.id] = AgentReport(
-                    exit_code=None if code is None else int(json.loads(code)),
-                    notice=None if notice is None else json.loads(notice),
-                    first_beat=None if beat is None else float(beat))
+                    exit_code=exit_code, notice=notice,
+                    first_beat=None if beat is None else float(beat),
+                    exits={} if exit_code is None else {0: exit_code},
+                    notices={} if notice is None else {0: notice})
         return out
 
     def blocklist(self, decay_s: float | None = None) -> tuple[Blocklist, str | None]:

@@ -44,12 +44,26 @@ class LocalRegion(BaseModel):
     market: Market = Market.ON_DEMAND
     price_per_gpu_hour: float = Field(ge=0)
     gpus: int = Field(ge=1, le=256, description="virtual GPUs (worker processes)")
+    nodes: int = Field(default=1, ge=1, le=64,
+                       description="pretend nodes the GPUs are split over (evenly)")
     accelerator: Accelerator = Accelerator.T4
 
+    @model_validator(mode="after")
+    def _even(self) -> LocalRegion:
+        if self.gpus % self.nodes:
+            raise ValueError(f"gpus ({self.gpus}) must split evenly over nodes ({self.nodes})")
+        return self
+
     def pool(self, reclaimed: bool = False) -> Pool:
+        """The region as a pool; one of several nodes sells any count up to a node, and more
+        only as a gang of whole nodes (a multi-node job, one process group per node)."""
+        per_node = self.gpus // self.nodes
+        sizes = None if self.nodes == 1 else \
+            dict.fromkeys(range(1, per_node + 1), self.price_per_gpu_hour)
         return Pool(cloud=self.cloud, region=self.region, accelerator=self.accelerator,
-                    market=self.market, nodes=0 if reclaimed else 1, gpus_per_node=self.gpus,
-                    price_per_gpu_hour=self.price_per_gpu_hour)
+                    market=self.market, nodes=0 if reclaimed else self.nodes,
+                    gpus_per_node=per_node, price_per_gpu_hour=self.price_per_gpu_hour,
+                    gpu_prices=sizes)
 
 
 class Reclaim(BaseModel):
@@ -204,36 +218,49 @@ class LocalProvider(Provider):
     # ---- nodes ------------------------------------------------------------------------------
 
     def launch(self, request: LaunchRequest) -> list[Node]:
-        node_id = request.idempotency_key.replace(":", "_").replace("/", "_")
-        node_dir = self.nodes_dir / node_id
-        if node_dir.exists():  # the same intent again: hand back the node it made
-            return [self._node(node_dir)]
+        base = request.idempotency_key.replace(":", "_").replace("/", "_")
+        ranks = range(request.first_rank, request.first_rank + request.nodes)
+        dirs = [self.nodes_dir / (base if request.nodes == 1 else f"{base}-n{r}") for r in ranks]
+        if dirs[0].exists():  # the same intent again: hand back the nodes it made
+            return [self._node(d) for d in dirs if d.exists()]
         region = self.fleet.region(request.region)
         if region.market is not request.market:
             raise ProviderError(f"region {region.region} sells {region.market.value}, "
                                 f"not {request.market.value}")
         if region.region in self._reclaimed():
             raise CapacityError(f"spot region {region.region} is reclaimed")
-        nodes_per_gpu = request.gpus_per_node * request.nodes
-        if self.capacity().get(region.pool().id, 0) < nodes_per_gpu:
-            raise CapacityError(f"region {region.region} has fewer than {nodes_per_gpu} free GPUs")
+        gpus = request.gpus_per_node * request.nodes
+        if self.capacity().get(region.pool().id, 0) < gpus:
+            raise CapacityError(f"region {region.region} has fewer than {gpus} free GPUs")
         try:
-            node_dir.mkdir()
+            dirs[0].mkdir()
         except FileExistsError:
-            return [self._node(node_dir)]
-        meta = {"job_id": request.job_id, "key": request.idempotency_key,
-                "region": region.region, "market": region.market.value,
-                "accelerator": region.accelerator.value, "gpus": nodes_per_gpu,
-                "launched_at": time.time()}
-        (node_dir / "meta.json").write_text(json.dumps(meta))
+            return [self._node(d) for d in dirs if d.exists()]
         env = {**os.environ, **request.env, "FLEET_WORKDIR": str(self.workdir)}
         # Jobs run from the work dir with this interpreter's tools first on PATH, so `python
         # examples/x.py` finds the same packages as the broker.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env["PYTHONPATH"] = os.pathsep.join(
             x for x in (str(self.workdir), env.get("PYTHONPATH")) if x)
-        env.setdefault("FLEET_MASTER_PORT", str(_free_port()))
         env.setdefault("FLEET_GRACE_PERIOD", str(self.fleet.grace_period_s))
+        if "FLEET_MASTER_ADDR" in env or "FLEET_BROKER_URL" not in env:
+            # no rendezvous: the nodes of this launch meet on this machine's loopback
+            env.setdefault("FLEET_MASTER_ADDR", "127.0.0.1")
+            env.setdefault("FLEET_MASTER_PORT", str(_free_port()))
+        for rank, node_dir in zip(ranks, dirs, strict=True):
+            node_dir.mkdir(exist_ok=True)
+            self._start(node_dir, request, region, rank,
+                        {**env, "FLEET_NODE_RANK": str(rank)})
+        return [self._node(d) for d in dirs]
+
+    def _start(self, node_dir: Path, request: LaunchRequest, region: LocalRegion, rank: int,
+               env: dict[str, str]) -> None:
+        """One node: its metadata, then its supervisor process in a session of its own."""
+        meta = {"job_id": request.job_id, "key": request.idempotency_key,
+                "region": region.region, "market": region.market.value,
+                "accelerator": region.accelerator.value, "gpus": request.gpus_per_node,
+                "rank": rank, "launched_at": time.time()}
+        (node_dir / "meta.json").write_text(json.dumps(meta))
         proc = subprocess.Popen(
             [sys.executable, "-m", "providers.local_node", str(node_dir), "--",
              *request.command],
@@ -241,16 +268,23 @@ class LocalProvider(Provider):
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             cwd=str(Path(__file__).resolve().parent.parent),
         )
-        self._children[node_id] = proc
+        self._children[node_dir.name] = proc
         st = _proc_start(proc.pid)
         (node_dir / "pid.json").write_text(json.dumps({"pid": proc.pid,
                                                        "start": st[1] if st else 0}))
         with open(self.dir / "launches.log", "a") as f:  # audit: one line per real spawn
-            f.write(f"{request.idempotency_key} {node_id} {time.time():.3f}\n")
-        return [self._node(node_dir)]
+            f.write(f"{request.idempotency_key} {node_dir.name} {time.time():.3f}\n")
 
     def terminate(self, node_id: str) -> None:
         self._signal_stop(node_id, reason="terminate")
+
+    def lose(self, node_id: str) -> None:
+        """Kill a node outright, as a machine that dies: no notice, no grace, no exit record
+        (demos and tests of lost-node recovery)."""
+        pid = self._live_pid(self.nodes_dir / node_id)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
     def _signal_stop(self, node_id: str, reason: str) -> None:
         node_dir = self.nodes_dir / node_id
@@ -339,4 +373,4 @@ class LocalProvider(Provider):
                     accelerator=region.accelerator if region else Accelerator.T4,
                     gpus=meta.get("gpus", 0), market=region.market if region else Market.SPOT,
                     state=state, launched_at=_ts(meta.get("launched_at")), exit_code=code,
-                    ended_at=_ts(ended))
+                    ended_at=_ts(ended), rank=meta.get("rank"))

@@ -1,0 +1,180 @@
+"""Multi-node jobs: gangs of a pool's largest instance, one rank per node, and a lost node
+replaced in its pool while the survivors keep running (or the whole job moved when it cannot be).
+Real redis-server and the local provider's node processes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from broker.actuator import Actuator, ActuatorConfig, launch_request
+from broker.models import Intent, IntentKind, JobRecord, JobState
+from broker.reconciler import Reconciler
+from broker.scheduler import Scheduler, SchedulerConfig
+from broker.store import Store
+from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
+from providers.base import LaunchRequest, NodeState, launch_key_of, replacement_key
+from providers.local import LocalFleet, LocalProvider
+
+CLOUD = Pool(cloud="aws", region="us-east-1", accelerator=Accelerator.V100, market=Market.SPOT,
+             nodes=1, gpus_per_node=32, price_per_gpu_hour=0.34,
+             gpu_prices={1: 0.52, 4: 0.4, 8: 0.34})
+
+
+def test_a_pool_launches_gangs_of_its_largest_instance() -> None:
+    assert CLOUD.gpu_counts == (1, 4, 8, 16, 24, 32)
+    assert [CLOUD.shape(n) for n in (1, 4, 8, 16, 24)] == [(1, 1), (1, 4), (1, 8), (2, 8), (3, 8)]
+    assert CLOUD.shape(12) is None and not CLOUD.launchable(12) and CLOUD.shape(0) is None
+    assert CLOUD.price_for(16) == CLOUD.price_for(8) == 0.34 and CLOUD.price_for(1) == 0.52
+    smaller = CLOUD.model_copy(update={"gpus_per_node": 8})
+    assert smaller.gpu_counts == (1, 4, 8)  # no gang beyond what the pool may hold
+    anything = CLOUD.model_copy(update={"gpu_prices": None})
+    assert anything.shape(12) == (1, 12) and anything.gpu_counts is None
+
+
+def spec(gpus: int, run: str = "trap 'exit 75' TERM; sleep 60 & wait") -> JobSpec:
+    return JobSpec(name="gang", run=run, gpus=GpuRange(min=gpus, max=gpus),
+                   batch_size=BatchRange(min=8, max=8), work_samples=100)
+
+
+def test_a_gang_launch_gives_each_node_its_rank_and_meets_at_the_rendezvous() -> None:
+    job = JobRecord(id="gang-1", spec=spec(16), team="ml", launch_key="gang-1:3:2")
+    intent = Intent(kind=IntentKind.LAUNCH, job_id=job.id, fence=3, attempt=2, gpus=16,
+                    batch_size=8, pool=CLOUD.id)
+    req = launch_request(job, intent, CLOUD, ActuatorConfig(broker_url="http://b:8"))
+    assert (req.nodes, req.gpus_per_node, req.first_rank) == (2, 8, 0)
+    assert (req.env["FLEET_NNODES"], req.env["FLEET_NPROC"], req.env["FLEET_ROUND"]) == (
+        "2", "8", "0")
+    assert "FLEET_MASTER_ADDR" not in req.env and "FLEET_NODE_RANK" not in req.env
+    stand_in = launch_request(job, intent.model_copy(update={
+        "kind": IntentKind.REPLACE, "ranks": [1], "round": 1}), CLOUD, ActuatorConfig(),
+        ranks=(1, 1))
+    assert (stand_in.nodes, stand_in.first_rank, stand_in.env["FLEET_NNODES"]) == (1, 1, "2")
+    assert stand_in.idempotency_key == replacement_key("gang-1:3:2", 1, 1) == "gang-1:3:2~r1.1"
+    assert launch_key_of(stand_in.idempotency_key) == "gang-1:3:2"
+    assert stand_in.env["FLEET_LAUNCH_KEY"] == stand_in.idempotency_key
+    assert stand_in.env["FLEET_ROUND"] == "1"
+    single = launch_request(job, intent.model_copy(update={"gpus": 8}), CLOUD, ActuatorConfig())
+    assert single.nodes == 1 and single.env["FLEET_MASTER_ADDR"] == "127.0.0.1"
+
+
+def test_local_regions_split_into_nodes_evenly() -> None:
+    with pytest.raises(ValueError, match="split evenly"):
+        LocalFleet.model_validate({"regions": [
+            {"region": "a", "price_per_gpu_hour": 1, "gpus": 3, "nodes": 2}]})
+
+
+FLEET = LocalFleet.model_validate({"grace_period_s": 2.0, "regions": [
+    {"cloud": "aws", "region": "east", "market": "spot", "price_per_gpu_hour": 0.3, "gpus": 2,
+     "nodes": 2}]})
+
+
+class Loop:
+    """One broker's passes over a real Redis and the local provider (no API: agents unused)."""
+
+    def __init__(self, store: Store, provider: LocalProvider, *, replace: bool) -> None:
+        self.store, self.provider = store, provider
+        self.actuator = Actuator(store, provider, ActuatorConfig(use_agent=False))
+        self.scheduler = Scheduler(store, SchedulerConfig())
+        self.reconciler = Reconciler(store, provider, replace_lost_nodes=replace)
+        self.fence = store.acquire_lease("me", 60)
+
+    def step(self) -> None:
+        self.store.set_pools(self.provider.pools())
+        self.reconciler.run(self.fence)
+        self.scheduler.run_round(self.fence)
+        self.actuator.run(self.fence)
+
+    def until(self, what: Callable[[], bool], timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline, "timed out"
+            self.step()
+            time.sleep(0.1)
+
+    def job(self, job_id: str) -> JobRecord:
+        job = self.store.get_job(job_id)
+        assert job is not None
+        return job
+
+
+@pytest.fixture
+def provider(tmp_path: Path) -> Iterator[LocalProvider]:
+    p = LocalProvider(FLEET, tmp_path / "state", tmp_path)
+    yield p
+    for node in p.nodes():
+        p.lose(node.node_id)
+
+
+def running_gang(loop: Loop) -> tuple[JobRecord, dict[int, str]]:
+    job = loop.store.submit(spec(2, run="echo rank=$FLEET_NODE_RANK nnodes=$FLEET_NNODES "
+                                 "round=$FLEET_ROUND; trap 'exit 75' TERM; sleep 60 & wait"),
+                            team="t")
+    loop.until(lambda: loop.job(job.id).state is JobState.RUNNING)
+    job = loop.job(job.id)
+    ranks = {n.rank: n.node_id for n in loop.provider.nodes() if n.node_id in job.node_ids}
+    return job, ranks  # type: ignore[return-value]
+
+
+def test_a_lost_node_is_replaced_in_its_pool_and_the_survivor_stays(
+        store: Store, provider: LocalProvider) -> None:
+    loop = Loop(store, provider, replace=True)
+    job, ranks = running_gang(loop)
+    assert (job.nodes, job.gpus, job.round, sorted(ranks)) == (2, 2, 0, [0, 1])
+    provider.lose(ranks[1])  # the machine dies: no notice, no exit report
+    loop.until(lambda: len(loop.job(job.id).node_ids) == 2 and loop.job(job.id).round == 1)
+    healed = loop.job(job.id)
+    assert healed.state is JobState.RUNNING and healed.attempt == job.attempt
+    assert ranks[0] in healed.node_ids  # the survivor was never stopped
+    (stand_in,) = [n for n in provider.nodes() if n.node_id in healed.node_ids
+                   and n.node_id != ranks[0]]
+    assert stand_in.rank == 1 and stand_in.state is not NodeState.TERMINATED
+    assert stand_in.idempotency_key == replacement_key(job.launch_key or "", 1, 1)
+    loop.until(lambda: bool(provider.read_log(stand_in.node_id)[0]))
+    assert provider.read_log(stand_in.node_id)[0] == ["rank=1 nnodes=2 round=1"]
+    (lost,) = [e for e in store.events(job_id=job.id) if e.type == "nodes-lost"]
+    assert lost.data["ranks"] == [1] and lost.data["recovery"] == "replace-node"
+    assert [e.data["ranks"] for e in store.events(job_id=job.id)
+            if e.type == "nodes-replaced"] == [[1]]
+    loop.step()  # the lost node is no one's now: forgotten
+    assert ranks[1] not in {n.node_id for n in provider.nodes()}
+    placements = store.placements(job.id)
+    assert len(placements) == 1 and placements[0].end is None  # one interval, still open
+
+
+def test_without_a_rendezvous_the_whole_job_moves(store: Store, provider: LocalProvider) -> None:
+    loop = Loop(store, provider, replace=False)
+    job, ranks = running_gang(loop)
+    provider.lose(ranks[0])
+    loop.until(lambda: loop.job(job.id).attempt == job.attempt + 1)
+    moved = loop.job(job.id)
+    events = [e for e in store.events(job_id=job.id) if e.type == "nodes-lost"]
+    assert events[0].data == {"from": "running", "to": "suspending", "ranks": [0],
+                              "recovery": "migrate"}
+    assert moved.preemptions == 0 and moved.failures == 0
+    assert ranks[1] not in moved.node_ids  # the survivor checkpointed and went
+
+
+def test_a_refused_stand_in_moves_the_whole_job(store: Store, provider: LocalProvider) -> None:
+    loop = Loop(store, provider, replace=True)
+    job, ranks = running_gang(loop)
+    provider.lose(ranks[1])
+    while not any(n.node_id == ranks[1] and n.state is NodeState.TERMINATED
+                  for n in provider.nodes()):
+        time.sleep(0.05)
+    loop.store.set_pools(provider.pools())
+    loop.reconciler.run(loop.fence)  # decides to replace rank 1 ...
+    provider.launch(LaunchRequest(  # ... but someone else takes the freed GPU first
+        idempotency_key="other:1:1", job_id="other", region="east",
+        accelerator=Accelerator.T4, gpus_per_node=1, market=Market.SPOT,
+        command=["sleep", "30"]))
+    loop.actuator.run(loop.fence)
+    moving = loop.job(job.id)
+    assert moving.state is JobState.SUSPENDING and "no stand-in" in (moving.reason or "")
+    blocklist, _ = store.blocklist()
+    assert blocklist.is_refused("aws:east:spot:T4", time.time())
+    assert [e.type for e in store.events(job_id=job.id)][-2:] == ["pool-refused",
+                                                                 "replace-failed"]
