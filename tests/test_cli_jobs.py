@@ -85,7 +85,14 @@ def test_show_has_the_checkpoint_step_and_size(store: Store, env: dict[str, str]
     store.record_heartbeat(job.id, 1, samples_done=64, checkpoint_step=12,
                            checkpoint_bytes=52_100_000_000)
     code, out, _ = fleet(env, "job", job.id)
-    assert code == 0 and "checkpoint step 12 (52.1 GB)" in out
+    assert code == 0 and "checkpoint step 12 (52.1 GB)" in out and "nodes" not in out
+    gang = store.get_job(job.id)
+    assert gang is not None
+    plan = Plan()
+    plan.change(gang, gpus=16, nodes=2, round=1)
+    store.apply(plan)
+    code, out, _ = fleet(env, "job", job.id)
+    assert code == 0 and "attempt 1, 2 nodes (rendezvous round 1)" in out
 
 
 def test_skypilot_launch_prints_notes(store: Store, env: dict[str, str]) -> None:

@@ -152,7 +152,9 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
         f"{s['gpus']['max']}  batch {s['batch_size']['min']}-{s['batch_size']['max']} "
         f"({s['batch_mode']})  spot {s['spot']}  priority {s['priority']}",
         f"assigned {j['gpus']} GPUs, batch {j['batch_size'] or '-'}, pool {_where(j)}, "
-        f"attempt {j['attempt']}",
+        f"attempt {j['attempt']}"
+        + (f", {j['nodes']} nodes (rendezvous round {j['round']})" if j.get("nodes", 1) > 1
+           else ""),
         f"progress {_progress(j)} ({j['samples_done']:,} samples"
         + (f", {j['samples_per_sec']:.1f}/s" if j.get("samples_per_sec") else "") + ")"
         + (f", checkpoint step {j['checkpoint_step']}" if j.get("checkpoint_step") is not None
