@@ -246,19 +246,22 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
                       config: SchedulerConfig) -> PlacementRequest:
     """The job as placement sees it: its size and constraints, and what finishing it costs
     where: hours of work left at the chosen size (the scheduler's throughput estimate), the
-    relaunch cost, the checkpoint interval, and its checkpoint's size (:func:`checkpoint_gb`) and
-    location (the region of its last placement; none before its first)."""
+    relaunch cost, the checkpoint interval, and its checkpoint's size (:func:`checkpoint_gb`),
+    location (:func:`_checkpoint_location`; none before its first run) and, when the spec names
+    the bucket's ``checkpoint.region``, the bucket every checkpoint is written to."""
     spec = job.spec
     rate = samples_per_sec(job, choice.gpus, choice.batch_size)
     left = max(0, spec.work_samples - job.samples_done)
     where = _checkpoint_location(job, pools_by_id)
+    bucket = spec.checkpoint.region.split(":") if spec.checkpoint.region else (None, None)
     return PlacementRequest(
         job.id, choice.gpus, fallbacks, job.pool if job.state is JobState.RUNNING else None,
         spec.spot, spec.regions.allow, spec.regions.deny, marks.blocked, frozenset(marks.refused),
         remaining_h=left / rate / 3600, restart_h=config.restart_s / 3600,
         checkpoint_interval_h=checkpoint_interval_s(spec, choice.batch_size, rate) / 3600,
-        checkpoint_gb=checkpoint_gb(job, config) if where[0] else 0.0,
-        checkpoint_cloud=where[0], checkpoint_region=where[1])
+        checkpoint_gb=checkpoint_gb(job, config) if where[0] or bucket[0] else 0.0,
+        checkpoint_cloud=where[0], checkpoint_region=where[1],
+        bucket_cloud=bucket[0], bucket_region=bucket[1])
 
 
 def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool],

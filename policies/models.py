@@ -246,8 +246,9 @@ class CheckpointSpec(BaseModel):
     uri: str | None = None
     region: str | None = Field(
         default=None, pattern=CLOUD_REGION,
-        description="'cloud:region' of the bucket behind uri: a move restores from there (the "
-        "egress placement prices); none: the checkpoint sits in the region of the last pool")
+        description="'cloud:region' of the bucket behind uri: a move restores from there and "
+        "every checkpoint written from another region crosses to it (the egress placement "
+        "prices); none: the checkpoint sits in the region of the last pool")
     interval: str = Field(default="100s", pattern=r"^[1-9][0-9]*(s|steps)$",
                           description="'<n>s' seconds or '<n>steps' (the spec parser "
                           "writes other forms such as 5m in this one)")

@@ -46,7 +46,8 @@ class PlacementRequest:
     The fields from ``remaining_h`` on describe the job for the expected cost: hours of work left
     at ``gpus`` (the default, one hour, compares pools by what an hour costs), what a relaunch
     loses, the checkpoint interval, and the checkpoint's size and location (its egress on a move
-    to another region or cloud; ``None`` for a job without one). ``markets`` are those the job
+    to another region or cloud; ``None`` for a job without one) and the bucket it is written to
+    when that stays in one region (each checkpoint written from elsewhere crosses to it). ``markets`` are those the job
     may use this round (the broker narrows them by the deadline rule, ``policies.spot``).
     """
 
@@ -65,6 +66,8 @@ class PlacementRequest:
     checkpoint_gb: float = 0.0
     checkpoint_cloud: str | None = None
     checkpoint_region: str | None = None
+    bucket_cloud: str | None = None
+    bucket_region: str | None = None
     markets: frozenset[Market] = frozenset(Market)
 
     def needs(self, gpus: int) -> JobNeeds:
@@ -72,7 +75,9 @@ class PlacementRequest:
         return JobNeeds(gpus=gpus, remaining_h=self.remaining_h, restart_h=self.restart_h,
                         checkpoint_interval_h=self.checkpoint_interval_h,
                         checkpoint_gb=self.checkpoint_gb, checkpoint_cloud=self.checkpoint_cloud,
-                        checkpoint_region=self.checkpoint_region, current_pool=self.current_pool)
+                        checkpoint_region=self.checkpoint_region,
+                        bucket_cloud=self.bucket_cloud, bucket_region=self.bucket_region,
+                        current_pool=self.current_pool)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 Cost = price x GPUs x hours, the hours stretched by expected rework from preemptions (prior from
 the Spot Advisor blended with what the broker observed), plus the one-off cost of moving: a restart
-and the checkpoint's egress when it lives in another region or cloud. A running job moves only when
+and the checkpoint's egress when it lives in another region or cloud, plus, for a job that writes
+its checkpoints to a bucket in a fixed region, the egress of every checkpoint written from a pool
+elsewhere. A running job moves only when
 the saving beats a stickiness margin, so jobs are not moved for pennies.
 """
 
@@ -62,8 +64,12 @@ class JobNeeds(BaseModel):
     restart_h: float = Field(default=DEFAULT_RESTART_S / 3600, ge=0)
     checkpoint_interval_h: float = Field(default=DEFAULT_CHECKPOINT_INTERVAL_S / 3600, ge=0)
     checkpoint_gb: float = Field(default=0.0, ge=0)
-    checkpoint_cloud: str | None = None
+    checkpoint_cloud: str | None = None  # where the checkpoint to restore is (None: none yet)
     checkpoint_region: str | None = None
+    # Where the job writes its checkpoints when that is a fixed bucket (the spec's
+    # ``checkpoint.region``); None: next to where it runs, no transfer.
+    bucket_cloud: str | None = None
+    bucket_region: str | None = None
     current_pool: str | None = None
     allow: list[str] = Field(default_factory=lambda: ["*"])
     deny: list[str] = Field(default_factory=list)
@@ -132,7 +138,11 @@ def expected_cost(needs: JobNeeds, c: Candidate, egress: Egress | None = None) -
     if c.pool.id != needs.current_pool:
         transfer = egress.per_gb(needs.checkpoint_cloud, needs.checkpoint_region, c.pool)
         move = needs.restart_h * rate + transfer * needs.checkpoint_gb
-    return rate * hours + move
+    writes = 0.0
+    if needs.checkpoint_interval_h > 0:  # one checkpoint per interval crosses to the bucket
+        writes = hours / needs.checkpoint_interval_h * needs.checkpoint_gb * \
+            egress.per_gb(needs.bucket_cloud, needs.bucket_region, c.pool)
+    return rate * hours + move + writes
 
 
 def rank(

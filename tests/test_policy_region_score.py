@@ -58,6 +58,20 @@ def test_egress_keeps_a_big_checkpoint_near_home() -> None:
     assert expected_cost(big, away) - expected_cost(small, away) == pytest.approx(500 * 0.09)
 
 
+def test_a_fixed_bucket_prices_every_checkpoint_written_from_elsewhere() -> None:
+    """No checkpoint to restore yet, but each one written from gcp crosses to the aws bucket:
+    20 writes of 2 GB at $0.09 outweigh the cent per GPU-hour gcp saves."""
+    home = cand("aws", "us-east-1", 1.00)
+    away = cand("gcp", "us-central1", 0.99)
+    anywhere = JobNeeds(gpus=8, remaining_h=10, checkpoint_interval_h=0.5, checkpoint_gb=2)
+    pinned = anywhere.model_copy(update={"bucket_cloud": "aws", "bucket_region": "us-east-1"})
+    assert choose(anywhere, [home, away]).pool_id == away.pool.id
+    assert choose(pinned, [home, away]).pool_id == home.pool.id
+    assert expected_cost(pinned, away) - expected_cost(anywhere, away) == pytest.approx(
+        10 / 0.5 * 2 * 0.09)
+    assert expected_cost(pinned, home) == expected_cost(anywhere, home)  # same region: free
+
+
 def test_constraints_filter_pools() -> None:
     pools = [
         cand("aws", "us-east-1", 1.0),

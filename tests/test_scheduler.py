@@ -292,6 +292,28 @@ def test_a_named_checkpoint_bucket_is_where_a_move_restores_from(store: Store) -
     assert where == {"bucket": WEST.id, "local": EAST.id}
 
 
+def test_a_named_bucket_draws_a_new_job_to_its_region(store: Store) -> None:
+    """Before its first run a job has nothing to restore, but it will write every checkpoint
+    to its gcp:west bucket: with 50 GB checkpoints that keeps it out of aws:east, 0.5 % cheaper
+    per GPU-hour. The same job without a named bucket goes to aws:east."""
+    store.set_pools([EAST, WEST])
+    fence = store.acquire_lease("t", ttl_s=30)
+    config = SchedulerConfig(checkpoint_gb=50)
+    ids = {}
+    for name, bucket in (("bucket", "gcp:west"), ("local", None)):
+        base = spec(name, gmax=1)
+        ck = base.checkpoint.model_copy(update={"uri": "gs://ck/" + name, "region": bucket})
+        ids[name] = store.submit(base.model_copy(update={"checkpoint": ck}), team="t").id
+    job = store.get_job(ids["bucket"])
+    assert job is not None
+    req = placement_request(job, Choice(1, 32, 1.0), [], Marks(), {}, config)
+    assert (req.checkpoint_cloud, req.bucket_cloud, req.bucket_region, req.checkpoint_gb) == (
+        None, "gcp", "west", 50)
+    Scheduler(store, config).run_round(fence)
+    where = {n: store.get_job(i).pool for n, i in ids.items()}  # type: ignore[union-attr]
+    assert where == {"bucket": WEST.id, "local": EAST.id}
+
+
 # ---- deadlines (policies.spot.choose_market), spot: never, stickiness in the live broker ------
 
 HOUR = 3600.0
