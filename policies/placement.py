@@ -47,8 +47,9 @@ class PlacementRequest:
     at ``gpus`` (the default, one hour, compares pools by what an hour costs), what a relaunch
     loses, the checkpoint interval, and the checkpoint's size and location (its egress on a move
     to another region or cloud; ``None`` for a job without one) and the bucket it is written to
-    when that stays in one region (each checkpoint written from elsewhere crosses to it). ``markets`` are those the job
-    may use this round (the broker narrows them by the deadline rule, ``policies.spot``).
+    when that stays in one region (each checkpoint written from elsewhere crosses to it).
+    ``markets`` are those the job may use this round (the broker narrows them by the deadline
+    rule, ``policies.spot``).
     """
 
     job_id: str
