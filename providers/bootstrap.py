@@ -1,4 +1,4 @@
-"""What the cloud providers share: launch tags, idempotency tokens, the agent's start script."""
+"""What the cloud providers share: launch tags, idempotency tokens, node ranks, the start script."""
 
 from __future__ import annotations
 
