@@ -224,7 +224,9 @@ class AwsProvider(Provider):
         """Launch in one AZ (``_launch_zone``) under the key's ``ClientToken``. With no capacity
         there while other priced AZs remain, the ``CapacityError`` names that AZ: the broker's
         next attempt (a new key) avoids it. Each node carries its AZ's spot price, the price its
-        placement records, on a retry that finds the first launch too."""
+        placement records, on a retry that finds the first launch too. A gang is one request
+        (``MinCount = MaxCount = nodes``: all or nothing, in one AZ) with one user data: each
+        instance adds its launch index to the first rank (``bootstrap.rank_step``)."""
         existing = self._by_key(request.region, request.idempotency_key)
         if existing:
             return existing
@@ -452,4 +454,7 @@ class AwsProvider(Provider):
             market=Market.SPOT if spot else Market.ON_DEMAND,
             state=STATE.get(inst["State"]["Name"], NodeState.TERMINATED),
             launched_at=inst.get("LaunchTime"),
+            # The start script's rank: the launch's first rank plus the instance's index in
+            # its RunInstances (``bootstrap.rank_step``), which EC2 and moto both report.
+            rank=bootstrap.tagged_rank(tag, inst.get("AmiLaunchIndex")),
         )

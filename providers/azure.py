@@ -186,10 +186,11 @@ class AzureProvider(Provider):
         stem = f"fleet-{bootstrap.token(request.idempotency_key, 16)}"
         return [f"{stem}-{i}" for i in range(request.nodes)]
 
-    def vm_body(self, request: LaunchRequest, name: str) -> dict[str, Any]:
-        """The ARM JSON of one VM (the documented ``Microsoft.Compute/virtualMachines`` shape)."""
+    def vm_body(self, request: LaunchRequest, name: str, rank: int) -> dict[str, Any]:
+        """The ARM JSON of the VM of node rank ``rank`` (the documented
+        ``Microsoft.Compute/virtualMachines`` shape): its own custom data and tag."""
         script = bootstrap.agent_script(request, "azure", self.agent_install,
-                                        self.shutdown_command)
+                                        self.shutdown_command, rank)
         properties: dict[str, Any] = {
             "hardwareProfile": {"vmSize": self.vm_size_for(request)},
             "storageProfile": {
@@ -240,7 +241,7 @@ class AzureProvider(Provider):
             properties["priority"] = "Regular"
         body: dict[str, Any] = {
             "location": request.region,
-            "tags": bootstrap.tags(request, self.broker_id),
+            "tags": bootstrap.tags(request, self.broker_id, rank),
             "properties": properties,
         }
         if request.zone:
@@ -262,7 +263,7 @@ class AzureProvider(Provider):
 
         vms = self._compute.virtual_machines
         nodes = []
-        for name in self.vm_names(request):
+        for i, name in enumerate(self.vm_names(request)):
             try:
                 nodes.append(self._node(vms.get(self.resource_group, name)))
                 continue  # made by an earlier attempt of this launch
@@ -274,7 +275,7 @@ class AzureProvider(Provider):
                 poller = vms.begin_create_or_update(
                     self.resource_group,
                     name,
-                    self.vm_body(request, name),
+                    self.vm_body(request, name, bootstrap.node_rank(request, i)),
                     polling_interval=self.polling_interval,
                 )
                 nodes.append(self._node(poller.result()))
@@ -384,4 +385,5 @@ class AzureProvider(Provider):
             market=Market.SPOT if props.priority == "Spot" else Market.ON_DEMAND,
             state=STATE.get(props.provisioning_state or "", NodeState.TERMINATED),
             launched_at=props.time_created,
+            rank=bootstrap.tagged_rank(tags),
         )

@@ -1,4 +1,4 @@
-"""What the cloud providers share: launch tags, idempotency tokens, the agent's start script."""
+"""What the cloud providers share: launch tags, idempotency tokens, node ranks, the start script."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ KEY_TAG = "fleet-idempotency-key"
 MARKET_TAG = "fleet-market"
 ACCELERATOR_TAG = "fleet-accelerator"
 GPUS_TAG = "fleet-gpus"
+FIRST_RANK_TAG = "fleet-first-rank"  # the launch's first node rank (``LaunchRequest.first_rank``)
+RANK_TAG = "fleet-node-rank"  # one node's rank, where each VM of a launch is made on its own
+RANK_ENV = "FLEET_NODE_RANK"
 
 # UUIDv5 namespace for request ids derived from idempotency keys (fixed forever: changing it
 # would make retried launches after an upgrade look new).
@@ -31,6 +34,9 @@ NOTICE_URLS = {
     "azure": ("FLEET_NOTICE_AZURE_URL",
               "http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01"),
 }
+# Where a node of a multi-node AWS launch reads its ``ami-launch-index`` (IMDSv2, ``rank_step``);
+# the request's env or the machine may point elsewhere, as with the notice URLs.
+AWS_METADATA_URL = ("FLEET_METADATA_AWS_URL", "http://169.254.169.254")
 
 
 # What a start script pip-installs when the image lacks the agent (see ``agent_install_spec``).
@@ -58,7 +64,8 @@ def label_value(value: str) -> str:
     return lower if ok else f"h-{token(value, 40)}"
 
 
-def tags(request: LaunchRequest, broker_id: str) -> dict[str, str]:
+def tags(request: LaunchRequest, broker_id: str, rank: int | None = None) -> dict[str, str]:
+    """A launch's tags; ``rank``: the node's own, for a VM made on its own (``node_rank``)."""
     return {
         BROKER_TAG: broker_id,
         JOB_TAG: request.job_id,
@@ -66,19 +73,47 @@ def tags(request: LaunchRequest, broker_id: str) -> dict[str, str]:
         MARKET_TAG: request.market.value,
         ACCELERATOR_TAG: request.accelerator.value,
         GPUS_TAG: str(request.gpus_per_node),
+        FIRST_RANK_TAG: str(request.first_rank),
+        **({RANK_TAG: str(rank)} if rank is not None else {}),
     }
 
 
-def agent_env(request: LaunchRequest, cloud: str) -> dict[str, str]:
-    """The FLEET_* environment of the agent: the request's own env plus where it runs, and on
-    spot the cloud's metadata URL for preemption notices."""
+def node_rank(request: LaunchRequest, index: int) -> int:
+    """The rank of the launch's node ``index`` (0-based), for providers that make each node
+    with its own start script (one VM per node)."""
+    if not 0 <= index < request.nodes:
+        raise ValueError(f"node index {index}: a launch of {request.nodes} nodes has 0.."
+                         f"{request.nodes - 1}")
+    return request.first_rank + index
+
+
+def tagged_rank(tags: dict[str, str], index: int | None = None) -> int | None:
+    """A node's rank from its tags: its own ``RANK_TAG``, else the launch's first rank plus the
+    node's ``index`` in the launch; None where the tags (or the index) do not tell."""
+    if RANK_TAG in tags:
+        return int(tags[RANK_TAG])
+    if FIRST_RANK_TAG in tags and index is not None:
+        return int(tags[FIRST_RANK_TAG]) + index
+    return None
+
+
+def agent_env(request: LaunchRequest, cloud: str, rank: int | None = None) -> dict[str, str]:
+    """The FLEET_* environment of the agent: the request's own env plus where it runs, on spot
+    the cloud's metadata URL for preemption notices, and the node's rank: ``rank`` where the
+    provider starts each node with its own script, the first rank for a one-node launch (a lost
+    node's replacement), else none (each node adds its index in the launch to FLEET_FIRST_RANK:
+    ``rank_step``, SkyPilot's task)."""
     bad = [k for k in request.env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
     if bad:
         raise ValueError(f"env: {bad} are not valid variable names (use letters, digits, '_')")
     notice = NOTICE_URLS.get(cloud) if request.market is Market.SPOT else None
+    if rank is None and request.nodes == 1:
+        rank = request.first_rank
+    # The provider owns the rank: one from the request's env would give every node the same.
+    job = {k: v for k, v in request.env.items() if k != RANK_ENV}
     return {
         **(dict([notice]) if notice else {}),  # the request's env may point elsewhere
-        **request.env,
+        **job,
         "FLEET_JOB_ID": request.job_id,
         "FLEET_IDEMPOTENCY_KEY": request.idempotency_key,
         "FLEET_CLOUD": cloud,
@@ -87,6 +122,8 @@ def agent_env(request: LaunchRequest, cloud: str) -> dict[str, str]:
         "FLEET_ACCELERATOR": request.accelerator.value,
         "FLEET_GPUS_PER_NODE": str(request.gpus_per_node),
         "FLEET_NODES": str(request.nodes),
+        "FLEET_FIRST_RANK": str(request.first_rank),
+        **({RANK_ENV: str(rank)} if rank is not None else {}),
     }
 
 
@@ -147,14 +184,51 @@ def agent_command(request: LaunchRequest) -> str:
     return f"exec {agent_invocation(request)}\n"
 
 
-def env_function(request: LaunchRequest, cloud: str) -> str:
+def env_function(request: LaunchRequest, cloud: str, rank: int | None = None) -> str:
     """``fleet_job_env``: a shell function exporting the agent's environment, so the script can
     apply it after the install (a job's PYTHONPATH or PIP_* must not reach pip) and in the exit
     trap's report."""
     exports = "".join(
-        f"  export {k}={shlex.quote(v)}\n" for k, v in sorted(agent_env(request, cloud).items())
+        f"  export {k}={shlex.quote(v)}\n"
+        for k, v in sorted(agent_env(request, cloud, rank).items())
     )
     return f"fleet_job_env() {{\n{exports}}}\n"
+
+
+# A node of a multi-node AWS launch: one RunInstances, so one user data for all its instances;
+# each adds its ``ami-launch-index`` (0..nodes-1, from IMDSv2) to the launch's first rank. An
+# unreadable index fails the script: the exit trap reports the failure (rank unknown: 0).
+AWS_RANK_STEP = r"""fleet_launch_index() {
+  local base="$fleet_metadata" imds index
+  local tries=(-fsS -m 5 --retry 5 --retry-delay 1 --retry-connrefused)
+  imds=$(curl "${tries[@]}" -X PUT -H 'X-aws-ec2-metadata-token-ttl-seconds: 300' \
+      "$base/latest/api/token") &&
+    index=$(curl "${tries[@]}" -H "X-aws-ec2-metadata-token: $imds" \
+      "$base/latest/meta-data/ami-launch-index") &&
+    case "$index" in ''|*[!0-9]*) false ;; esac || {
+      echo "fleet: cannot read this instance's ami-launch-index from $base (IMDSv2): its node" \
+        "rank is unknown; the instance must allow metadata access (HttpEndpoint enabled)" >&2
+      return 1
+    }
+  echo "$index"
+}
+if [ -z "${FLEET_NODE_RANK:-}" ]; then
+  fleet_index=$(fleet_launch_index)
+  export FLEET_NODE_RANK=$((FLEET_FIRST_RANK + fleet_index))
+fi
+"""
+
+
+def rank_step(request: LaunchRequest, cloud: str, rank: int | None) -> str:
+    """Shell lines, run after ``fleet_job_env``, that set FLEET_NODE_RANK where the script does
+    not carry it: a node of a multi-node launch that shares one script (AWS)."""
+    if rank is not None or request.nodes == 1:
+        return ""
+    if cloud != "aws":
+        raise ValueError(f"{cloud}: a start script for a {request.nodes}-node launch needs each "
+                         "node's rank (pass rank=bootstrap.node_rank(request, index))")
+    variable, url = AWS_METADATA_URL
+    return f"fleet_metadata=${{{variable}:-{url}}}\n{AWS_RANK_STEP}"
 
 
 # The exit trap. A failure the agent may not have reported itself (the install failed, the agent
@@ -221,17 +295,19 @@ def shutdown_line(request: LaunchRequest, command: str | None = None) -> str:
 
 
 def agent_script(request: LaunchRequest, cloud: str, agent_install: str,
-                 shutdown_command: str | None = None) -> str:
+                 shutdown_command: str | None = None, rank: int | None = None) -> str:
     """A shell start script (user data / startup-script / custom data): install the agent from
     ``agent_install`` where the image lacks it, with the image's own environment; then export
-    the job's and run the agent (``run_agent``); on exit report a failure and power the VM off
-    (``EXIT_TRAP``)."""
+    the job's, with the node's rank (``rank``: this VM's, where each node has its own script;
+    see ``agent_env`` and ``rank_step``), and run the agent (``run_agent``); on exit report a
+    failure and power the VM off (``EXIT_TRAP``)."""
     return (
         "#!/bin/bash\nset -euo pipefail\n"
         f"{shutdown_line(request, shutdown_command)}"
-        f"{env_function(request, cloud)}"
+        f"{env_function(request, cloud, rank)}"
         f"{EXIT_TRAP}"
         f"{install_step(agent_install)}"
         "fleet_job_env\n"
+        f"{rank_step(request, cloud, rank)}"
         f"{run_agent(request)}"
     )

@@ -206,19 +206,22 @@ class GcpProvider(Provider):
         stem = f"fleet-{bootstrap.token(request.idempotency_key, 16)}"
         return [f"{stem}-{i}" for i in range(request.nodes)]
 
-    def instance_resource(self, request: LaunchRequest, offer: CatalogOffer, name: str) -> Any:
+    def instance_resource(self, request: LaunchRequest, offer: CatalogOffer, name: str,
+                          rank: int) -> Any:
+        """The instance JSON of the node of rank ``rank``: its own startup script and label."""
         from google.cloud import compute_v1
 
         zone = offer.zone
         labels = {
-            k: bootstrap.label_value(v) for k, v in bootstrap.tags(request, self.broker_id).items()
+            k: bootstrap.label_value(v)
+            for k, v in bootstrap.tags(request, self.broker_id, rank).items()
         }
         metadata = compute_v1.Metadata(
             items=[
                 compute_v1.Items(
                     key="startup-script",
                     value=bootstrap.agent_script(request, "gcp", self.agent_install,
-                                                 self.shutdown_command),
+                                                 self.shutdown_command, rank),
                 ),
                 compute_v1.Items(key=bootstrap.KEY_TAG, value=request.idempotency_key),
                 compute_v1.Items(key=bootstrap.JOB_TAG, value=request.job_id),
@@ -278,7 +281,8 @@ class GcpProvider(Provider):
         offer = self.offer_for(request)
         zone = offer.zone or ""
         for i, name in enumerate(self.instance_names(request)):
-            resource = self.instance_resource(request, offer, name)
+            resource = self.instance_resource(request, offer, name,
+                                              bootstrap.node_rank(request, i))
             try:
                 op = self._instances.insert_unary(
                     request=compute_v1.InsertInstanceRequest(
@@ -397,6 +401,7 @@ class GcpProvider(Provider):
             launched_at=datetime.fromisoformat(inst.creation_timestamp)
             if inst.creation_timestamp
             else None,
+            rank=bootstrap.tagged_rank(labels),
         )
 
 

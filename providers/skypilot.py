@@ -39,6 +39,10 @@ REGION_LABEL = "fleet-region"
 NODES_LABEL = "fleet-nodes"
 CLOUD_LABEL = "fleet-cloud"  # one SkyPilot provider per cloud lists only its own clusters
 STATE = {"INIT": NodeState.PENDING, "UP": NodeState.RUNNING, "STOPPED": NodeState.TERMINATED}
+# A node of a multi-node cluster: its rank in the job is the launch's first plus SkyPilot's
+# own node rank (0 on the head node), which SkyPilot exports to every node's run.
+RANK_LINE = ("export FLEET_NODE_RANK=$((FLEET_FIRST_RANK + "
+             "${SKYPILOT_NODE_RANK:?SkyPilot sets it on every node}))\n")
 
 
 class SkyBackend(Protocol):
@@ -132,7 +136,7 @@ def task_for(
         # The VM's own cloud: its agent polls that cloud's metadata for the spot notice.
         "envs": bootstrap.agent_env(request, cloud or "skypilot"),
         "setup": "set -euo pipefail\n" + bootstrap.install_step(agent_install),
-        "run": bootstrap.agent_command(request),
+        "run": (RANK_LINE if request.nodes > 1 else "") + bootstrap.agent_command(request),
     }
 
 
@@ -152,7 +156,8 @@ def validate_task(task: dict[str, Any]) -> None:
 
 
 class SkyPilotProvider(Provider):
-    """Launch through SkyPilot on one of its clouds; nodes are ``<cluster>#<rank>``."""
+    """Launch through SkyPilot on one of its clouds; nodes are ``<cluster>#<i>``, the i-th node
+    of the cluster (SKYPILOT_NODE_RANK), of rank first rank + i in the job."""
 
     name = "skypilot"
     starts_agent = True  # the user data / startup script runs the agent
@@ -230,10 +235,10 @@ class SkyPilotProvider(Provider):
             ) or labels.get(CLOUD_LABEL, self.cloud) != self.cloud:
                 continue
             launched = record.get("launched_at")
-            for rank in range(int(labels.get(NODES_LABEL, "1"))):
+            for index in range(int(labels.get(NODES_LABEL, "1"))):
                 out.append(
                     Node(
-                        node_id=f"{record['name']}#{rank}",
+                        node_id=f"{record['name']}#{index}",
                         provider=self.name,
                         region=labels.get(REGION_LABEL, ""),
                         job_id=labels.get(bootstrap.JOB_TAG),
@@ -243,6 +248,7 @@ class SkyPilotProvider(Provider):
                         market=Market(labels.get(bootstrap.MARKET_TAG, "on-demand")),
                         state=STATE.get(record["status"], NodeState.TERMINATED),
                         launched_at=datetime.fromtimestamp(launched, UTC) if launched else None,
+                        rank=bootstrap.tagged_rank(labels, index),
                     )
                 )
         return out

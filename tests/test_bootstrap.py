@@ -13,7 +13,10 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Collection, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -22,10 +25,11 @@ import broker
 from broker.api import Heartbeat
 from policies.models import Accelerator, Market
 from providers import bootstrap
-from providers.base import LaunchRequest
+from providers.base import LaunchRequest, replacement_key
 
 SHIM = """#!/bin/bash
-echo "$*|PIP_BREAK_SYSTEM_PACKAGES=${PIP_BREAK_SYSTEM_PACKAGES:-}|PYTHONPATH=${PYTHONPATH:-}\
+echo "$*|PIP_BREAK_SYSTEM_PACKAGES=${PIP_BREAK_SYSTEM_PACKAGES:-}\
+|FLEET_NODE_RANK=${FLEET_NODE_RANK:-}|PYTHONPATH=${PYTHONPATH:-}\
 |PIP_INDEX_URL=${PIP_INDEX_URL:-}" >> "$STATE/calls"
 case "$1 $2 $3" in
   "-c import broker.runtime.agent "*) [ -e "$STATE/installed" ] ;;
@@ -61,13 +65,14 @@ def request() -> LaunchRequest:
     )  # fmt: skip
 
 
-def start_script(script: str, tmp_path: Path, **machine_env: str) -> subprocess.Popen:
-    """Start ``script`` with bash as user data runs, the shim and stubs first on PATH, plus
-    ``machine_env``."""
+def start_script(script: str, tmp_path: Path, real: Collection[str] = (),
+                 **machine_env: str) -> subprocess.Popen:
+    """Start ``script`` with bash as user data runs, the shim and stubs first on PATH (but
+    those named in ``real``: the machine's own), plus ``machine_env``."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, body in {"python3": SHIM, **{k: f"#!/bin/bash\n{v}" for k, v in STUBS.items()}
-                       }.items():
+    stubs = {k: f"#!/bin/bash\n{v}" for k, v in STUBS.items() if k not in real}
+    for name, body in {"python3": SHIM, **stubs}.items():
         stub = bin_dir / name
         stub.write_text(body)
         stub.chmod(0o755)
@@ -89,10 +94,10 @@ def finish(proc: subprocess.Popen, tmp_path: Path,
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), calls
 
 
-def run_script(script: str, tmp_path: Path, **machine_env: str,
+def run_script(script: str, tmp_path: Path, real: Collection[str] = (), **machine_env: str,
                ) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run ``script`` to its end (``start_script``); how it ended and the calls they saw."""
-    return finish(start_script(script, tmp_path, **machine_env), tmp_path)
+    return finish(start_script(script, tmp_path, real, **machine_env), tmp_path)
 
 
 def test_stock_image_installs_the_agent_once_then_runs_it(tmp_path: Path) -> None:
@@ -260,3 +265,124 @@ def test_the_power_off_command_can_be_overridden_or_disabled(
     assert done.returncode == 0, done.stderr
     assert not [c for c in calls if c.startswith("shutdown")]
     assert calls[-1] == expected if expected else calls[-1].startswith("-m broker.runtime.agent")
+
+
+def gang(**kw) -> LaunchRequest:
+    """Ranks 0 and 1 of a job, in one launch whose broker env still carries a rank of its own."""
+    return request().model_copy(update={"nodes": 2, "env": {"FLEET_NODE_RANK": "0"}, **kw})
+
+
+def test_the_provider_gives_each_node_its_rank() -> None:
+    """A one-node launch (a lost node's replacement) is its first rank; a gang's node gets its
+    own from the provider (one VM per node) or works it out (no FLEET_NODE_RANK: never the same
+    one, from the request's env, on every node); the tags tell the inventory the ranks."""
+    stand_in = request().model_copy(update={
+        "idempotency_key": replacement_key("job-9:1:0", 1, 2), "first_rank": 1})
+    env = bootstrap.agent_env(stand_in, "aws")
+    assert (env["FLEET_NODES"], env["FLEET_FIRST_RANK"], env["FLEET_NODE_RANK"]) == ("1", "1", "1")
+    env = bootstrap.agent_env(gang(first_rank=2), "aws")
+    assert env["FLEET_FIRST_RANK"] == "2" and "FLEET_NODE_RANK" not in env
+    assert bootstrap.agent_env(gang(), "gcp", rank=1)["FLEET_NODE_RANK"] == "1"
+    assert [bootstrap.node_rank(gang(first_rank=2), i) for i in (0, 1)] == [2, 3]
+    with pytest.raises(ValueError, match=r"node index 2: a launch of 2 nodes has 0\.\.1"):
+        bootstrap.node_rank(gang(), 2)
+    tags = bootstrap.tags(gang(first_rank=2), "b1")
+    assert tags[bootstrap.FIRST_RANK_TAG] == "2" and bootstrap.RANK_TAG not in tags
+    assert bootstrap.tagged_rank(tags, 1) == 3 and bootstrap.tagged_rank(tags) is None
+    assert bootstrap.tagged_rank(bootstrap.tags(gang(first_rank=2), "b1", rank=3)) == 3
+    with pytest.raises(ValueError, match="gcp: a start script for a 2-node launch needs each"):
+        bootstrap.agent_script(gang(), "gcp", "fb")
+
+
+class Imds(BaseHTTPRequestHandler):
+    """EC2's instance metadata service (IMDSv2) as far as the start script reads it: a token
+    from ``PUT /latest/api/token``, then ``ami-launch-index`` with that token."""
+
+    index = "1"
+    seen: list[str]
+
+    def do_PUT(self) -> None:
+        ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+        self.seen.append(f"PUT {self.path} ttl={ttl}")
+        self.answer(200 if self.path == "/latest/api/token" and ttl else 400, "imds-token")
+
+    def do_GET(self) -> None:
+        token = self.headers.get("X-aws-ec2-metadata-token")
+        self.seen.append(f"GET {self.path} token={token}")
+        if token != "imds-token":
+            self.answer(401, "")
+        elif self.path == "/latest/meta-data/ami-launch-index" and self.index:
+            self.answer(200, self.index)
+        else:
+            self.answer(404, "not found")
+
+    def answer(self, status: int, body: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.fixture
+def imds() -> Iterator[tuple[str, type[Imds]]]:
+    """A local metadata service on a free loopback port: (its base URL, its handler class)."""
+    handler = type("ImdsOnce", (Imds,), {"seen": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def agent_rank(calls: list[str]) -> str:
+    (agent,) = [c for c in calls if c.startswith("-m broker.runtime.agent")]
+    return next(f for f in agent.split("|") if f.startswith("FLEET_NODE_RANK="))
+
+
+def test_a_gang_node_on_aws_adds_its_launch_index_from_imds_to_the_first_rank(
+        tmp_path: Path, imds: tuple[str, type[Imds]]) -> None:
+    """One RunInstances, one user data for both nodes: the second instance (launch index 1)
+    reads its index from IMDSv2 (the machine's real curl) and runs its agent as rank 1."""
+    url, handler = imds
+    script = bootstrap.agent_script(gang(), "aws", "fb")
+    done, calls = run_script(script, tmp_path, real={"curl"}, FLEET_METADATA_AWS_URL=url)
+    assert done.returncode == 0, done.stderr
+    assert agent_rank(calls) == "FLEET_NODE_RANK=1"
+    assert handler.seen == ["PUT /latest/api/token ttl=300",
+                            "GET /latest/meta-data/ami-launch-index token=imds-token"]
+    # Ranks 4 and 5 of a job (a launch's first rank is not always 0): index 1 is rank 5.
+    (tmp_path / "calls").unlink()
+    done, calls = run_script(bootstrap.agent_script(gang(first_rank=4), "aws", "fb"), tmp_path,
+                             real={"curl"}, FLEET_METADATA_AWS_URL=url)
+    assert done.returncode == 0 and agent_rank(calls) == "FLEET_NODE_RANK=5"
+
+
+def test_a_one_node_launch_carries_its_rank_and_asks_no_metadata(
+        tmp_path: Path, imds: tuple[str, type[Imds]]) -> None:
+    url, handler = imds
+    stand_in = request().model_copy(update={"first_rank": 3})
+    done, calls = run_script(bootstrap.agent_script(stand_in, "aws", "fb"), tmp_path,
+                             real={"curl"}, FLEET_METADATA_AWS_URL=url)
+    assert done.returncode == 0, done.stderr
+    assert agent_rank(calls) == "FLEET_NODE_RANK=3" and handler.seen == []
+
+
+def test_an_unreadable_launch_index_fails_the_script_before_the_agent(
+        tmp_path: Path, imds: tuple[str, type[Imds]]) -> None:
+    """No index (IMDS answers 404): the node cannot know its rank, so it must not join the job
+    as some other node's rank; the script fails, names why, and powers the VM off."""
+    url, handler = imds
+    handler.index = ""
+    done, calls = run_script(bootstrap.agent_script(gang(), "aws", "fb"), tmp_path,
+                             real={"curl"}, FLEET_METADATA_AWS_URL=url)
+    assert done.returncode == 1
+    assert "cannot read this instance's ami-launch-index from " + url in done.stderr
+    assert not [c for c in calls if c.startswith("-m broker.runtime.agent")]
+    assert calls[-1] == "shutdown -h now"

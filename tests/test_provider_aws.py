@@ -24,6 +24,7 @@ from providers.base import (
     NotConfiguredError,
     ProviderError,
     QuotaError,
+    replacement_key,
 )
 from tests.cloud_env import (
     aws_quotas,
@@ -104,6 +105,47 @@ def test_spot_launch_tags_user_data_and_client_token(aws: AwsProvider) -> None:
     raw = session().client("ec2", region).describe_instance_attribute(
         InstanceId=kept, Attribute="userData")["UserData"]["Value"]
     assert "fleet_shutdown=''\n" in base64.b64decode(raw).decode()
+
+
+def user_data(instance_id: str, region: str = "us-east-1") -> str:
+    raw = session().client("ec2", region).describe_instance_attribute(
+        InstanceId=instance_id, Attribute="userData")["UserData"]["Value"]
+    return base64.b64decode(raw).decode()
+
+
+def test_a_gang_is_one_request_whose_nodes_know_their_ranks(aws: AwsProvider) -> None:
+    """Two nodes in one RunInstances (all or nothing, one AZ) with one user data: each works
+    out its rank from its launch index (``bootstrap.rank_step``), and the inventory reports the
+    same ranks from the first-rank tag and the instances' ``AmiLaunchIndex``."""
+    req = request(env={"FLEET_NODE_RANK": "0"})  # a rank of the broker's is not every node's
+    nodes = aws.launch(req)
+    assert sorted(n.rank for n in nodes) == [0, 1]
+    assert {n.rank for n in aws.nodes()} == {0, 1} and len({n.zone for n in nodes}) == 1
+    instances = [_describe(n.node_id.partition("/")[2]) for n in nodes]
+    assert len({i["ClientToken"] for i in instances}) == 1
+    scripts = {user_data(i["InstanceId"]) for i in instances}
+    (script,) = scripts  # one user data for both
+    assert "export FLEET_FIRST_RANK=0\n" in script and "FLEET_NODE_RANK=0" not in script
+    assert "/latest/meta-data/ami-launch-index" in script
+    assert [n.node_id for n in aws.launch(req)] == [n.node_id for n in nodes]
+
+
+def test_a_replacement_launch_is_one_node_of_the_lost_rank(aws: AwsProvider) -> None:
+    """A lost node's stand-in: one node, rank 1, under a key with '~' and '.' (a tag value EC2
+    filters on, and the ``ClientToken``'s input); relaunching it finds the same instance."""
+    gang = aws.launch(request())
+    key = replacement_key("job-1:7:0", 1, 1)
+    req = request(key=key, nodes=1, first_rank=1)
+    (node,) = aws.launch(req)
+    assert node.rank == 1 and node.idempotency_key == key
+    inst = _describe(node.node_id.partition("/")[2])
+    assert inst["ClientToken"] == bootstrap.token(key)
+    script = user_data(inst["InstanceId"])
+    assert "export FLEET_NODE_RANK=1\n" in script and "ami-launch-index" not in script
+    assert [n.node_id for n in aws.launch(req)] == [node.node_id]
+    ranks = {n.node_id: n.rank for n in aws.nodes()}
+    assert ranks == {**{n.node_id: n.rank for n in gang}, node.node_id: 1}
+    assert sorted(ranks.values()) == [0, 1, 1]
 
 
 def test_launch_is_idempotent_in_our_code(aws: AwsProvider) -> None:

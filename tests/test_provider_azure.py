@@ -21,7 +21,14 @@ from azure.core.credentials import AccessToken
 from policies.models import Accelerator, Market
 from providers import bootstrap
 from providers.azure import AzureProvider
-from providers.base import CapacityError, LaunchRequest, NodeState, NotConfiguredError, QuotaError
+from providers.base import (
+    CapacityError,
+    LaunchRequest,
+    NodeState,
+    NotConfiguredError,
+    QuotaError,
+    replacement_key,
+)
 from providers.catalog import instance_sizes, load_offers
 
 ARM = "https://management.azure.com"
@@ -146,6 +153,54 @@ def test_same_key_same_name_no_second_vm(azure: AzureProvider, http) -> None:
     assert sum(c.request.method == "PUT" for c in http.calls) == 2
     other = azure.launch(request(key="job-5:2:1", market=Market.ON_DEMAND))
     assert other[0].market is Market.ON_DEMAND and len(store) == 3
+
+
+def put_bodies(http) -> list[dict]:
+    """The VM bodies the SDK PUT, in order."""
+    return [json.loads(c.request.body) for c in http.calls if c.request.method == "PUT"]
+
+
+def custom_data(body: dict) -> str:
+    return base64.b64decode(body["properties"]["osProfile"]["customData"]).decode()
+
+
+def test_each_vm_of_a_gang_starts_as_its_own_rank(azure: AzureProvider, http) -> None:
+    """One VM per node, each with its own custom data (FLEET_NODE_RANK) and rank tag, which the
+    inventory reads back; relaunching the gang PUTs nothing and returns the same VMs."""
+    store: dict[str, dict] = {}
+    serve_vms(http, store, {"status": "Succeeded"})
+    req = request(nodes=2, env={"FLEET_NODE_RANK": "0"})
+    nodes = azure.launch(req)
+    assert [n.rank for n in nodes] == [0, 1]
+    bodies = put_bodies(http)
+    assert [b["tags"][bootstrap.RANK_TAG] for b in bodies] == ["0", "1"]
+    assert {b["tags"][bootstrap.FIRST_RANK_TAG] for b in bodies} == {"0"}
+    for rank, body in zip((0, 1), bodies, strict=True):
+        script = custom_data(body)
+        assert f"export FLEET_NODE_RANK={rank}\n" in script and "ami-launch-index" not in script
+        assert script.count("FLEET_NODE_RANK=") == 1  # the broker's rank is not every node's
+    http.add(responses.GET, re.compile(rf"{RG}/virtualMachines\?"),
+             json={"value": list(store.values())})
+    serve_power(http, dict.fromkeys(store, "running"))
+    assert {n.node_id: n.rank for n in azure.nodes()} == {n.node_id: n.rank for n in nodes}
+    assert azure.launch(req) == nodes and len(put_bodies(http)) == 2
+
+
+def test_a_replacement_vm_is_one_node_of_the_lost_rank(azure: AzureProvider, http) -> None:
+    """A lost node's stand-in under a key with '~' and '.': a valid VM name, the raw key as a
+    tag, rank 1; relaunching it finds it."""
+    store: dict[str, dict] = {}
+    serve_vms(http, store, {"status": "Succeeded"})
+    key = replacement_key("job-5:2:0", 1, 3)
+    req = request(key=key, first_rank=1)
+    (node,) = azure.launch(req)
+    assert (node.rank, node.idempotency_key) == (1, key)
+    (body,) = put_bodies(http)
+    assert re.fullmatch(r"[a-z0-9-]{1,64}", node.node_id)
+    assert body["properties"]["osProfile"]["computerName"] == node.node_id
+    assert (body["tags"][bootstrap.KEY_TAG], body["tags"][bootstrap.RANK_TAG]) == (key, "1")
+    assert "export FLEET_NODE_RANK=1\n" in custom_data(body)
+    assert azure.launch(req) == [node] and len(put_bodies(http)) == 1
 
 
 def test_allocation_failure_in_the_async_operation(azure: AzureProvider, http) -> None:

@@ -26,6 +26,7 @@ from providers.base import (
     NodeState,
     NotConfiguredError,
     QuotaError,
+    replacement_key,
 )
 from providers.catalog import load_offers
 from providers.gcp import GcpProvider
@@ -178,6 +179,68 @@ def test_relaunch_of_an_existing_name_returns_it(gcp: GcpProvider, http) -> None
     )
     again = gcp.launch(req)
     assert [n.node_id for n in again] == [n.node_id for n in first] and len(store) == 2
+
+
+def inserted(http) -> list[dict]:
+    """The instance bodies the SDK POSTed, in order."""
+    return [json.loads(c.request.body) for c in http.calls
+            if c.request.method == "POST" and c.request.url.split("?")[0].endswith("/instances")]
+
+
+def startup_script(body: dict) -> str:
+    return next(i["value"] for i in body["metadata"]["items"] if i["key"] == "startup-script")
+
+
+def serve_listing(http, zone: str, store: dict[str, dict]) -> None:
+    """The aggregated list: every stored instance, RUNNING."""
+    vms = [{**vm, "status": "RUNNING"} for vm in store.values()]
+    http.add(responses.GET, f"{BASE}/aggregated/instances",
+             json={"items": {f"zones/{zone}": {"instances": vms}}})
+
+
+def test_each_vm_of_a_gang_starts_as_its_own_rank(gcp: GcpProvider, http) -> None:
+    """One VM per node, each with its own startup script (FLEET_NODE_RANK) and rank label, which
+    the inventory reads back; relaunching the gang returns the same VMs."""
+    req = request(nodes=2, first_rank=2, env={"FLEET_NODE_RANK": "0"})
+    zone = gcp.offer_for(req).zone
+    store: dict[str, dict] = {}
+    serve_instances(http, zone, store)
+    nodes = gcp.launch(req)
+    assert [n.rank for n in nodes] == [2, 3]
+    bodies = inserted(http)
+    assert [b["labels"][bootstrap.RANK_TAG] for b in bodies] == ["2", "3"]
+    assert {b["labels"][bootstrap.FIRST_RANK_TAG] for b in bodies} == {"2"}
+    for rank, body in zip((2, 3), bodies, strict=True):
+        script = startup_script(body)
+        assert f"export FLEET_NODE_RANK={rank}\n" in script and "ami-launch-index" not in script
+        assert "export FLEET_FIRST_RANK=2\n" in script and "FLEET_NODE_RANK=0" not in script
+    serve_listing(http, zone, store)
+    assert {n.node_id: n.rank for n in gcp.nodes()} == {n.node_id: n.rank for n in nodes}
+    http.replace(responses.POST, f"{BASE}/zones/{zone}/instances", status=409,
+                 json=error(409, "alreadyExists", "The resource already exists"))
+    assert gcp.launch(req) == nodes and len(store) == 2
+
+
+def test_a_replacement_vm_is_one_node_of_the_lost_rank(gcp: GcpProvider, http) -> None:
+    """A lost node's stand-in under a key with '~' and '.': a valid GCE name and label values,
+    the raw key in its metadata, rank 1; relaunching it returns it."""
+    key = replacement_key("job-9:3:0", 1, 4)
+    req = request(key=key, nodes=1, first_rank=1)
+    zone = gcp.offer_for(req).zone
+    store: dict[str, dict] = {}
+    serve_instances(http, zone, store)
+    (node,) = gcp.launch(req)
+    assert (node.rank, node.idempotency_key) == (1, key)
+    (body,) = inserted(http)
+    assert re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])", body["name"])
+    assert all(re.fullmatch(r"[a-z0-9_-]{0,63}", v) for v in body["labels"].values())
+    assert body["labels"][bootstrap.KEY_TAG] == bootstrap.label_value(key)
+    assert (body["labels"][bootstrap.RANK_TAG], body["labels"][bootstrap.FIRST_RANK_TAG]) == \
+        ("1", "1")
+    assert "export FLEET_NODE_RANK=1\n" in startup_script(body)
+    http.replace(responses.POST, f"{BASE}/zones/{zone}/instances", status=409,
+                 json=error(409, "alreadyExists", "The resource already exists"))
+    assert gcp.launch(req) == [node] and len(store) == 1
 
 
 def test_stock_out_in_the_zone_operation_is_a_capacity_error(gcp: GcpProvider, http) -> None:

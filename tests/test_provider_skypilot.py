@@ -21,9 +21,17 @@ from providers.base import (
     NodeState,
     NotConfiguredError,
     ProviderError,
+    replacement_key,
 )
 from providers.catalog import load_offers
-from providers.skypilot import SkyPilotProvider, SkySdk, task_for, task_yaml, validate_task
+from providers.skypilot import (
+    RANK_LINE,
+    SkyPilotProvider,
+    SkySdk,
+    task_for,
+    task_yaml,
+    validate_task,
+)
 
 OFFERS = {c: load_offers([c], root=Path("/nonexistent")) for c in ("aws", "gcp", "azure")}
 AGENT = "fleetbroker==0.1.0"
@@ -75,7 +83,8 @@ def test_task_is_pinned_to_cloud_region_and_market() -> None:
     assert res["accelerators"] == "A100:8" and res["use_spot"] is True
     assert res["instance_type"] == offer.instance_type and task["num_nodes"] == 2
     assert task["envs"]["FLEET_JOB_ID"] == "job-3" and task["envs"]["FLEET_MARKET"] == "spot"
-    assert task["run"].startswith("exec python3 -m broker.runtime.agent -- torchrun train.py")
+    assert task["run"] == RANK_LINE + "exec python3 -m broker.runtime.agent -- torchrun " \
+        "train.py --epochs 3\n"
     assert "python3 -m pip install" in task["setup"] and AGENT in task["setup"]
     assert all(v == v.lower() for v in res["labels"].values())  # GCE label rules
 
@@ -161,6 +170,51 @@ def test_launch_follow_and_terminate_through_the_adapter() -> None:
     provider.terminate(f"{name}#0")  # already down: not an error
 
 
+def run_on_node(task: dict[str, Any], skypilot_rank: int, tmp_path: Path) -> str:
+    """The FLEET_NODE_RANK the agent gets when SkyPilot runs ``task``'s run with its envs on
+    its node ``skypilot_rank`` (``python3`` a stub that prints it)."""
+    stub = tmp_path / "python3"
+    stub.write_text('#!/bin/sh\necho "$FLEET_NODE_RANK"\n')
+    stub.chmod(0o755)
+    env = {**task["envs"], "PATH": f"{tmp_path}:/usr/bin:/bin",
+           "SKYPILOT_NODE_RANK": str(skypilot_rank)}
+    out = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True,
+                         timeout=30)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_each_node_of_a_cluster_runs_as_its_rank(tmp_path: Path) -> None:
+    """SkyPilot runs one task on every node: each adds its SKYPILOT_NODE_RANK to the launch's
+    first rank (no rank of the broker's env, which would be every node's); the inventory's
+    ``<cluster>#i`` is rank first + i."""
+    sky = RecordingSky()
+    provider = SkyPilotProvider("gcp", backend=sky, broker_id="b1", offers=OFFERS["gcp"])
+    req = request(first_rank=2, env={"FLEET_NODE_RANK": "0"})
+    nodes = provider.launch(req)
+    assert [n.rank for n in nodes] == [2, 3]
+    (_, task), = sky.launched
+    assert task["envs"]["FLEET_FIRST_RANK"] == "2" and "FLEET_NODE_RANK" not in task["envs"]
+    assert task["resources"]["labels"][bootstrap.FIRST_RANK_TAG] == "2"
+    assert [run_on_node(task, i, tmp_path) for i in (0, 1)] == ["2", "3"]
+    assert provider.launch(req) == nodes and len(sky.launched) == 1
+
+
+def test_a_replacement_cluster_is_one_node_of_the_lost_rank(tmp_path: Path) -> None:
+    sky = RecordingSky()
+    provider = SkyPilotProvider("aws", backend=sky, broker_id="b1", offers=OFFERS["aws"])
+    key = replacement_key("job-3:4:0", 1, 2)
+    req = request(idempotency_key=key, region="us-east-1", zone=None,
+                  accelerator=Accelerator.V100, gpus_per_node=1, nodes=1, first_rank=1)
+    (node,) = provider.launch(req)
+    assert (node.rank, node.idempotency_key) == (1, key)
+    (_, task), = sky.launched
+    assert task["envs"]["FLEET_NODE_RANK"] == "1" and not task["run"].startswith(RANK_LINE)
+    assert task["resources"]["labels"][bootstrap.KEY_TAG] == key  # an AWS tag takes '~' and '.'
+    assert run_on_node(task, 0, tmp_path) == "1"
+    assert provider.launch(req) == [node] and len(sky.launched) == 1
+
+
 def test_errors_at_the_boundary() -> None:
     sky = RecordingSky()
     provider = SkyPilotProvider("gcp", backend=sky, offers=OFFERS["gcp"])
@@ -207,6 +261,12 @@ def test_skypilot_itself_parses_every_generated_task(tmp_path: Path) -> None:
         ("gcp", request(accelerator=Accelerator.T4, gpus_per_node=4, market=Market.ON_DEMAND)),
         ("azure", request(region="eastus", zone=None, accelerator=Accelerator.V100,
                           gpus_per_node=1)),
+        # a lost node's stand-in: its key ('~', '.') in the labels, its rank in the envs
+        ("aws", request(idempotency_key=replacement_key("job-3:4:0", 1, 2), region="us-east-1",
+                        zone=None, accelerator=Accelerator.V100, gpus_per_node=1, nodes=1,
+                        first_rank=1)),
+        ("gcp", request(idempotency_key=replacement_key("job-3:4:0", 1, 2), nodes=1,
+                        first_rank=1)),
     ]  # fmt: skip
     tasks = []
     for cloud, req in cases:
