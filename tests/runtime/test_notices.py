@@ -64,7 +64,11 @@ def test_unreachable_metadata_is_no_notice() -> None:
     [
         (["--nproc", "2"], {}, "no command"),
         (["--", "true"], {"FLEET_NPROC": "two"}, "FLEET_NPROC='two' is not an integer"),
-        (["--", "true"], {"FLEET_NNODES": "2"}, "FLEET_MASTER_PORT is required"),
+        (["--", "true"], {"FLEET_NNODES": "2"},
+         "set FLEET_MASTER_ADDR and FLEET_MASTER_PORT .*or FLEET_BROKER_URL"),
+        (["--", "true"], {"FLEET_NNODES": "2", "FLEET_MASTER_ADDR": "10.0.0.5"},
+         "FLEET_MASTER_PORT is required"),
+        (["--", "true"], {"FLEET_ROUND": "-1"}, "FLEET_ROUND=-1 is below 0"),
         (["--", "true"], {"FLEET_NNODES": "2", "FLEET_NODE_RANK": "2"}, "below FLEET_NNODES"),
     ],
 )
