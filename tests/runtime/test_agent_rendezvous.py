@@ -132,7 +132,8 @@ def test_a_new_round_restarts_the_workers_with_a_fresh_master(
     peer give way to new ones in the new round, on the same agents."""
     server, store = stack
     job = running_job(store)
-    agents = [start_agent(server, job, rank, tmp_path, mode) for rank in (0, 1)]
+    agents = [start_agent(server, job, rank, tmp_path, mode, node_addr="node0.internal")
+              for rank in (0, 1)]
     wait_for_files(tmp_path, 0)
     job = bump(store, job.id, round=1)
     results = finish(*agents)
@@ -143,6 +144,7 @@ def test_a_new_round_restarts_the_workers_with_a_fresh_master(
         assert all("stopping: the broker started round 1" in out for _, out in results)
     old, new = seen(tmp_path, 0, 0), [seen(tmp_path, 1, rank) for rank in (0, 1)]
     assert new[0]["MASTER_PORT"] == new[1]["MASTER_PORT"] != old["MASTER_PORT"]
+    assert new[0]["MASTER_ADDR"] == new[1]["MASTER_ADDR"] == "node0.internal"  # FLEET_NODE_ADDR
     assert [(s["RANK"], s["WORLD_SIZE"], s["FLEET_ROUND"]) for s in new] == [
         ("0", "2", "1"), ("1", "2", "1")]
     assert store.agent_reports([job])[job.id].exits == {0: 0, 1: 0}
