@@ -2,12 +2,15 @@
 
 ``build_app(store, config)`` returns the app that ``fleet up`` serves with uvicorn. Every route
 needs a bearer token (``broker.auth``): a team sees only its own jobs (others' are 404), an admin
-sees all, an agent may only post heartbeats. Bad input is a 4xx whose body names each field.
+sees all, an agent may only post heartbeats and rendezvous visits. Bad input is a 4xx whose body
+names each field.
 """
 
 # No `from __future__ import annotations`: FastAPI resolves the local Annotated aliases.
 
+import ipaddress
 import math
+import re
 from typing import Annotated, Any
 
 import redis
@@ -29,6 +32,7 @@ from broker.store import CHECKPOINT_EXIT, JobNotFound, Store
 from policies.models import JobSpec, Market
 
 JOB_ID = r"^[a-z0-9][a-z0-9_.-]{0,80}$"
+DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 SPEC_MEDIA = ("application/yaml", "application/x-yaml", "text/yaml", "text/plain",
               "application/json")
 
@@ -55,6 +59,7 @@ class Heartbeat(BaseModel):
     job_id: str = Field(pattern=JOB_ID)
     attempt: int = Field(ge=0, le=10**9)
     node_rank: int = Field(default=0, ge=0, le=4096)
+    round: int = Field(default=0, ge=0, le=10**9, description="the agent's rendezvous round")
     state: str = Field(default="running", max_length=32)
     step: int | None = Field(default=None, ge=0, le=10**15)
     samples_done: int | None = Field(default=None, ge=0, le=10**18)
@@ -83,6 +88,39 @@ class Heartbeat(BaseModel):
 class HeartbeatReply(BaseModel):
     action: str | None = Field(description="null: keep going; 'checkpoint-exit': checkpoint, "
                                            "then exit 75")
+    round: int = Field(description="the job's rendezvous round; above the agent's: stop the "
+                                   "workers and re-form the group in that round")
+
+
+class Rendezvous(BaseModel):
+    """A node's visit to its job's rendezvous: rank 0 registers the master's address."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    job_id: str = Field(pattern=JOB_ID)
+    attempt: int = Field(ge=0, le=10**9)
+    round: int = Field(ge=0, le=10**9)
+    node_rank: int = Field(ge=0, le=4096)
+    addr: str | None = Field(default=None, max_length=270,
+                             description="this node's 'host:port' (host: an IP address, IPv6 in "
+                                         "brackets, or a DNS name; port 1-65535); rank 0's is "
+                                         "the round's master")
+
+    @field_validator("addr")
+    @classmethod
+    def _host_port(cls, v: str | None) -> str | None:
+        if v is not None and not _is_host_port(v):
+            raise ValueError("must be host:port, e.g. 10.0.0.5:29500 or [fd00::5]:29500 (host: "
+                             "an IP address or DNS name, port 1-65535)")
+        return v
+
+
+class RendezvousReply(BaseModel):
+    round: int = Field(description="the job's current round (above the node's: move to it)")
+    nnodes: int = Field(description="nodes in the job")
+    master: str | None = Field(description="'host:port' rank 0 registered for that round; "
+                                           "null until it did")
+    action: str | None = Field(description="null: keep going; 'checkpoint-exit': exit 75")
 
 
 class PreemptRequest(BaseModel):
@@ -125,7 +163,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
 
     async def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role is Role.AGENT:
-            raise ApiError(403, "an agent token may only post heartbeats")
+            raise ApiError(403, "an agent token may only post heartbeats and rendezvous visits")
         return who
 
     async def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
@@ -135,16 +173,25 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
 
     async def reporter(authorization: Annotated[str | None, Header()] = None,
                        ) -> tuple[str, Principal | None]:
-        """A heartbeat's sender: the fleet's agent or admin token (operators), or what may be an
-        attempt token (checked against the body's job and attempt), which is all a launched
-        agent holds: a job's code cannot report for, stop or complete another job."""
+        """An agent endpoint's caller: the fleet's agent or admin token (operators), or what may
+        be an attempt token (checked against the body's job and attempt by ``for_attempt``),
+        which is all a launched agent holds: a job's code cannot report for, stop or complete
+        another job."""
         token = bearer(authorization)
         who = config.authenticate(token)
         if who is not None and who.role not in (Role.AGENT, Role.ADMIN):
-            raise ApiError(403, "heartbeats need the job attempt's agent token")
+            raise ApiError(403, "agent endpoints need the job attempt's agent token")
         if token is None or (who is None and not is_attempt_shaped(token)):
             raise unauthenticated(authorization)
         return token, who
+
+    def for_attempt(caller: tuple[str, Principal | None], job_id: str, attempt: int) -> None:
+        token, who = caller
+        if who is None and not config.is_attempt(token, job_id, attempt):
+            raise ApiError(403, "agent endpoints need the job attempt's agent token; this one "
+                           "is for another job or attempt")
+
+    Reporter = Annotated[tuple[str, Principal | None], Depends(reporter)]
 
     User = Annotated[Principal, Depends(user)]
     JobId = Annotated[str, Path(pattern=JOB_ID, max_length=81)]
@@ -283,21 +330,28 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
 
     @app.post("/v1/agent/heartbeat", tags=["agent"], response_model=HeartbeatReply,
               summary="An agent's progress report; the reply tells it to go on or stop")
-    def heartbeat(beat: Heartbeat,
-                  caller: Annotated[tuple[str, Principal | None], Depends(reporter)],
-                  ) -> HeartbeatReply:
-        token, who = caller
-        if who is None and not config.is_attempt(token, beat.job_id, beat.attempt):
-            raise ApiError(403, "heartbeats need the job attempt's agent token; this one is "
-                           "for another job or attempt")
+    def heartbeat(beat: Heartbeat, caller: Reporter) -> HeartbeatReply:
+        for_attempt(caller, beat.job_id, beat.attempt)
         report = beat.model_dump()
         if not report["samples_per_sec"]:
             report["samples_per_sec"] = None  # 0 = not measured yet, not a real throughput
         try:
-            action = store.record_heartbeat(**report)
+            said = store.record_heartbeat(**report)
         except JobNotFound:
             raise ApiError(404, f"no job {beat.job_id!r}") from None
-        return HeartbeatReply(action=CHECKPOINT_EXIT if action == CHECKPOINT_EXIT else None)
+        return HeartbeatReply(action=_agent_action(said.action), round=said.round)
+
+    @app.post("/v1/agent/rendezvous", tags=["agent"], response_model=RendezvousReply,
+              summary="A multi-node job's rendezvous: rank 0 registers the master, every node "
+                      "polls until its round has one")
+    def rendezvous(visit: Rendezvous, caller: Reporter) -> RendezvousReply:
+        for_attempt(caller, visit.job_id, visit.attempt)
+        try:
+            got = store.rendezvous(visit.job_id, visit.attempt, visit.round, visit.node_rank,
+                                   visit.addr)
+        except JobNotFound:
+            raise ApiError(404, f"no job {visit.job_id!r}") from None
+        return RendezvousReply(**{**got, "action": _agent_action(got["action"])})
 
     @app.post("/v1/chaos/preempt", status_code=202, tags=["chaos"],
               summary="Reclaim every spot node in a region (admin)")
@@ -314,6 +368,32 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                 "pools": sorted(p.id for p in hits), "duration_s": req.duration_s}
 
     return app
+
+
+def _agent_action(action: str) -> str | None:
+    """An agent endpoint's ``action``: null to keep going, or ``checkpoint-exit``."""
+    return CHECKPOINT_EXIT if action == CHECKPOINT_EXIT else None
+
+
+def _is_host_port(addr: str) -> bool:
+    """Is ``addr`` "host:port" with an IP address ("[...]" around IPv6) or DNS name as host
+    and a port in 1-65535?"""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return ipaddress.ip_address(host[1:-1]).version == 6
+        except ValueError:
+            return False
+    try:
+        ipaddress.IPv4Address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    return len(host) <= 253 and all(DNS_LABEL.fullmatch(x) for x in labels) and \
+        not labels[-1].isdigit()
 
 
 def _submit_team(spec: JobSpec, who: Principal) -> str:

@@ -3,8 +3,8 @@
 Only SHA-256 hashes of tokens are kept in memory; a presented token is hashed and compared with
 ``hmac.compare_digest`` against every grant, so neither the token nor timing leaks. A launched
 job gets no fleet-wide token: its agent gets an attempt token, an HMAC of ``job_id:attempt``
-under the broker's key, good for that attempt's heartbeats only (a job's code cannot speak for
-another job).
+under the broker's key, good for that attempt's heartbeats and rendezvous visits only (a job's
+code cannot speak for another job).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ MIN_TOKEN_CHARS = 16
 class Role(StrEnum):
     TEAM = "team"  # submits and sees its own jobs only
     ADMIN = "admin"  # sees every job, may preempt regions (chaos)
-    AGENT = "agent"  # a job's agent: may post heartbeats only
+    AGENT = "agent"  # a job's agent: may post heartbeats and rendezvous visits only
 
 
 class Principal(BaseModel):

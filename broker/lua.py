@@ -173,22 +173,55 @@ end
 return {jobs, progress, redis.call('HGETALL', p .. 'pools'), redis.call('HGETALL', p .. 'outbox')}
 """
 
+# The job's rendezvous round and node count, which only its record (``doc``) holds.
+_JOB_SHAPE = """
+local function job_shape(key)
+  local doc = cjson.decode(redis.call('HGET', key, 'doc'))
+  return tonumber(doc['round']) or 0, tonumber(doc['nodes']) or 1
+end
+"""
+
 # ARGV: prefix, job, attempt, now, n_fields, field, value, ... Records agent progress for the
-# job's current attempt; returns the job's state and cancel flag so the caller picks the action,
-# or 'stale' when the heartbeat comes from an attempt that is no longer current.
-HEARTBEAT = """
+# job's current attempt; returns the job's state, cancel flag and rendezvous round so the caller
+# picks the action, with 'stale' for the state when the heartbeat comes from an attempt that is
+# no longer current.
+HEARTBEAT = _JOB_SHAPE + """
 local p, job, attempt, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local key = p .. 'job:' .. job
 local st = redis.call('HGET', key, 'state')
-if not st then return {'missing', '0'} end
-if redis.call('HGET', key, 'attempt') ~= attempt then return {'stale', '0'} end
+if not st then return {'missing', '0', 0} end
+local round = job_shape(key)
+if redis.call('HGET', key, 'attempt') ~= attempt then return {'stale', '0', round} end
 local nf = tonumber(ARGV[5])
 for i = 0, nf - 1 do
   redis.call('HSET', p .. 'progress:' .. job, ARGV[6 + 2 * i], ARGV[7 + 2 * i])
 end
 redis.call('HSET', p .. 'progress:' .. job, 'heartbeat_at', now)
 redis.call('HSETNX', p .. 'progress:' .. job, 'beat:' .. attempt, now)  -- the attempt's first
-return {st, redis.call('HGET', key, 'cancel_requested') or 'false'}
+return {st, redis.call('HGET', key, 'cancel_requested') or 'false', round}
+"""
+
+# ARGV: prefix, job, attempt, round, node_rank, addr ('' = none), ttl_s. Records the node's
+# "host:port" in the hash rdzv:<job> (field "<attempt>:<round>:<rank>") when attempt and round
+# are the job's current ones. Returns the job's state ('stale' for another attempt, 'missing'),
+# cancel flag, round, node count and the address rank 0 registered for that round (or nil).
+RENDEZVOUS = _JOB_SHAPE + """
+local p, job, attempt, rnd, rank, addr, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
+  ARGV[6], ARGV[7]
+local key = p .. 'job:' .. job
+local st = redis.call('HGET', key, 'state')
+if not st then return {'missing', '0', 0, 0} end
+local round, nodes = job_shape(key)
+local current = redis.call('HGET', key, 'attempt')
+local rdzv = p .. 'rdzv:' .. job
+if current ~= attempt then
+  st = 'stale'
+elseif addr ~= '' and tonumber(rnd) == round then
+  redis.call('HSET', rdzv, attempt .. ':' .. rnd .. ':' .. rank, addr)
+  redis.call('EXPIRE', rdzv, ttl)
+end
+local master = redis.call('HGET', rdzv, current .. ':' .. string.format('%d', round) .. ':0')
+return {st, redis.call('HGET', key, 'cancel_requested') or 'false', round, nodes, master}
 """
 
 # ARGV: prefix, job, max_lines, line... Appends log lines, trimming the oldest beyond

@@ -40,18 +40,45 @@ CONTINUE = "continue"
 BLOCKLIST_KEY = "blocklist"  # the reclaimed spot locations (policies.migration.Blocklist JSON)
 PREEMPTIONS_KEY = "pool:preemptions"  # hash: pool id -> preemptions the reconciler handled there
 NODE_HOURS_KEY = "pool:node_hours"  # hash: pool id -> node-hours of closed placement intervals
+RENDEZVOUS_TTL_S = 86_400  # a job's rendezvous addresses outlive their last registration a day
+
+
+def report_field(kind: str, attempt: int, round: int, rank: int) -> str:
+    """The progress-hash field of a node's ``exit`` code or ``notice`` in one attempt and round.
+    Rank 0 of round 0 keeps the single-node name (``exit:<attempt>``), which agents from before
+    multi-node jobs write and a single-node job only ever uses."""
+    if rank == 0 and round == 0:
+        return f"{kind}:{attempt}"
+    return f"{kind}:{attempt}:{round}:{rank}"
+
+
+def _action(state: str, cancel: str) -> str:
+    """What an agent is told: stop for a stale attempt, a cancel, or a job being stopped."""
+    if state == "stale" or cancel == "true" or state not in ("running", "launching"):
+        return CHECKPOINT_EXIT
+    return CONTINUE
 
 
 @dataclass(frozen=True)
 class AgentReport:
-    """What a job's agent said about one attempt beyond progress: how its command ended
-    (a cloud VM does not tell) and whether its node got a preemption notice."""
+    """What a job's agents said about one attempt beyond progress: how each node's command
+    ended in the current round (a cloud VM does not tell) and which nodes got a preemption
+    notice. ``exit_code`` and ``notice`` summarise them as a single-node job has them."""
 
-    exit_code: int | None = None
-    notice: str | None = None
+    exit_code: int | None = None  # rank 0's exit code in the job's current round
+    notice: str | None = None  # the first notice of any rank in the job's current round
     first_beat: float | None = None  # when the attempt's agent first reported (epoch seconds)
-    exits: dict[int, int] = field(default_factory=dict)  # node rank -> exit, this round
-    notices: dict[int, str] = field(default_factory=dict)  # node rank -> notice, this round
+    exits: dict[int, int] = field(default_factory=dict)  # node rank -> exit code
+    notices: dict[int, str] = field(default_factory=dict)  # node rank -> preemption notice
+
+
+@dataclass(frozen=True)
+class Directive:
+    """The store's answer to an agent's heartbeat: ``continue`` or ``checkpoint-exit``, and the
+    job's rendezvous round (above the agent's: re-form the group in that round)."""
+
+    action: str
+    round: int
 
 
 class StoreError(Exception):
@@ -232,6 +259,7 @@ class Store:
         self._release = client.register_script(lua.RELEASE)
         self._snapshot = client.register_script(lua.SNAPSHOT)
         self._heartbeat = client.register_script(lua.HEARTBEAT)
+        self._rendezvous = client.register_script(lua.RENDEZVOUS)
         self._append_log = client.register_script(lua.APPEND_LOG)
 
     @classmethod
@@ -289,44 +317,53 @@ class Store:
             return self._require(job_id)
         raise Conflict(f"job {job_id} kept changing; try again")
 
-    def record_heartbeat(self, job_id: str, attempt: int, *, samples_done: int | None = None,
+    def record_heartbeat(self, job_id: str, attempt: int, *, node_rank: int = 0, round: int = 0,
+                         samples_done: int | None = None,
                          samples_per_sec: float | None = None, world_size: int | None = None,
                          global_batch_size: int | None = None,
                          checkpoint_step: int | None = None, checkpoint_bytes: int | None = None,
                          exit_code: int | None = None, notice: str | None = None,
-                         **_: Any) -> str:
-        """Record an agent's progress (and, per attempt, its exit code and any preemption
-        notice). The checkpoint's size is kept with its step (unknown when the report has
-        none), so a size never describes another checkpoint than the one recorded. Returns the
-        action for the agent: ``continue`` or ``checkpoint-exit`` (stale attempt, cancel
-        requested, or the job is being stopped)."""
+                         **_: Any) -> Directive:
+        """Record an agent's report: progress from node rank 0 (the node whose rank-0 worker
+        measures it; the others report liveness, exit codes and notices), and the exit code and
+        any preemption notice of node ``node_rank`` in ``round`` of ``attempt``. The
+        checkpoint's size is kept with its step (unknown when the report has none), so a size
+        never describes another checkpoint than the one recorded. Returns the action for the
+        agent (``continue``, or ``checkpoint-exit`` for a stale attempt, a requested cancel or a
+        job being stopped) and the job's current round."""
         values: dict[str, Any] = {}
-        if samples_done is not None:
-            values["samples_done"] = int(samples_done)
-        if samples_per_sec is not None:
-            values["samples_per_sec"] = float(samples_per_sec)
-            values["measured_gpus"] = world_size
-            values["measured_batch_size"] = global_batch_size
-        if checkpoint_step is not None:
-            values["checkpoint_step"] = int(checkpoint_step)
-            values["checkpoint_bytes"] = None if checkpoint_bytes is None else int(
-                checkpoint_bytes)
+        if node_rank == 0:
+            values.update(_progress_values(samples_done, samples_per_sec, world_size,
+                                           global_batch_size, checkpoint_step, checkpoint_bytes))
         if exit_code is not None:
-            values[f"exit:{int(attempt)}"] = int(exit_code)
+            values[report_field("exit", attempt, round, node_rank)] = int(exit_code)
         if notice:
-            values[f"notice:{int(attempt)}"] = notice[:500]
+            values[report_field("notice", attempt, round, node_rank)] = notice[:500]
         flat = [x for k, v in values.items() for x in (k, json.dumps(v))]
-        if samples_per_sec and world_size and global_batch_size:
+        if node_rank == 0 and samples_per_sec and world_size and global_batch_size:
             # per-configuration history: the scheduler's throughput curve uses it
             flat += [f"m:{int(world_size)}x{int(global_batch_size)}", json.dumps(
                 float(samples_per_sec))]
-        state, cancel = self._heartbeat(args=[self.p, job_id, json.dumps(int(attempt)),
-                                              time.time(), len(flat) // 2, *flat])
+        state, cancel, current = self._heartbeat(args=[
+            self.p, job_id, json.dumps(int(attempt)), time.time(), len(flat) // 2, *flat])
         if state == "missing":
             raise JobNotFound(job_id)
-        if state == "stale" or cancel == "true" or state not in ("running", "launching"):
-            return CHECKPOINT_EXIT
-        return CONTINUE
+        return Directive(_action(state, cancel), int(current))
+
+    def rendezvous(self, job_id: str, attempt: int, round: int, node_rank: int,
+                   addr: str | None) -> dict[str, Any]:
+        """One node's visit to its job's rendezvous: records ``addr`` ("host:port") as node
+        ``node_rank``'s address in ``round`` of ``attempt`` when both are the job's current
+        ones, and returns ``{"round", "nnodes", "master", "action"}``: the job's current round
+        and node count, the address rank 0 registered for that round (None until it did) and
+        the action, as for a heartbeat (``continue`` or ``checkpoint-exit``)."""
+        reply = self._rendezvous(args=[self.p, job_id, int(attempt), int(round),
+                                       int(node_rank), addr or "", RENDEZVOUS_TTL_S])
+        if reply[0] == "missing":
+            raise JobNotFound(job_id)
+        state, cancel, current, nodes, master = reply
+        return {"round": int(current), "nnodes": int(nodes), "master": master,
+                "action": _action(state, cancel)}
 
     # ---- events, logs, placements -----------------------------------------------------------
 
@@ -406,28 +443,31 @@ class Store:
         return [json.loads(x) for x in raw]
 
     def agent_reports(self, jobs: Iterable[JobRecord]) -> dict[str, AgentReport]:
-        """Each job's agent report for its current attempt (jobs without one are left out)."""
+        """Each job's agent report for its current attempt and round, every node of it (jobs
+        without one are left out)."""
         jobs = list(jobs)
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            pipe.hmget(f"{self.p}progress:{job.id}", f"exit:{job.attempt}",
-                       f"notice:{job.attempt}", f"beat:{job.attempt}", "heartbeat_at")
+            ranks = range(max(job.nodes, 1))
+            pipe.hmget(f"{self.p}progress:{job.id}", f"beat:{job.attempt}", "heartbeat_at",
+                       *(report_field("exit", job.attempt, job.round, r) for r in ranks),
+                       *(report_field("notice", job.attempt, job.round, r) for r in ranks))
         out = {}
-        for job, (code, notice, beat, last) in zip(jobs, pipe.execute(), strict=True):
+        for job, (beat, last, *per_rank) in zip(jobs, pipe.execute(), strict=True):
             # An attempt whose first beat predates that record (a broker before it, a restored
             # backup) still reported if the job's last heartbeat came after its launch: the
             # heartbeat script takes beats of the current attempt only.
             if beat is None and last is not None and job.launched_at is not None and \
                     float(last) >= job.launched_at:
                 beat = last
-            if code is not None or notice is not None or beat is not None:
-                exit_code = None if code is None else int(json.loads(code))
-                notice = None if notice is None else json.loads(notice)
+            n = len(per_rank) // 2
+            exits = {r: int(json.loads(v)) for r, v in enumerate(per_rank[:n]) if v is not None}
+            notices = {r: json.loads(v) for r, v in enumerate(per_rank[n:]) if v is not None}
+            if exits or notices or beat is not None:
                 out[job.id] = AgentReport(
-                    exit_code=exit_code, notice=notice,
+                    exit_code=exits.get(0), notice=next(iter(notices.values()), None),
                     first_beat=None if beat is None else float(beat),
-                    exits={} if exit_code is None else {0: exit_code},
-                    notices={} if notice is None else {0: notice})
+                    exits=exits, notices=notices)
         return out
 
     def blocklist(self, decay_s: float | None = None) -> tuple[Blocklist, str | None]:
@@ -511,6 +551,23 @@ class Store:
         raw = pipe.execute()
         return [_decode_job(*j, _flatten(pr), cache=self._parsed)
                 for j, pr in zip(raw[::2], raw[1::2], strict=True) if j[0] is not None]
+
+
+def _progress_values(samples_done: int | None, samples_per_sec: float | None,
+                     world_size: int | None, global_batch_size: int | None,
+                     checkpoint_step: int | None, checkpoint_bytes: int | None) -> dict[str, Any]:
+    """The progress fields a heartbeat sets (what it does not report stays as it was)."""
+    values: dict[str, Any] = {}
+    if samples_done is not None:
+        values["samples_done"] = int(samples_done)
+    if samples_per_sec is not None:
+        values["samples_per_sec"] = float(samples_per_sec)
+        values["measured_gpus"] = world_size
+        values["measured_batch_size"] = global_batch_size
+    if checkpoint_step is not None:
+        values["checkpoint_step"] = int(checkpoint_step)
+        values["checkpoint_bytes"] = None if checkpoint_bytes is None else int(checkpoint_bytes)
+    return values
 
 
 def _flatten(d: dict[str, str]) -> list[str]:

@@ -71,7 +71,7 @@ def test_openapi_and_health(server: ApiServer) -> None:
         paths = c.get("/openapi.json").json()["paths"]
     for path in ("/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel",
                  "/v1/jobs/{job_id}/logs", "/v1/capacity", "/v1/events", "/v1/agent/heartbeat",
-                 "/v1/chaos/preempt"):
+                 "/v1/agent/rendezvous", "/v1/chaos/preempt"):
         assert path in paths
 
 
@@ -118,7 +118,8 @@ def test_teams_see_only_their_jobs_admin_sees_all(server: ApiServer, store: Stor
 @pytest.mark.parametrize(("method", "path"), [
     ("GET", "/v1/jobs"), ("POST", "/v1/jobs"), ("GET", "/v1/jobs/x-1"),
     ("POST", "/v1/jobs/x-1/cancel"), ("GET", "/v1/jobs/x-1/logs"), ("GET", "/v1/capacity"),
-    ("GET", "/v1/events"), ("POST", "/v1/agent/heartbeat"), ("POST", "/v1/chaos/preempt"),
+    ("GET", "/v1/events"), ("POST", "/v1/agent/heartbeat"), ("POST", "/v1/agent/rendezvous"),
+    ("POST", "/v1/chaos/preempt"),
 ])
 def test_unauthenticated_is_401(server: ApiServer, store: Store, method: str,
                                 path: str) -> None:
@@ -259,16 +260,16 @@ def test_agent_heartbeat(server: ApiServer, store: Store) -> None:
             "global_batch_size": 64, "checkpoint_step": 4}
     with client(server, "agent") as c:
         r = c.post("/v1/agent/heartbeat", json=beat)
-        assert r.status_code == 200 and r.json() == {"action": None}
+        assert r.status_code == 200 and r.json() == {"action": None, "round": 0}
         got = store.get_job(job_id)
         assert got is not None and got.samples_done == 320 and got.checkpoint_step == 4
         warmup = c.post("/v1/agent/heartbeat", json={**beat, "samples_per_sec": 0.0,
                                                      "global_batch_size": None})
-        assert warmup.json() == {"action": None}
+        assert warmup.json() == {"action": None, "round": 0}
         got = store.get_job(job_id)
         assert got is not None and got.samples_per_sec == 250.5  # 0 is not a measurement
         assert c.post("/v1/agent/heartbeat", json={**beat, "attempt": 0}).json() == {
-            "action": "checkpoint-exit"}  # a stale attempt must stop
+            "action": "checkpoint-exit", "round": 0}  # a stale attempt must stop
         bad = c.post("/v1/agent/heartbeat", json={**beat, "samples_per_sec": -1,
                                                   "world_size": 0})
         assert bad.status_code == 422
@@ -279,7 +280,8 @@ def test_agent_heartbeat(server: ApiServer, store: Store) -> None:
     with client(server, "ml") as c:
         c.post(f"/v1/jobs/{job_id}/cancel")
     with client(server, "agent") as c:
-        assert c.post("/v1/agent/heartbeat", json=beat).json() == {"action": "checkpoint-exit"}
+        assert c.post("/v1/agent/heartbeat", json=beat).json() == {
+            "action": "checkpoint-exit", "round": 0}
 
 
 def test_an_attempt_token_reports_for_its_own_attempt_only(server: ApiServer,
@@ -291,7 +293,7 @@ def test_an_attempt_token_reports_for_its_own_attempt_only(server: ApiServer,
     beat = {"job_id": mine, "attempt": 1, "step": 3, "exit_code": 0}
     headers = {"Authorization": f"Bearer {token}"}
     with httpx.Client(base_url=server.url, headers=headers, timeout=10) as c:
-        assert c.post("/v1/agent/heartbeat", json=beat).json() == {"action": None}
+        assert c.post("/v1/agent/heartbeat", json=beat).json() == {"action": None, "round": 0}
         for forged in ({**beat, "job_id": other}, {**beat, "attempt": 2}):
             r = c.post("/v1/agent/heartbeat", json=forged)
             assert r.status_code == 403 and "attempt's agent token" in r.json()["error"]["message"]
@@ -312,7 +314,7 @@ def test_agent_heartbeat_checkpoint_size(server: ApiServer, store: Store) -> Non
     beat = {"job_id": job_id, "attempt": 1, "step": 12, "checkpoint_step": 10,
             "checkpoint_bytes": 52_100_000_000}
     with client(server, "agent") as c:
-        assert c.post("/v1/agent/heartbeat", json=beat).json() == {"action": None}
+        assert c.post("/v1/agent/heartbeat", json=beat).json() == {"action": None, "round": 0}
         got = store.get_job(job_id)
         assert got is not None and (got.checkpoint_step, got.checkpoint_bytes) == (
             10, 52_100_000_000) and got.version == version
@@ -328,6 +330,57 @@ def test_agent_heartbeat_checkpoint_size(server: ApiServer, store: Store) -> Non
                                             "checkpoint_bytes": None})
         got = store.get_job(job_id)
         assert got is not None and (got.checkpoint_step, got.checkpoint_bytes) == (20, None)
+
+
+def test_agent_rendezvous(server: ApiServer, store: Store) -> None:
+    """Rank 0 registers the master with its attempt's token; the others poll until it did; a
+    heartbeat tells the agents the round; other tokens and bad addresses are refused."""
+    job_id = launching(server, store)
+    job = store.get_job(job_id)
+    assert job is not None
+    plan = Plan()
+    plan.change(job, nodes=2)
+    store.apply(plan)
+    visit = {"job_id": job_id, "attempt": 1, "round": 0, "node_rank": 1}
+    own = {"Authorization": f"Bearer {attempt_token(TOKENS['agent'], job_id, 1)}"}
+    with httpx.Client(base_url=server.url, headers=own, timeout=10) as c:
+        assert c.post("/v1/agent/rendezvous", json=visit).json() == {
+            "round": 0, "nnodes": 2, "master": None, "action": None}
+        r = c.post("/v1/agent/rendezvous", json={**visit, "node_rank": 0,
+                                                 "addr": "10.0.0.5:29500"})
+        assert r.status_code == 200 and r.json()["master"] == "10.0.0.5:29500"
+        assert c.post("/v1/agent/rendezvous", json=visit).json()["master"] == "10.0.0.5:29500"
+        for bad in ("10.0.0.5", "10.0.0.5:0", "10.0.0.5:65536", "10.0.0.5:+80", "bad_host:80",
+                    "-node.internal:80", "::1:80", "[10.0.0.5]:80", "node:80\n", "999.1.1.1:80",
+                    ":80", "x" * 64 + ".internal:80"):
+            r = c.post("/v1/agent/rendezvous", json={**visit, "addr": bad})
+            assert r.status_code == 422, bad
+            problems = r.json()["error"]["problems"]
+            assert [p["field"] for p in problems] == ["addr"], bad
+            assert "host:port" in problems[0]["message"]
+        for good in ("[fd00::5]:29500", "node-1.internal:1", "node-1.internal.:65535",
+                     "localhost:80"):
+            assert c.post("/v1/agent/rendezvous", json={**visit, "addr": good}
+                          ).status_code == 200, good
+        r = c.post("/v1/agent/rendezvous", json={**visit, "round": -1, "node_rank": 4097})
+        assert {p["field"] for p in r.json()["error"]["problems"]} == {"round", "node_rank"}
+        for forged in ({**visit, "attempt": 2}, {**visit, "job_id": launching(server, store)}):
+            r = c.post("/v1/agent/rendezvous", json=forged)
+            assert r.status_code == 403 and "attempt's agent token" in r.json()["error"]["message"]
+    with client(server, "ml") as c:  # a team token is no agent
+        assert c.post("/v1/agent/rendezvous", json=visit).status_code == 403
+    job = store.get_job(job_id)
+    assert job is not None
+    plan = Plan()
+    plan.change(job, JobState.RUNNING, round=1)  # a lost node replaced
+    store.apply(plan)
+    with client(server, "agent") as c:  # the fleet's agent token works as for heartbeats
+        beat = {"job_id": job_id, "attempt": 1, "node_rank": 1, "round": 0}
+        assert c.post("/v1/agent/heartbeat", json=beat).json() == {"action": None, "round": 1}
+        assert c.post("/v1/agent/rendezvous", json=visit).json() == {
+            "round": 1, "nnodes": 2, "master": None, "action": None}
+        assert c.post("/v1/agent/rendezvous", json={**visit, "job_id": "nope-9"}
+                      ).status_code == 404
 
 
 def test_chaos_preempt(server: ApiServer, store: Store) -> None:

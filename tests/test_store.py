@@ -173,14 +173,14 @@ def test_heartbeat_progress_and_actions(store: Store) -> None:
     plan.change(job, JobState.LAUNCHING, attempt=1)
     store.apply(plan)
     assert store.record_heartbeat(job.id, 1, samples_done=500, samples_per_sec=40.0,
-                                  world_size=2, global_batch_size=64) == CONTINUE
+                                  world_size=2, global_batch_size=64).action == CONTINUE
     got = store.get_job(job.id)
     assert got is not None and got.samples_done == 500 and got.measured_gpus == 2
     assert got.version == job.version + 1  # progress is telemetry: it does not bump the version
-    assert store.record_heartbeat(job.id, 0, samples_done=1) == CHECKPOINT_EXIT  # old attempt
+    assert store.record_heartbeat(job.id, 0, samples_done=1).action == CHECKPOINT_EXIT  # stale
     assert store.get_job(job.id).samples_done == 500  # type: ignore[union-attr]
     store.request_cancel(job.id)
-    assert store.record_heartbeat(job.id, 1, samples_done=600) == CHECKPOINT_EXIT
+    assert store.record_heartbeat(job.id, 1, samples_done=600).action == CHECKPOINT_EXIT
 
 
 def test_events_since_and_limit(store: Store) -> None:

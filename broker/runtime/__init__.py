@@ -24,13 +24,24 @@ FLEET_ATTEMPT              attempt number, int (default 0)
 FLEET_NPROC                worker processes on this node (= GPUs or virtual GPUs), default 1
 FLEET_NNODES               nodes in the job (default 1)
 FLEET_NODE_RANK            this node's rank (default 0)
-FLEET_MASTER_ADDR          rendezvous address (default 127.0.0.1)
-FLEET_MASTER_PORT          rendezvous port (default: a free port; required when NNODES > 1)
+FLEET_MASTER_ADDR          rendezvous address (default 127.0.0.1; with NNODES > 1 and unset, the
+                           master comes from the broker's rendezvous, below)
+FLEET_MASTER_PORT          rendezvous port (default: a free port; required with MASTER_ADDR when
+                           NNODES > 1; in rendezvous mode rank 0 picks a free one each round)
+FLEET_ROUND                the rendezvous round this node starts in (default 0; a node launched
+                           to replace a lost one starts in the round the broker bumped to)
+FLEET_NODE_ADDR            the address rank 0 registers at the rendezvous (default: this
+                           machine's address on the route to FLEET_BROKER_URL's host)
+FLEET_RENDEZVOUS_POLL      seconds between rendezvous polls (default 1)
+FLEET_RENDEZVOUS_TIMEOUT   seconds a node waits for its round's master (default 1200), then fails
+FLEET_REJOIN_TIMEOUT       seconds a node whose workers ended by themselves (a lost peer?) waits
+                           for the broker's next round before it exits (default 120)
 FLEET_GLOBAL_BATCH_SIZE    the global batch the allocator chose
 FLEET_BATCH_MODE           ``fixed`` (gradient accumulation keeps the job's batch) or ``elastic``
 FLEET_CHECKPOINT_URI       local dir, ``file://``, ``s3://bucket/prefix`` or another fsspec URI
-FLEET_BROKER_URL           optional; heartbeats go to ``POST {url}/v1/agent/heartbeat``
-FLEET_AGENT_TOKEN          ``Authorization: Bearer {token}`` on heartbeats
+FLEET_BROKER_URL           optional; heartbeats go to ``POST {url}/v1/agent/heartbeat``,
+                           rendezvous visits to ``POST {url}/v1/agent/rendezvous``
+FLEET_AGENT_TOKEN          ``Authorization: Bearer {token}`` on heartbeats and rendezvous visits
 FLEET_HEARTBEAT_INTERVAL   seconds between heartbeats (default 5)
 FLEET_GRACE_PERIOD         seconds the workers get to checkpoint and exit after a stop (default 25)
 FLEET_NOTICE_AWS_URL       full URL polled for the AWS notice, e.g.
@@ -48,17 +59,33 @@ FLEET_CHECKPOINT_KEEP (default 3), FLEET_PROGRESS_INTERVAL (seconds, default 1),
 FLEET_CHECKPOINT_CACHE (local staging folder for remote stores).
 
 Each worker gets torchrun's variables (RANK = NODE_RANK * NPROC + LOCAL_RANK, WORLD_SIZE = NNODES *
-NPROC, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the FLEET_* variables, and
-FLEET_PROGRESS_FILE (a file in the agent's temp folder unless the agent's env already names one).
-Rank 0 writes there, as JSON, ``{step, samples_done, samples_per_sec,
+NPROC, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the FLEET_* variables (FLEET_ROUND
+included), and FLEET_PROGRESS_FILE (a file in the agent's temp folder unless the agent's env
+already names one). Rank 0 writes there, as JSON, ``{step, samples_done, samples_per_sec,
 global_batch_size, world_size, checkpoint_step, checkpoint_bytes}`` (checkpoint_bytes: the size of
 that checkpoint, every rank's files and the manifest; null when unknown). Every
-FLEET_HEARTBEAT_INTERVAL the agent sends ``{job_id, attempt, node_rank, state, step, samples_done,
-samples_per_sec, world_size, global_batch_size, checkpoint_step, checkpoint_bytes}`` where state
-is ``running`` or ``stopping`` (a last heartbeat says ``finished``, ``stopped`` or ``failed`` and
-carries ``exit_code``: a cloud VM does not tell the broker how the command ended). Once the node
-has a preemption notice every heartbeat carries it as ``notice`` (the first is sent at once), so
-the broker blocks the location. A response ``{"action": "checkpoint-exit"}`` stops the job.
+FLEET_HEARTBEAT_INTERVAL the agent sends ``{job_id, attempt, node_rank, round, state, step,
+samples_done, samples_per_sec, world_size, global_batch_size, checkpoint_step, checkpoint_bytes}``
+where state is ``running``, ``stopping`` or ``rejoining`` (a last heartbeat says ``finished``,
+``stopped`` or ``failed`` and carries ``exit_code``: a cloud VM does not tell the broker how the
+command ended; the broker takes progress from node rank 0 only, whose rank-0 worker writes it).
+Once the node has a preemption notice every heartbeat carries it as ``notice``
+(the first is sent at once), so the broker blocks the location. A response
+``{"action": "checkpoint-exit"}`` stops the job; its ``round`` is the job's rendezvous round.
+
+Rendezvous (FLEET_NNODES > 1, no FLEET_MASTER_ADDR, a FLEET_BROKER_URL): nobody knows the master
+at launch, so each round the agent of rank 0 registers ``host:port`` (FLEET_NODE_ADDR or its
+address toward the broker, a free port) with ``POST /v1/agent/rendezvous {job_id, attempt, round,
+node_rank, addr}`` and every agent polls that endpoint (FLEET_RENDEZVOUS_POLL) until the reply
+``{round, nnodes, master, action}`` names the master of its round (a reply with a higher round
+moves it there first); none within FLEET_RENDEZVOUS_TIMEOUT: exit 1; ``checkpoint-exit``: exit 75.
+A multi-node job survives a lost node: the broker launches a replacement of the same rank and
+bumps the round. A heartbeat reply whose ``round`` is above the agent's stops its workers (as a
+stop does, without stopping the agent) and the agent re-forms the group in the new round with new
+workers on the same node (they resume from the latest checkpoint). Workers that end by themselves
+without finishing (a peer went away) make the agent send a ``rejoining`` heartbeat and wait up to
+FLEET_REJOIN_TIMEOUT for a newer round; without one it exits with the workers' code (so a genuine
+crash of the script ends after that wait), and a ``checkpoint-exit`` meanwhile ends it too.
 
 A stop (SIGTERM or SIGINT to the agent, a preemption notice, or the broker's ``checkpoint-exit``)
 sends SIGTERM to every worker; the library checkpoints at the next step boundary and exits with 75.

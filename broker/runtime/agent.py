@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from broker.runtime.notices import pollers
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
+CHECKPOINT_EXIT = "checkpoint-exit"
 
 
 def log(message: str) -> None:
@@ -43,10 +45,34 @@ def log(message: str) -> None:
     sys.stderr.flush()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid: int = 0) -> int:
+    """A port free on ``host`` ("" = all interfaces) other than ``avoid``."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port != avoid:
+            return port
+
+
+def local_ip(url: str) -> str:
+    """This machine's address on the route toward ``url``'s host (a UDP connect sends nothing;
+    it only picks the route and so the source address)."""
+    parts = urllib.parse.urlsplit(url)
+    family, _, _, _, where = socket.getaddrinfo(parts.hostname, parts.port or 80,
+                                                type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(where)
+        return s.getsockname()[0]
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 @dataclass
@@ -56,14 +82,24 @@ class AgentConfig:
     nproc: int
     nnodes: int
     node_rank: int
-    master_addr: str
-    master_port: int
+    master_addr: str | None  # None: found each round through the broker's rendezvous
+    master_port: int | None
     grace_period: float
     heartbeat_interval: float
     notice_interval: float
     broker_url: str | None
     token: str | None
     notice_urls: tuple[str | None, str | None, str | None]
+    round: int = 0
+    node_addr: str | None = None
+    rendezvous_poll: float = 1.0
+    rendezvous_timeout: float = 1200.0
+    rejoin_timeout: float = 120.0
+
+    @property
+    def rendezvous(self) -> bool:
+        """Does this node find its master (and re-form the group) through the broker?"""
+        return self.master_addr is None
 
 
 def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[str]]:
@@ -77,10 +113,11 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
     p = argparse.ArgumentParser(prog="python -m broker.runtime.agent", description=__doc__)
     p.add_argument("--job-id", default=env.get("FLEET_JOB_ID") or "local")
     p.add_argument("--attempt", type=int, default=env_int(env, "FLEET_ATTEMPT", 0))
+    p.add_argument("--round", type=int, default=env_int(env, "FLEET_ROUND", 0))
     p.add_argument("--nproc", type=int, default=env_int(env, "FLEET_NPROC", 1, minimum=1))
     p.add_argument("--nnodes", type=int, default=env_int(env, "FLEET_NNODES", 1, minimum=1))
     p.add_argument("--node-rank", type=int, default=env_int(env, "FLEET_NODE_RANK", 0))
-    p.add_argument("--master-addr", default=env.get("FLEET_MASTER_ADDR") or "127.0.0.1")
+    p.add_argument("--master-addr", default=env.get("FLEET_MASTER_ADDR") or None)
     p.add_argument(
         "--master-port", type=int, default=env_int(env, "FLEET_MASTER_PORT", None, minimum=1)
     )
@@ -99,10 +136,22 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
         raise AssignmentError(
             f"FLEET_NODE_RANK={opts.node_rank} must be below FLEET_NNODES={opts.nnodes}"
         )
-    if opts.master_port is None:
-        if opts.nnodes > 1:
-            raise AssignmentError("FLEET_MASTER_PORT is required when FLEET_NNODES > 1")
-        opts.master_port = free_port()
+    if opts.round < 0:
+        raise AssignmentError(f"FLEET_ROUND={opts.round} is negative; set it to 0 or more")
+    if opts.nnodes > 1 and opts.master_addr is None and not opts.broker_url:
+        raise AssignmentError(
+            f"FLEET_NNODES={opts.nnodes} needs a master: set FLEET_MASTER_ADDR and "
+            "FLEET_MASTER_PORT (--master-addr, --master-port), or FLEET_BROKER_URL "
+            "(--broker-url) to meet the other nodes through the broker's rendezvous"
+        )
+    if opts.nnodes == 1 or opts.master_addr is not None:  # the master is known now
+        opts.master_addr = opts.master_addr or "127.0.0.1"
+        if opts.master_port is None:
+            if opts.nnodes > 1:
+                raise AssignmentError(
+                    "FLEET_MASTER_PORT is required with FLEET_MASTER_ADDR when FLEET_NNODES > 1"
+                )
+            opts.master_port = free_port()
     config = AgentConfig(
         job_id=opts.job_id,
         attempt=opts.attempt,
@@ -121,12 +170,19 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
             env.get("FLEET_NOTICE_GCP_URL") or None,
             env.get("FLEET_NOTICE_AZURE_URL") or None,
         ),
+        round=opts.round,
+        node_addr=env.get("FLEET_NODE_ADDR", "").strip() or None,
+        rendezvous_poll=max(env_float(env, "FLEET_RENDEZVOUS_POLL", 1.0), 0.05),  # type: ignore[type-var]
+        rendezvous_timeout=env_float(env, "FLEET_RENDEZVOUS_TIMEOUT", 1200.0),  # type: ignore[arg-type]
+        rejoin_timeout=env_float(env, "FLEET_REJOIN_TIMEOUT", 120.0),  # type: ignore[arg-type]
     )
     return config, argv[split + 1 :]
 
 
 class Agent:
-    """One node's share of a job: FLEET_NPROC workers and the watchers around them."""
+    """One node's share of a job: FLEET_NPROC workers and the watchers around them. In
+    rendezvous mode it runs them round after round: a round's group forms at the broker, and a
+    new round (a lost node replaced) starts new workers on this same node."""
 
     def __init__(self, config: AgentConfig, command: list[str], env: dict[str, str]) -> None:
         self.config = config
@@ -136,12 +192,19 @@ class Agent:
         # The broker may choose where progress goes; by default it stays in the agent's folder.
         self.progress_file = Path(env.get("FLEET_PROGRESS_FILE") or self.workdir / "progress.json")
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.stop_reason: str | None = None
+        self.stop_reason: str | None = None  # why the agent itself stops
+        self.halt_reason: str | None = None  # why the last round's workers were stopped
         self.notice: str | None = None  # the node's preemption notice, once it came
         self._stop = threading.Event()
         self._done = threading.Event()
         self._out_lock = threading.Lock()
+        self._round_lock = threading.Lock()
         self.state = "running"
+        # The current round's group; the rendezvous fills it in before each round.
+        self.round = config.round
+        self.nnodes = config.nnodes
+        self.master = (config.master_addr or "", config.master_port or 0)
+        self.broker_round = config.round  # the highest round the broker has named
 
     # ---- workers ----------------------------------------------------------------------------
     def worker_env(self, local_rank: int) -> dict[str, str]:
@@ -151,16 +214,17 @@ class Agent:
         env.update(
             {
                 "RANK": str(c.node_rank * c.nproc + local_rank),
-                "WORLD_SIZE": str(c.nnodes * c.nproc),
+                "WORLD_SIZE": str(self.nnodes * c.nproc),
                 "LOCAL_RANK": str(local_rank),
                 "LOCAL_WORLD_SIZE": str(c.nproc),
                 "GROUP_RANK": str(c.node_rank),
-                "MASTER_ADDR": c.master_addr,
-                "MASTER_PORT": str(c.master_port),
+                "MASTER_ADDR": self.master[0],
+                "MASTER_PORT": str(self.master[1]),
                 "FLEET_JOB_ID": c.job_id,
                 "FLEET_ATTEMPT": str(c.attempt),
+                "FLEET_ROUND": str(self.round),
                 "FLEET_NPROC": str(c.nproc),
-                "FLEET_NNODES": str(c.nnodes),
+                "FLEET_NNODES": str(self.nnodes),
                 "FLEET_NODE_RANK": str(c.node_rank),
                 "FLEET_PROGRESS_FILE": str(self.progress_file),
                 "PYTHONUNBUFFERED": "1",
@@ -179,6 +243,7 @@ class Agent:
         stream.close()
 
     def start_workers(self) -> list[threading.Thread]:
+        self.procs = []
         pumps = []
         for local_rank in range(self.config.nproc):
             rank = self.config.node_rank * self.config.nproc + local_rank
@@ -205,7 +270,7 @@ class Agent:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, sig)
 
-    # ---- watchers ---------------------------------------------------------------------------
+    # ---- the broker ---------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
@@ -217,31 +282,13 @@ class Agent:
         except (OSError, ValueError):
             return {}
 
-    def heartbeat(self, state: str, exit_code: int | None = None) -> dict[str, Any]:
-        c = self.config
-        p = self.progress()
-        body = {
-            "job_id": c.job_id,
-            "attempt": c.attempt,
-            "node_rank": c.node_rank,
-            "state": state,
-            "step": p.get("step", 0),
-            "samples_done": p.get("samples_done", 0),
-            "samples_per_sec": p.get("samples_per_sec", 0.0),
-            "world_size": p.get("world_size", c.nnodes * c.nproc),
-            "global_batch_size": p.get("global_batch_size"),
-            "checkpoint_step": p.get("checkpoint_step"),
-            "checkpoint_bytes": p.get("checkpoint_bytes"),
-        }
-        if self.notice:
-            body["notice"] = self.notice
-        if exit_code is not None:
-            body["exit_code"] = exit_code
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to the broker's ``path``; the JSON reply, or {} when there is none."""
         headers = {"Content-Type": "application/json"}
-        if c.token:
-            headers["Authorization"] = f"Bearer {c.token}"
+        if self.config.token:
+            headers["Authorization"] = f"Bearer {self.config.token}"
         request = urllib.request.Request(
-            f"{c.broker_url}/v1/agent/heartbeat",
+            f"{self.config.broker_url}{path}",
             data=json.dumps(body).encode(),
             headers=headers,
             method="POST",
@@ -250,18 +297,58 @@ class Agent:
             with urllib.request.urlopen(request, timeout=2.0) as response:
                 reply = json.loads(response.read() or b"{}")
         except (urllib.error.URLError, OSError, TimeoutError, ValueError) as exc:
-            log(f"heartbeat failed: {exc}")
+            log(f"{path.rsplit('/', 1)[-1]} failed: {exc}")
             return {}
         return reply if isinstance(reply, dict) else {}
+
+    def heartbeat(self, state: str, exit_code: int | None = None) -> dict[str, Any]:
+        c = self.config
+        p = self.progress()
+        body = {
+            "job_id": c.job_id,
+            "attempt": c.attempt,
+            "node_rank": c.node_rank,
+            "round": self.round,
+            "state": state,
+            "step": p.get("step", 0),
+            "samples_done": p.get("samples_done", 0),
+            "samples_per_sec": p.get("samples_per_sec", 0.0),
+            "world_size": p.get("world_size", self.nnodes * c.nproc),
+            "global_batch_size": p.get("global_batch_size"),
+            "checkpoint_step": p.get("checkpoint_step"),
+            "checkpoint_bytes": p.get("checkpoint_bytes"),
+        }
+        if self.notice:
+            body["notice"] = self.notice
+        if exit_code is not None:
+            body["exit_code"] = exit_code
+        return self.post("/v1/agent/heartbeat", body)
+
+    def visit_rendezvous(self, round_: int, addr: str | None) -> dict[str, Any]:
+        """One visit to the broker's rendezvous for ``round_``; a checkpoint-exit stops the
+        agent, a higher round is noted."""
+        c = self.config
+        reply = self.post("/v1/agent/rendezvous", {
+            "job_id": c.job_id, "attempt": c.attempt, "round": round_,
+            "node_rank": c.node_rank, "addr": addr})
+        self._obey(reply)
+        return reply
+
+    def _obey(self, reply: dict[str, Any]) -> None:
+        """Act on what the broker answered: stop the agent, or note a newer round."""
+        if reply.get("action") == CHECKPOINT_EXIT:
+            self.request_stop("broker asked for checkpoint-exit")
+        got = reply.get("round")
+        if self.config.rendezvous and isinstance(got, int):
+            with self._round_lock:
+                self.broker_round = max(self.broker_round, got)
 
     def _every(self, interval: float, action: Callable[[], None]) -> None:
         while not self._done.wait(interval):
             action()
 
     def _beat(self) -> None:
-        reply = self.heartbeat("stopping" if self._stop.is_set() else "running")
-        if reply.get("action") == "checkpoint-exit":
-            self.request_stop("broker asked for checkpoint-exit")
+        self._obey(self.heartbeat("stopping" if self._stop.is_set() else self.state))
 
     def _poll_notices(self, checks: list[Callable[[], str | None]]) -> None:
         for check in checks:
@@ -272,22 +359,89 @@ class Agent:
                 if self.config.broker_url:  # tell the broker now: it blocks the location
                     self._beat()
 
+    # ---- rendezvous -------------------------------------------------------------------------
+    def _master_offer(self, avoid: int) -> str | None:
+        """Rank 0's "host:port" for a round: FLEET_NODE_ADDR or the address toward the broker,
+        and a port free on every interface (not the last round's: its store may linger)."""
+        host = self.config.node_addr
+        if host is None:
+            try:
+                host = local_ip(self.config.broker_url or "")
+            except (OSError, UnicodeError) as exc:
+                log(f"cannot tell this node's address toward the broker ({exc}); will retry; "
+                    "FLEET_NODE_ADDR sets it")
+                return None
+        return join_host_port(host, free_port("", avoid=avoid))
+
+    def meet(self) -> int | None:
+        """Form this round's group at the broker: rank 0 registers its address, every rank
+        polls until the broker names the master of its round (moving up to a newer round the
+        broker names). None once met (``round``, ``nnodes``, ``master`` set), else the exit
+        code: stopped (a stop or the broker's checkpoint-exit) or failed (no master in time)."""
+        c = self.config
+        deadline = time.monotonic() + c.rendezvous_timeout
+        round_, offer = self.round, None
+        while not self._stop.is_set():
+            round_ = max(round_, self.broker_round)
+            if c.node_rank == 0 and (offer is None or offer[0] != round_):
+                addr = self._master_offer(avoid=self.master[1])
+                offer = (round_, addr) if addr else None
+            reply = self.visit_rendezvous(round_, offer[1] if offer else None)
+            if self._stop.is_set():
+                break
+            master, nnodes = reply.get("master"), reply.get("nnodes")
+            if reply.get("round") == round_ and master and isinstance(nnodes, int):
+                return self._joined(round_, nnodes, master)
+            if self.broker_round > round_:
+                continue  # the broker moved on: join its round at once
+            if time.monotonic() > deadline:
+                log(f"no master for round {round_} from the broker's rendezvous within "
+                    f"{c.rendezvous_timeout:g} s (FLEET_RENDEZVOUS_TIMEOUT): rank 0 never "
+                    "registered; giving up")
+                return EXIT_FAILED
+            self._stop.wait(c.rendezvous_poll)
+        return EXIT_STOPPED
+
+    def _joined(self, round_: int, nnodes: int, master: str) -> int | None:
+        c = self.config
+        if c.node_rank >= nnodes:
+            log(f"the broker's rendezvous says round {round_} has {nnodes} nodes; this node "
+                f"(rank {c.node_rank}) is not one of them")
+            return EXIT_FAILED
+        self.round, self.nnodes, self.master = round_, nnodes, split_host_port(master)
+        log(f"round {round_}: node {c.node_rank}/{nnodes}, master {master}")
+        return None
+
+    def await_round(self, code: int) -> bool:
+        """The workers ended with ``code`` by themselves, as they do when a peer node is lost:
+        wait for the broker to start a newer round (it replaces a lost node). True when it did;
+        False after FLEET_REJOIN_TIMEOUT, a stop or the broker's checkpoint-exit."""
+        c = self.config
+        self.state = "rejoining"
+        log(f"workers ended with exit {code} without a stop, as they do when a peer node is "
+            f"lost: waiting up to {c.rejoin_timeout:g} s (FLEET_REJOIN_TIMEOUT) for the broker "
+            f"to start a round after {self.round}, else exiting with {code}")
+        self._beat()
+        deadline = time.monotonic() + c.rejoin_timeout
+        while not self._stop.is_set() and self.broker_round <= self.round:
+            if time.monotonic() > deadline:
+                log(f"no new round within {c.rejoin_timeout:g} s")
+                return False
+            self._stop.wait(c.rendezvous_poll)
+            self.visit_rendezvous(self.round, None)
+        return not self._stop.is_set()
+
     # ---- main loop --------------------------------------------------------------------------
     def run(self) -> int:
         c = self.config
         signal.signal(signal.SIGTERM, lambda s, _: self.request_stop(signal.Signals(s).name))
         signal.signal(signal.SIGINT, lambda s, _: self.request_stop(signal.Signals(s).name))
         signal.signal(signal.SIGUSR1, lambda *_: self.signal_workers(signal.SIGUSR1))
+        master = "from the broker's rendezvous" if c.rendezvous else join_host_port(*self.master)
         log(
             f"job {c.job_id} attempt {c.attempt}: node {c.node_rank}/{c.nnodes}, "
-            f"{c.nproc} workers, "
-            f"master {c.master_addr}:{c.master_port}: {' '.join(self.command)}"
+            f"{c.nproc} workers, master {master}: {' '.join(self.command)}"
         )
-        try:
-            pumps = self.start_workers()
-        except OSError as exc:
-            log(f"cannot start {self.command[0]!r}: {exc}")
-            return EXIT_USAGE
         watchers = []
         checks = pollers(*c.notice_urls)
         if checks:
@@ -306,32 +460,62 @@ class Agent:
             )
         for w in watchers:
             w.start()
-        code = self._supervise()
+        code = self._rounds()
         self._done.set()
-        for t in pumps:
-            t.join(timeout=5)
         self.state = {EXIT_FINISHED: "finished", EXIT_STOPPED: "stopped"}.get(code, "failed")
         if c.broker_url:
             self.heartbeat(self.state, exit_code=code)
-        log(f"{self.state} (exit {code})" + (f": {self.stop_reason}" if self.stop_reason else ""))
+        why = self.stop_reason or self.halt_reason
+        log(f"{self.state} (exit {code})" + (f": {why}" if why else ""))
         shutil.rmtree(self.workdir, ignore_errors=True)
         return code
 
+    def _rounds(self) -> int:
+        """Run the workers, round after round in rendezvous mode; the agent's exit code."""
+        rendezvous = self.config.rendezvous
+        while True:
+            if rendezvous and (failed := self.meet()) is not None:
+                return failed
+            self.halt_reason = None
+            try:
+                pumps = self.start_workers()
+            except OSError as exc:
+                log(f"cannot start {self.command[0]!r}: {exc}")
+                return EXIT_USAGE
+            self.state = "running"
+            code = self._supervise()
+            for t in pumps:
+                t.join(timeout=5)
+            if code == EXIT_FINISHED or self._stop.is_set() or not rendezvous:
+                return code
+            if self.broker_round <= self.round and not self.await_round(code):
+                return code
+
+    def _halting(self) -> str | None:
+        """Why this round's workers must stop now, if they must."""
+        if self._stop.is_set():
+            return self.stop_reason
+        if self.broker_round > self.round:
+            return f"the broker started round {self.broker_round}"
+        return None
+
     def _supervise(self) -> int:
+        """Wait for this round's workers: on a stop, a newer round or a failed worker SIGTERM
+        them all, SIGKILL after the grace period. Their combined exit code."""
         deadline: float | None = None
         failed: int | None = None
         while True:
             codes = [p.poll() for p in self.procs]
-            if self._stop.is_set() and deadline is None:
-                log(f"stopping: {self.stop_reason}; workers have {self.config.grace_period:g} s")
-                deadline = time.monotonic() + self.config.grace_period
-                self.signal_workers(signal.SIGTERM)
-            bad = [x for x in codes if x is not None and not self._clean(x)]
+            bad = [x for x in codes if x is not None and not self._clean(x, deadline is not None)]
             if bad and failed is None:
                 failed = bad[0]
                 log(f"a worker failed with exit code {failed}; stopping the others")
-                self.request_stop(f"worker exit code {failed}")
-                continue
+            why = self._halting() or (None if failed is None else f"worker exit code {failed}")
+            if why and deadline is None:
+                self.halt_reason = why
+                log(f"stopping: {why}; workers have {self.config.grace_period:g} s")
+                deadline = time.monotonic() + self.config.grace_period
+                self.signal_workers(signal.SIGTERM)
             if all(x is not None for x in codes):
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -346,12 +530,11 @@ class Agent:
         codes = [p.returncode for p in self.procs]
         return EXIT_FINISHED if all(x == EXIT_FINISHED for x in codes) else EXIT_STOPPED
 
-    def _clean(self, code: int) -> bool:
+    @staticmethod
+    def _clean(code: int, signalled: bool) -> bool:
         # A worker the stop's SIGTERM reached before the library installed its handler had not
         # trained past the checkpoint it restored from, so it stopped cleanly too.
-        return code in (EXIT_FINISHED, EXIT_STOPPED) or (
-            self._stop.is_set() and code == -signal.SIGTERM
-        )
+        return code in (EXIT_FINISHED, EXIT_STOPPED) or (signalled and code == -signal.SIGTERM)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -64,13 +64,29 @@ def test_unreachable_metadata_is_no_notice() -> None:
     [
         (["--nproc", "2"], {}, "no command"),
         (["--", "true"], {"FLEET_NPROC": "two"}, "FLEET_NPROC='two' is not an integer"),
-        (["--", "true"], {"FLEET_NNODES": "2"}, "FLEET_MASTER_PORT is required"),
+        (["--", "true"], {"FLEET_NNODES": "2"},
+         "set FLEET_MASTER_ADDR and FLEET_MASTER_PORT .*or FLEET_BROKER_URL"),
+        (["--", "true"], {"FLEET_NNODES": "2", "FLEET_MASTER_ADDR": "10.0.0.5"},
+         "FLEET_MASTER_PORT is required"),
+        (["--", "true"], {"FLEET_ROUND": "-1"}, "FLEET_ROUND=-1 is below 0"),
         (["--", "true"], {"FLEET_NNODES": "2", "FLEET_NODE_RANK": "2"}, "below FLEET_NNODES"),
     ],
 )
 def test_agent_rejects_bad_options_by_name(argv: list[str], env: dict, message: str) -> None:
     with pytest.raises(AssignmentError, match=message):
         parse(argv, env)
+
+
+def test_agent_finds_a_multi_node_master_through_the_broker_unless_given_one() -> None:
+    env = {"FLEET_NNODES": "2", "FLEET_NODE_RANK": "1", "FLEET_BROKER_URL": "http://b:8080/",
+           "FLEET_ROUND": "3", "FLEET_MASTER_PORT": "29500"}
+    config, _ = parse(["--", "true"], env)
+    assert config.rendezvous and config.master_addr is None and config.round == 3
+    assert config.broker_url == "http://b:8080"
+    fixed, _ = parse(["--master-addr", "10.0.0.5", "--", "true"], env)
+    assert not fixed.rendezvous and (fixed.master_addr, fixed.master_port) == ("10.0.0.5", 29500)
+    single, _ = parse(["--", "true"], {"FLEET_BROKER_URL": "http://b"})
+    assert not single.rendezvous and single.master_addr == "127.0.0.1"
 
 
 def test_agent_options_win_over_env_and_bad_input_exits_2() -> None:
