@@ -131,6 +131,37 @@ def _proc_start(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[19])
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (the agent starts its workers in sessions of their own,
+    so the node's process group does not hold them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _kill_node(pid: int) -> None:
+    """SIGKILL a node's supervisor, its process group and every process below it, as a machine
+    that dies takes all of them."""
+    below = _descendants(pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -283,8 +314,7 @@ class LocalProvider(Provider):
         (demos and tests of lost-node recovery)."""
         pid = self._live_pid(self.nodes_dir / node_id)
         if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+            _kill_node(pid)
 
     def _signal_stop(self, node_id: str, reason: str) -> None:
         node_dir = self.nodes_dir / node_id
@@ -363,8 +393,7 @@ class LocalProvider(Provider):
             elif term is not None:
                 state = NodeState.PREEMPTING
                 if time.time() >= term["deadline"]:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(pid, signal.SIGKILL)
+                    _kill_node(pid)
             else:
                 state = NodeState.RUNNING
         return Node(node_id=node_dir.name, provider=self.name,

@@ -51,6 +51,27 @@ def test_launch_is_idempotent_and_exit_code_is_recorded(tmp_path: Path) -> None:
     assert fresh.nodes() == []
 
 
+def test_a_lost_node_takes_its_workers_in_their_own_sessions_along(tmp_path: Path) -> None:
+    """As a machine that dies: the agent starts workers in sessions of their own, outside the
+    node's process group, and they go too."""
+    p = LocalProvider(FLEET, tmp_path)
+    pid_file = tmp_path / "worker.pid"
+    (a,) = p.launch(req("j-9:1:1", f"setsid sleep 300 & echo $! > {pid_file}; wait"))
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    p.lose(a.node_id)
+    wait_state(p, a.node_id, NodeState.TERMINATED)
+    while Path(f"/proc/{worker}").exists() and \
+            Path(f"/proc/{worker}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the worker outlived its node"
+        time.sleep(0.05)
+    (node,) = p.nodes()
+    assert node.exit_code is None  # no exit record: the node was lost, not ended
+
+
 def test_capacity_is_enforced(tmp_path: Path) -> None:
     p = LocalProvider(FLEET, tmp_path)
     p.launch(req("a:1:1", "sleep 5", gpus=2))

@@ -1,0 +1,97 @@
+"""End to end: a two-node job trains with real PyTorch (gloo) across two local nodes that meet
+at the broker's rendezvous; one node dies, the broker launches a stand-in of its rank in the same
+pool, and the survivor's agent re-forms the group with it: the job finishes in its first attempt,
+its surviving node never restarted, resuming from its last checkpoint (redis, uvicorn, torch)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from broker.api import build_app
+from broker.auth import ApiConfig, Role
+from broker.models import JobState
+from broker.server import Broker, BrokerConfig, build_broker
+from broker.spec import parse_spec_text
+from broker.store import Store
+from providers.base import NodeState
+from providers.local import LocalProvider
+from tests.api_server import ApiServer
+from tests.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT_TOKEN = "e2e-agent-token-0123456789"
+FLEET = """
+grace_period_s: 10
+regions:
+  - {cloud: aws, region: us-east-1, market: spot, price_per_gpu_hour: 0.35, gpus: 2, nodes: 2}
+"""
+SPEC = """
+name: gang
+run: python examples/train_digits.py --steps 60 --batch-size 32 --batch-mode fixed
+gpus: 2
+batch_size: {min: 32, max: 32}
+work: {steps: 60}
+checkpoint: {interval: 5steps}
+"""
+
+
+@pytest.fixture
+def broker(redis_server: RedisServer, store: Store, tmp_path: Path,
+           monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    (tmp_path / "fleet.yaml").write_text(FLEET)
+    config = ApiConfig().with_token(AGENT_TOKEN, Role.AGENT).with_attempt_key(AGENT_TOKEN)
+    server = ApiServer(build_app(store, config)).start()
+    running = build_broker(BrokerConfig(
+        state_dir=tmp_path / "state", redis_url=redis_server.url, broker_url=server.url,
+        fleet=tmp_path / "fleet.yaml", agent_token=AGENT_TOKEN, tick_s=0.3,
+        heartbeat_interval_s=0.5)).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+        for node in running.provider.nodes():  # leave no job process behind
+            running.provider.terminate(node.node_id)
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_dead_node_is_replaced_and_the_survivor_resumes_with_it(
+        broker: Broker, store: Store) -> None:
+    local = broker.provider.for_cloud("aws")
+    assert isinstance(local, LocalProvider)
+    job = store.submit(parse_spec_text(SPEC).spec, team="ml")
+    deadline = time.monotonic() + 120
+    while (store.get_job(job.id).checkpoint_step or 0) < 10:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, f"no checkpoint: {store.get_job(job.id)}"
+        time.sleep(0.2)
+    running = store.get_job(job.id)
+    assert running is not None and (running.state, running.nodes) == (JobState.RUNNING, 2)
+    ranks = {n.rank: n for n in local.nodes() if n.node_id in running.node_ids}
+    survivor, doomed = ranks[0], ranks[1]
+    local.lose(doomed.node_id)
+    while (done := store.get_job(job.id)).state is not JobState.COMPLETED:  # type: ignore[union-attr]
+        assert done is not None and not done.state.terminal, done
+        assert time.monotonic() < deadline + 120, f"not finished: {done}"
+        time.sleep(0.3)
+    assert (done.attempt, done.round, done.failures) == (running.attempt, 1, 0)
+    assert survivor.node_id in done.node_ids and doomed.node_id not in done.node_ids
+    kept = {n.node_id: n for n in local.nodes()}.get(survivor.node_id)
+    assert kept is None or kept.launched_at == survivor.launched_at  # never relaunched
+    types = [e.type for e in store.events(job_id=job.id)]
+    assert types.count("nodes-lost") == 1 and types.count("nodes-replaced") == 1
+    assert "preempted" not in types and types.count("running") == 1
+    lines = "\n".join(store.read_logs(job.id, limit=100_000)[0])
+    assert "resumed from step" in lines, lines[-3000:]
+    # one agent on the survivor across both rounds; rank 1's second agent is the stand-in's
+    assert lines.count("node 0/2, 1 workers") == 1 and lines.count("node 1/2, 1 workers") == 2
+    assert "round 1: node 0/2" in lines and "round 1: node 1/2" in lines
+    assert all(n.state is NodeState.TERMINATED for n in local.nodes()
+               if n.node_id in done.node_ids)
