@@ -34,6 +34,7 @@ from providers.base import (
     Provider,
     ProviderError,
     QuotaError,
+    launch_key_of,
     replacement_key,
 )
 
@@ -246,6 +247,19 @@ class Actuator:
                 job.round != intent.round:
             self.store.apply(plan, fence=fence)  # superseded: the job moved on
             return 1
+        # The node a stand-in replaces must be gone first (a reclaimed one checkpoints within
+        # its grace period), as for an older attempt: it still holds its GPUs and quota.
+        leaving = [n for n in self.provider.nodes() if n.job_id == job.id
+                   and n.node_id not in job.node_ids and n.state is not NodeState.TERMINATED
+                   and launch_key_of(n.idempotency_key) == job.launch_key
+                   and (n.rank or 0) in intent.ranks and n.idempotency_key != replacement_key(
+                       job.launch_key or "", n.rank or 0, intent.round)]
+        if leaving:
+            for n in leaving:
+                self.provider.terminate(n.node_id)
+            return 0
+        if self.store.leader() is None or self.store.leader()[0] != fence:  # type: ignore[index]
+            return 0  # lost the lease: leave the intent to the next leader
         pool = pools.get(job.pool or "")
         try:
             if pool is None:

@@ -76,6 +76,9 @@ class Reconciler:
                                             JobState.SUSPENDING])
         noticed = {n.node_id for n in self.provider.notices()}
         reports = self.store.agent_reports(j for j in jobs if j.state is not JobState.LAUNCHING)
+        # (job, round) of stand-ins still to launch: their ranks are not lost again
+        replacing = {(i.job_id, i.round) for i in self.store.intents()
+                     if i.kind is IntentKind.REPLACE}
         down = self.provider.unreachable()
         claimed: set[str] = set()
         for job in jobs:
@@ -91,7 +94,8 @@ class Reconciler:
                 preempted = bool(noticed & set(job.node_ids)) or report.notice is not None
                 if report.exits:
                     self._release_vms(job, nodes, report)
-                recovery = self._recover(job, nodes, noticed, report, fence)
+                recovery = None if (job.id, job.round) in replacing else \
+                    self._recover(job, nodes, noticed, report, fence)
                 if recovery is not None:
                     res.recovered += 1
                 elif self._settle(job, [nodes.get(i) for i in job.node_ids], fence, preempted,
@@ -147,11 +151,11 @@ class Reconciler:
         if job.state is not JobState.RUNNING or job.nodes < 2 or \
                 any(code != EXIT_CHECKPOINTED for code in report.exits.values()):
             return None
-        live = [n for i in job.node_ids if (n := nodes.get(i)) is not None
-                and n.state is not NodeState.TERMINATED]
-        warned = {n.node_id for n in live if n.node_id in noticed
-                  or (n.rank or 0) in report.notices}
-        alive = [n for n in live if n.node_id not in warned]
+        # a notice counts after its node is gone too: the node was reclaimed, not lost
+        warned = {i for i in job.node_ids if i in noticed or
+                  (i in nodes and (nodes[i].rank or 0) in report.notices)}
+        alive = [n for i in job.node_ids if (n := nodes.get(i)) is not None
+                 and n.state is not NodeState.TERMINATED and i not in warned]
         if not alive or any(n.rank is None for n in alive):
             return None  # all gone (the job settles), or ranks unknown: it cannot re-form
         lost = sorted(set(range(job.nodes)) - {n.rank for n in alive})  # type: ignore[misc]

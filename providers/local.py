@@ -227,6 +227,14 @@ class LocalProvider(Provider):
             self._signal_stop(n.node_id, reason="spot-reclaim")
         return len(hit)
 
+    def reclaim_node(self, node_id: str) -> None:
+        """Reclaim one spot node (a cloud reclaims single instances too): its preemption notice
+        (SIGTERM), then SIGKILL after the grace period; the region keeps its other nodes."""
+        meta = _read_json(self.nodes_dir / node_id / "meta.json")
+        if meta is None or meta.get("market") != Market.SPOT.value:
+            raise ValueError(f"node {node_id!r} is not a spot node of this fleet")
+        self._signal_stop(node_id, reason="spot-reclaim")
+
     def pools(self) -> list[Pool]:
         reclaimed = self._reclaimed()
         return [r.pool(r.region in reclaimed) for r in self.fleet.regions]

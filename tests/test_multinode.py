@@ -110,9 +110,9 @@ def provider(tmp_path: Path) -> Iterator[LocalProvider]:
 
 
 def running_gang(loop: Loop) -> tuple[JobRecord, dict[int, str]]:
-    job = loop.store.submit(spec(2, run="echo rank=$FLEET_NODE_RANK nnodes=$FLEET_NNODES "
-                                 "round=$FLEET_ROUND; trap 'exit 75' TERM; sleep 60 & wait"),
-                            team="t")
+    run = ("echo rank=$FLEET_NODE_RANK nnodes=$FLEET_NNODES round=$FLEET_ROUND; "
+           "trap 'sleep 1; exit 75' TERM; sleep 60 & wait")  # a second to checkpoint
+    job = loop.store.submit(spec(2, run=run), team="t")
     loop.until(lambda: loop.job(job.id).state is JobState.RUNNING)
     job = loop.job(job.id)
     ranks = {n.rank: n.node_id for n in loop.provider.nodes() if n.node_id in job.node_ids}
@@ -143,6 +143,28 @@ def test_a_lost_node_is_replaced_in_its_pool_and_the_survivor_stays(
     assert ranks[1] not in {n.node_id for n in provider.nodes()}
     placements = store.placements(job.id)
     assert len(placements) == 1 and placements[0].end is None  # one interval, still open
+
+
+def test_a_reclaimed_node_is_replaced_once_it_is_gone(
+        store: Store, provider: LocalProvider) -> None:
+    """A spot notice for one node of the gang: the stand-in is launched only after that node
+    checkpointed and went (it holds its GPU until then), so the pool is not refused."""
+    loop = Loop(store, provider, replace=True)
+    job, ranks = running_gang(loop)
+    with pytest.raises(ValueError, match="not a spot node"):
+        provider.reclaim_node("nonesuch")
+    provider.reclaim_node(ranks[1])
+    loop.store.set_pools(provider.pools())
+    loop.reconciler.run(loop.fence)
+    noticed = loop.job(job.id)
+    assert (noticed.round, noticed.node_ids, noticed.preemptions) == (1, [ranks[0]], 1)
+    assert loop.actuator.run(loop.fence) == 0  # rank 1 still checkpoints: wait for it
+    loop.until(lambda: len(loop.job(job.id).node_ids) == 2)
+    healed = loop.job(job.id)
+    assert (healed.attempt, healed.round) == (job.attempt, 1) and ranks[0] in healed.node_ids
+    types = [e.type for e in store.events(job_id=job.id)]
+    assert "pool-refused" not in types and types.count("nodes-replaced") == 1
+    assert store.pool_stats().preemptions == {"aws:east:spot:T4": 1}
 
 
 def test_without_a_rendezvous_the_whole_job_moves(store: Store, provider: LocalProvider) -> None:

@@ -6,6 +6,7 @@ its surviving node never restarted, resuming from its last checkpoint (redis, uv
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -63,8 +64,13 @@ def broker(redis_server: RedisServer, store: Store, tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_a_dead_node_is_replaced_and_the_survivor_resumes_with_it(
-        broker: Broker, store: Store) -> None:
+@pytest.mark.parametrize("loss", ["dies", "reclaimed"])
+def test_a_lost_node_is_replaced_and_the_survivor_resumes_with_it(
+        broker: Broker, store: Store, loss: str) -> None:
+    """``dies``: the machine goes at once; the survivor's worker fails on the broken collective
+    and the group resumes from the last periodic checkpoint. ``reclaimed``: a spot notice for
+    that node; every rank checkpoints the step it reached and the group resumes from exactly
+    that step: no work lost."""
     local = broker.provider.for_cloud("aws")
     assert isinstance(local, LocalProvider)
     job = store.submit(parse_spec_text(SPEC).spec, team="ml")
@@ -76,7 +82,10 @@ def test_a_dead_node_is_replaced_and_the_survivor_resumes_with_it(
     assert running is not None and (running.state, running.nodes) == (JobState.RUNNING, 2)
     ranks = {n.rank: n for n in local.nodes() if n.node_id in running.node_ids}
     survivor, doomed = ranks[0], ranks[1]
-    local.lose(doomed.node_id)
+    if loss == "dies":
+        local.lose(doomed.node_id)
+    else:
+        local.reclaim_node(doomed.node_id)
     while (done := store.get_job(job.id)).state is not JobState.COMPLETED:  # type: ignore[union-attr]
         assert done is not None and not done.state.terminal, done
         assert time.monotonic() < deadline + 120, f"not finished: {done}"
@@ -88,10 +97,14 @@ def test_a_dead_node_is_replaced_and_the_survivor_resumes_with_it(
     types = [e.type for e in store.events(job_id=job.id)]
     assert types.count("nodes-lost") == 1 and types.count("nodes-replaced") == 1
     assert "preempted" not in types and types.count("running") == 1
+    assert done.preemptions == (loss == "reclaimed")
     lines = "\n".join(store.read_logs(job.id, limit=100_000)[0])
     assert "resumed from step" in lines, lines[-3000:]
     # one agent on the survivor across both rounds; rank 1's second agent is the stand-in's
     assert lines.count("node 0/2, 1 workers") == 1 and lines.count("node 1/2, 1 workers") == 2
     assert "round 1: node 0/2" in lines and "round 1: node 1/2" in lines
+    if loss == "reclaimed":
+        stopped = re.search(r"stop requested at step (\d+)", lines)
+        assert stopped and f"resumed from step {stopped[1]} " in lines
     assert all(n.state is NodeState.TERMINATED for n in local.nodes()
                if n.node_id in done.node_ids)
