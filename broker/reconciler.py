@@ -164,8 +164,11 @@ class Reconciler:
         pool = next((p for p in self.store.pools() if p.id == job.pool), None)
         now = time.time()
         blocklist = self.store.blocklist(self.blocklist_decay_s)[0]
+        cloud = (job.pool or "").split(":", 1)[0]
         decision = recover_lost_nodes(
-            job.nodes, len(lost), can_rejoin=self.replace_lost_nodes, elastic=False,
+            job.nodes, len(lost), elastic=False,
+            # agents reach the rendezvous, and the backend can stop or add one node alone
+            can_rejoin=self.replace_lost_nodes and self.provider.for_cloud(cloud).separable_nodes,
             replacement_available=pool is not None and pool.capacity > 0
             and not blocklist.is_refused(refusal_key(pool.id), now),
             location_blocked=pool is not None

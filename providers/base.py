@@ -183,6 +183,9 @@ class Provider(abc.ABC):
     # Whether the backend's start script runs ``broker.runtime.agent`` around
     # ``LaunchRequest.command`` (cloud VMs); when False the caller wraps the command itself.
     starts_agent: bool = False
+    # Whether one node of a multi-node launch can be lost, stopped and replaced alone; False
+    # where a launch is one unit (a SkyPilot cluster goes down whole).
+    separable_nodes: bool = True
 
     @abc.abstractmethod
     def offers(self) -> list[Offer]:

@@ -161,6 +161,7 @@ class SkyPilotProvider(Provider):
 
     name = "skypilot"
     starts_agent = True  # the user data / startup script runs the agent
+    separable_nodes = False  # ``terminate`` takes the whole cluster down
 
     def __init__(
         self,

@@ -167,8 +167,14 @@ def test_a_reclaimed_node_is_replaced_once_it_is_gone(
     assert store.pool_stats().preemptions == {"aws:east:spot:T4": 1}
 
 
-def test_without_a_rendezvous_the_whole_job_moves(store: Store, provider: LocalProvider) -> None:
-    loop = Loop(store, provider, replace=False)
+@pytest.mark.parametrize("why", ["no rendezvous", "launches are one unit"])
+def test_when_no_stand_in_can_join_the_whole_job_moves(
+        store: Store, provider: LocalProvider, why: str) -> None:
+    """Without a broker URL agents cannot re-form a group; a backend whose launch is one unit
+    (a SkyPilot cluster goes down whole) cannot lose or add one node alone."""
+    if why == "launches are one unit":
+        provider.separable_nodes = False
+    loop = Loop(store, provider, replace=why != "no rendezvous")
     job, ranks = running_gang(loop)
     provider.lose(ranks[0])
     loop.until(lambda: loop.job(job.id).attempt == job.attempt + 1)
