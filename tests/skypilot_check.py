@@ -5,11 +5,18 @@
 ``sdk``: drives ``providers.skypilot.SkySdk`` against the real ``sky`` module with only the calls
 that reach SkyPilot's API server replaced; each replacement first binds its arguments to the
 real function's signature, so a call our adapter makes that SkyPilot does not accept fails.
+``server``: starts a real SkyPilot API server on loopback (``sky api start``, on the port in
+``SKYPILOT_API_SERVER_LOCAL_PORT`` and ``SKYPILOT_API_SERVER_ENDPOINT``), drives
+``SkyPilotProvider`` over ``SkySdk`` against it (status, down of a cluster that does not exist,
+a launch, which fails offline: no cloud is reachable), and stops the server.
 """
 
 import inspect
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -75,7 +82,32 @@ def sdk(task: dict) -> dict:
     return {"calls": calls, "status": listed, "refused": refused}
 
 
+def server(request: dict) -> dict:
+    from providers.base import LaunchRequest, ProviderError
+    from providers.skypilot import SkyPilotProvider, SkySdk
+
+    port = os.environ["SKYPILOT_API_SERVER_LOCAL_PORT"]  # the client reads it at import
+    cli = str(Path(sys.executable).with_name("sky"))
+    subprocess.run([cli, "api", "start", "--host", "127.0.0.1", "--port", str(port)],
+                   check=True, capture_output=True, timeout=120)
+    try:
+        provider = SkyPilotProvider("aws", backend=SkySdk())
+        listed = [n.node_id for n in provider.nodes()]
+        provider.terminate("fleet-000000000000#0")  # no such cluster: not an error
+        try:
+            provider.launch(LaunchRequest.model_validate(request))
+            failed = None
+        except ProviderError as exc:
+            failed = f"{type(exc).__name__}: {exc}"
+        return {"nodes": listed, "launch": failed,
+                "after": [n.node_id for n in provider.nodes()]}
+    finally:
+        subprocess.run([cli, "api", "stop"], capture_output=True, timeout=120)
+
+
 if __name__ == "__main__":
     tasks = json.load(sys.stdin)
-    out = [parsed(t) for t in tasks] if sys.argv[1] == "parse" else sdk(tasks[0])
+    mode = sys.argv[1]
+    out = [parsed(t) for t in tasks] if mode == "parse" else \
+        sdk(tasks[0]) if mode == "sdk" else server(tasks[0])
     print(json.dumps(out))

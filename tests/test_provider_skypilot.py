@@ -32,6 +32,7 @@ from providers.skypilot import (
     task_yaml,
     validate_task,
 )
+from tests.redis_server import free_port
 
 OFFERS = {c: load_offers([c], root=Path("/nonexistent")) for c in ("aws", "gcp", "azure")}
 AGENT = "fleetbroker==0.1.0"
@@ -239,16 +240,30 @@ SKY_PYTHON = Path(sys.prefix) / "skypilot" / "bin" / "python"  # made by `make s
 
 def in_skypilot(mode: str, tasks: list[dict[str, Any]], home: Path) -> Any:
     """Run ``tests/skypilot_check.py MODE`` in SkyPilot's venv, offline (HOME in a temp dir:
-    SkyPilot writes ``~/.sky``)."""
+    SkyPilot writes ``~/.sky``; an API server it starts listens on a free loopback port)."""
     assert SKY_PYTHON.exists(), f"{SKY_PYTHON} is missing: run `make setup`"
+    port = str(free_port())
     out = subprocess.run(
         [str(SKY_PYTHON), str(Path(__file__).with_name("skypilot_check.py")), mode],
-        input=json.dumps(tasks), capture_output=True, text=True, timeout=120,
+        input=json.dumps(tasks), capture_output=True, text=True, timeout=240,
         env={"PATH": os.environ["PATH"], "HOME": str(home),
-             "PYTHONPATH": str(Path(__file__).parents[1])},
+             "PYTHONPATH": str(Path(__file__).parents[1]),
+             "SKYPILOT_API_SERVER_LOCAL_PORT": port,
+             "SKYPILOT_API_SERVER_ENDPOINT": f"http://127.0.0.1:{port}"},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return json.loads(out.stdout.splitlines()[-1])  # SkyPilot may print lines of its own
+
+
+def test_the_adapter_against_a_real_skypilot_api_server(tmp_path: Path) -> None:
+    """SkyPilot's own API server on loopback (offline): listing and a down of a missing
+    cluster go through its request API; a launch it cannot carry out (no cloud reachable here)
+    comes back as a ProviderError naming the cluster, which the actuator counts as a failed
+    launch, never as an exception out of the broker loop."""
+    req = request(region="us-east-1", zone=None, accelerator=Accelerator.V100, gpus_per_node=1)
+    got = in_skypilot("server", [req.model_dump(mode="json")], tmp_path)
+    assert got["nodes"] == [] and got["after"] == []
+    assert got["launch"] is not None and got["launch"].startswith("ProviderError: skypilot launch")
 
 
 def test_skypilot_itself_parses_every_generated_task(tmp_path: Path) -> None:
