@@ -9,6 +9,7 @@ import logging
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -53,7 +54,8 @@ class ActuatorConfig(BaseModel):
 def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorConfig, *,
                    backend_starts_agent: bool = False,
                    avoid_zones: tuple[str, ...] = (),
-                   ranks: tuple[int, int] | None = None) -> LaunchRequest:
+                   ranks: tuple[int, int] | None = None,
+                   zone: str | None = None) -> LaunchRequest:
     """The provider request for a launch intent: the job's command under the runtime agent with
     the assigned world size, batch size and checkpoint location in its environment. Where the
     backend's start script runs the agent itself (cloud VMs) the command is not wrapped again.
@@ -62,12 +64,16 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     A count the pool sells only as a gang (``Pool.shape``) is that many nodes; the provider
     gives each its rank, and their agents find rank 0 through the broker's rendezvous.
     ``ranks`` (first rank, nodes): a REPLACE intent's stand-ins for lost nodes of the job's
-    current launch, under their own key (``providers.base.replacement_key``)."""
+    current launch, under their own key (``providers.base.replacement_key``), shaped as the gang
+    was launched (whatever the pool sells now) and in the survivors' ``zone``."""
     spec = job.spec
-    nodes, per_node = pool.shape(intent.gpus) or (1, intent.gpus)
-    first_rank, count = ranks or (0, nodes)
-    key = intent.key if ranks is None else \
-        replacement_key(job.launch_key or intent.key, first_rank, intent.round)
+    if ranks is None:
+        nodes, per_node = pool.shape(intent.gpus) or (1, intent.gpus)
+        first_rank, count, key = 0, nodes, intent.key
+    else:
+        nodes, per_node = job.nodes, job.gpus // max(1, job.nodes)
+        first_rank, count = ranks
+        key = replacement_key(job.launch_key or intent.key, first_rank, intent.round)
     checkpoint = spec.checkpoint.uri or str((config.checkpoint_root / job.id).resolve())
     env = {
         **spec.envs,
@@ -98,7 +104,7 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
             if config.use_agent and not backend_starts_agent else f"sh -c {run}")
     script = (f"{spec.setup}\n" if spec.setup else "") + f"exec {main}"
     return LaunchRequest(idempotency_key=key, job_id=job.id, cloud=pool.cloud,
-                         region=pool.region, zone=pool.zone, avoid_zones=avoid_zones,
+                         region=pool.region, zone=zone or pool.zone, avoid_zones=avoid_zones,
                          accelerator=pool.accelerator, gpus_per_node=per_node, nodes=count,
                          first_rank=first_rank, market=pool.market, env=env,
                          command=["sh", "-c", script])
@@ -186,11 +192,7 @@ class Actuator:
             self.store.apply(plan, fence=fence)
             return 1
         # Never two attempts at once: an older attempt's node must be gone first.
-        older = [n for n in self.provider.nodes() if n.job_id == job.id and
-                 n.idempotency_key != intent.key and n.state is not NodeState.TERMINATED]
-        if older:
-            for n in older:
-                self.provider.terminate(n.node_id)
+        if self._in_the_way(job, lambda n: n.idempotency_key != intent.key):
             return 0
         pool = pools.get(intent.pool or "")
         if pool is None:
@@ -198,13 +200,20 @@ class Actuator:
                         fence=fence)
             self.store.apply(plan, fence=fence)
             return 1
-        if self.store.leader() is None or self.store.leader()[0] != fence:  # type: ignore[index]
+        if not self._leads(fence):
             return 0  # lost the lease: leave the intent to the next leader
         try:
             starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
-            nodes = self.provider.launch(launch_request(
-                job, intent, pool, self.config, backend_starts_agent=starts_agent,
-                avoid_zones=self._refused_zones(pool)))
+            request = launch_request(job, intent, pool, self.config,
+                                     backend_starts_agent=starts_agent,
+                                     avoid_zones=self._refused_zones(pool))
+            if request.nodes > 1 and starts_agent and not self.config.broker_url:
+                raise ProviderError(
+                    f"a {request.nodes}-node gang on {pool.cloud} meets at the broker's "
+                    "rendezvous, and this broker has no URL its agents can reach: set the "
+                    "broker's broker_url, or give the job at most "
+                    f"{request.gpus_per_node} GPUs")
+            nodes = self.provider.launch(request)
         except (CapacityError, QuotaError) as exc:
             self._refused(job, pool, exc, fence, plan)
             return 1
@@ -249,42 +258,61 @@ class Actuator:
             return 1
         # The node a stand-in replaces must be gone first (a reclaimed one checkpoints within
         # its grace period), as for an older attempt: it still holds its GPUs and quota.
-        leaving = [n for n in self.provider.nodes() if n.job_id == job.id
-                   and n.node_id not in job.node_ids and n.state is not NodeState.TERMINATED
-                   and launch_key_of(n.idempotency_key) == job.launch_key
-                   and (n.rank or 0) in intent.ranks and n.idempotency_key != replacement_key(
-                       job.launch_key or "", n.rank or 0, intent.round)]
-        if leaving:
-            for n in leaving:
-                self.provider.terminate(n.node_id)
+        launch = job.launch_key or ""
+        if self._in_the_way(job, lambda n: n.node_id not in job.node_ids
+                            and launch_key_of(n.idempotency_key) == launch
+                            and (n.rank or 0) in intent.ranks and n.idempotency_key !=
+                            replacement_key(launch, n.rank or 0, intent.round)):
             return 0
-        if self.store.leader() is None or self.store.leader()[0] != fence:  # type: ignore[index]
+        if not self._leads(fence):
             return 0  # lost the lease: leave the intent to the next leader
         pool = pools.get(job.pool or "")
+        # the survivors' zone: a gang's collectives stay inside one AZ
+        zone = next((n.zone for n in self.provider.nodes() if n.node_id in job.node_ids
+                     and n.zone), None)
+        nodes: list[Node] = []
         try:
             if pool is None:
                 raise ProviderError(f"pool {job.pool} is gone")
             starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
-            nodes = [n for rank in intent.ranks for n in self.provider.launch(launch_request(
-                job, intent, pool, self.config, backend_starts_agent=starts_agent,
-                ranks=(rank, 1)))]
+            for rank in intent.ranks:
+                nodes += self.provider.launch(launch_request(
+                    job, intent, pool, self.config, backend_starts_agent=starts_agent,
+                    ranks=(rank, 1), zone=zone))
         except ProviderError as exc:
             if pool is not None and isinstance(exc, CapacityError | QuotaError):
                 self._mark_refused(job, pool, exc, plan)
-            for node_id in job.node_ids:  # the survivors checkpoint and exit
-                self.provider.terminate(node_id)
+            for node_id in [*job.node_ids, *(n.node_id for n in nodes)]:
+                self.provider.terminate(node_id)  # the survivors checkpoint and exit
             plan.change(job, JobState.SUSPENDING, event="replace-failed",
                         event_data={"ranks": intent.ranks, "error": str(exc)},
                         reason=f"no stand-in for lost node(s) {intent.ranks}: {exc}; moving "
                         "the job", fence=fence)
             self.store.apply(plan, fence=fence)
             return 1
+        if pool.market is Market.SPOT:
+            self._reactivate(job, pool, plan)
         plan.change(job, event="nodes-replaced",
                     event_data={"ranks": intent.ranks, "round": intent.round,
                                 "nodes": [n.node_id for n in nodes]},
-                    node_ids=[*job.node_ids, *(n.node_id for n in nodes)], fence=fence)
+                    node_ids=[*job.node_ids, *(n.node_id for n in nodes)],
+                    replaced_at=time.time(), fence=fence)
         self.store.apply(plan, fence=fence)
         return 1
+
+    def _leads(self, fence: int) -> bool:
+        """Whether ``fence`` still holds the leader lease (checked right before a launch)."""
+        leader = self.store.leader()
+        return leader is not None and leader[0] == fence
+
+    def _in_the_way(self, job: JobRecord, leaving: Callable[[Node], bool]) -> bool:
+        """Stop the job's live nodes that must be gone before a launch (``leaving``); True
+        while any is still there (the intent waits for the next pass)."""
+        doomed = [n for n in self.provider.nodes() if n.job_id == job.id
+                  and n.state is not NodeState.TERMINATED and leaving(n)]
+        for n in doomed:
+            self.provider.terminate(n.node_id)
+        return bool(doomed)
 
     def _refused_zones(self, pool: Pool) -> tuple[str, ...]:
         """The zones of an unpinned spot pool that just refused a launch (``_refused``)."""

@@ -105,6 +105,7 @@ class JobRecord(BaseModel):
     # Rendezvous round of the current attempt: 0 at launch, one more with every lost node the
     # broker replaced (the survivors' agents re-form the group in the new round).
     round: int = 0
+    replaced_at: float | None = None  # when the last stand-ins for lost nodes were launched
     launch_key: str | None = None  # idempotency key of the current attempt's launch
     samples_done: int = 0
     samples_per_sec: float | None = None  # last measured throughput (agent heartbeats)

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.models import Intent, IntentKind, JobRecord, JobState
+from broker.recovery import gang_state
+from broker.runtime.assignment import EXIT_FINISHED, EXIT_STOPPED
 from broker.store import AgentReport, Conflict, Plan, Store
 from policies.migration import (
     DEFAULT_DECAY_S,
@@ -41,8 +43,6 @@ from providers.base import Node, NodeState, Provider, ProviderError, replacement
 
 log = logging.getLogger(__name__)
 
-EXIT_DONE = 0
-EXIT_CHECKPOINTED = 75
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Reconciler:
         down = self.provider.unreachable()
         claimed: set[str] = set()
         for job in jobs:
-            if job.pool and job.pool.split(":", 1)[0] in down:
+            if job.pool and _cloud(job) in down:
                 continue  # its nodes are unknown right now, not gone
             mine = [n for n in nodes.values() if _claims(job, n)]
             claimed |= {n.node_id for n in mine}
@@ -94,9 +94,9 @@ class Reconciler:
                 preempted = bool(noticed & set(job.node_ids)) or report.notice is not None
                 if report.exits:
                     self._release_vms(job, nodes, report)
-                recovery = None if (job.id, job.round) in replacing else \
-                    self._recover(job, nodes, noticed, report, fence)
-                if recovery is not None:
+                if job.nodes > 1 and job.state is JobState.RUNNING and \
+                        not job.cancel_requested and (job.id, job.round) not in replacing and \
+                        self._recover(job, nodes, noticed, report, fence):
                     res.recovered += 1
                 elif self._settle(job, [nodes.get(i) for i in job.node_ids], fence, preempted,
                                   report):
@@ -105,10 +105,9 @@ class Reconciler:
                     plan = Plan()
                     plan.change(job, JobState.SUSPENDING, event="preempted",
                                 event_data={"notice": report.notice} if report.notice else None,
-                                reason="spot capacity reclaimed", preemptions=job.preemptions + 1,
-                                fence=fence)
-                    _count_preemption(plan, job)
-                    self._block(plan, job)
+                                reason="spot capacity reclaimed", fence=fence,
+                                preemptions=job.preemptions + 1)
+                    self._preempted(plan, job)
                     self.store.apply(plan, fence=fence)
                     res.preempted += 1
                 elif self._never_reported(job, nodes, report):
@@ -134,73 +133,89 @@ class Reconciler:
 
     def _release_vms(self, job: JobRecord, nodes: dict[str, Node],
                      report: AgentReport) -> None:
-        """Agents reported their exit: the VMs that outlive them are no longer needed."""
-        for node_id in job.node_ids:
-            node = nodes.get(node_id)
-            if node is not None and (node.rank or 0) in report.exits and \
-                    node.state is not NodeState.TERMINATED and self.provider.outlives_agent(node):
-                log.info("job %s: agent exited; terminating %s", job.id, node_id)
-                self.provider.terminate(node_id)
+        """Agents reported their exit: the VMs that outlive them are no longer needed. Where a
+        launch goes down whole (a SkyPilot cluster), only once every rank reported."""
+        mine = [n for i in job.node_ids if (n := nodes.get(i)) is not None]
+        if not all(self.provider.for_cloud(_cloud(job)).separable_nodes or
+                   (n.rank or 0) in report.exits for n in mine):
+            return
+        for node in mine:
+            if (node.rank or 0) in report.exits and node.state is not NodeState.TERMINATED \
+                    and self.provider.outlives_agent(node):
+                log.info("job %s: agent exited; terminating %s", job.id, node.node_id)
+                self.provider.terminate(node.node_id)
 
     def _recover(self, job: JobRecord, nodes: dict[str, Node], noticed: set[str],
-                 report: AgentReport, fence: int) -> Recovery | None:
-        """A running multi-node job that lost some nodes (gone, or under a preemption notice)
-        while others live: replace the lost ranks in its pool, the survivors staying, or move
-        the whole job (``recover_lost_nodes``). None when there is nothing to recover (no loss,
-        every node lost, an agent that ended its command: the job ends its usual way)."""
-        if job.state is not JobState.RUNNING or job.nodes < 2 or \
-                any(code != EXIT_CHECKPOINTED for code in report.exits.values()):
-            return None
-        # a notice counts after its node is gone too: the node was reclaimed, not lost
-        warned = {i for i in job.node_ids if i in noticed or
-                  (i in nodes and (nodes[i].rank or 0) in report.notices)}
-        alive = [n for i in job.node_ids if (n := nodes.get(i)) is not None
-                 and n.state is not NodeState.TERMINATED and i not in warned]
-        if not alive or any(n.rank is None for n in alive):
-            return None  # all gone (the job settles), or ranks unknown: it cannot re-form
-        lost = sorted(set(range(job.nodes)) - {n.rank for n in alive})  # type: ignore[misc]
-        if not lost:
-            return None
+                 report: AgentReport, fence: int) -> bool:
+        """A running multi-node job that lost some nodes (gone, reclaimed, or stand-ins that
+        never came to the rendezvous within the launch deadline) while others live: replace
+        the lost ranks in its pool, the survivors staying, or move the whole job
+        (``recover_lost_nodes``). A rank whose command failed stops the others: the gang cannot
+        go on, and the job settles as that failure once all are gone. False when there is
+        nothing to do here (the job ends or settles its usual way)."""
+        overdue = job.round > 0 and job.replaced_at is not None and \
+            self.launch_deadline_s is not None and \
+            self.clock() - job.replaced_at > self.launch_deadline_s
+        checked_in = self.store.checked_in([job]).get(job.id, set()) if overdue else None
+        gang = gang_state(job, nodes, noticed, report, checked_in)
+        if gang.failed:
+            for node in gang.alive:  # idempotent: again each pass until they are gone
+                self.provider.terminate(node.node_id)
+            return False
+        if gang.finishing or not gang.alive or not gang.lost:
+            return False
+        decision, why = self._decide(job, len(gang.lost))
+        plan = Plan()
+        fields: dict[str, object] = {"fence": fence}
+        if gang.warned or report.notices:
+            fields["preemptions"] = job.preemptions + 1
+            self._preempted(plan, job)
+        what = f"node(s) of rank {', '.join(map(str, gang.lost))} lost"
+        if decision is Recovery.REPLACE:
+            round_ = job.round + 1
+            plan.change(job, event="nodes-lost",
+                        event_data={"ranks": gang.lost, "round": round_,
+                                    "recovery": decision.value},
+                        reason=f"{what}; replacing them in {job.pool}", round=round_,
+                        node_ids=[n.node_id for n in gang.alive], **fields)
+            plan.add_intent(Intent(kind=IntentKind.REPLACE, job_id=job.id, fence=fence,
+                                   attempt=job.attempt, gpus=job.gpus,
+                                   batch_size=job.batch_size, pool=job.pool, ranks=gang.lost,
+                                   round=round_))
+            log.info("job %s: %s; replacing them (round %d)", job.id, what, round_)
+        else:  # the actuator stops every node of the job (an outbox intent: replayed on crash)
+            plan.change(job, JobState.SUSPENDING, event="nodes-lost",
+                        event_data={"ranks": gang.lost, "recovery": decision.value,
+                                    "replaced": job.round},
+                        reason=f"{what}; moving the job{why}", **fields)
+            plan.add_intent(Intent(kind=IntentKind.SUSPEND, job_id=job.id, fence=fence,
+                                   attempt=job.attempt, reason="nodes lost"))
+        self.store.apply(plan, fence=fence)
+        return True
+
+    def _decide(self, job: JobRecord, lost: int) -> tuple[Recovery, str]:
+        """``recover_lost_nodes`` for the job's pool now, and why it moves when it does."""
         pool = next((p for p in self.store.pools() if p.id == job.pool), None)
         now = time.time()
         blocklist = self.store.blocklist(self.blocklist_decay_s)[0]
-        cloud = (job.pool or "").split(":", 1)[0]
+        if job.round >= self.max_failures:  # a gang that keeps losing nodes here goes elsewhere
+            return Recovery.MIGRATE, f" (nodes replaced {job.round} times in this attempt)"
         decision = recover_lost_nodes(
-            job.nodes, len(lost), elastic=False,
+            job.nodes, lost, elastic=False,
             # agents reach the rendezvous, and the backend can stop or add one node alone
-            can_rejoin=self.replace_lost_nodes and self.provider.for_cloud(cloud).separable_nodes,
+            can_rejoin=self.replace_lost_nodes and
+            self.provider.for_cloud(_cloud(job)).separable_nodes,
             replacement_available=pool is not None and pool.capacity > 0
             and not blocklist.is_refused(refusal_key(pool.id), now),
             location_blocked=pool is not None
             and any(blocklist.is_blocked(k, now) for k in location_keys(pool)))
-        preempted = bool(warned) or bool(report.notices)
-        plan = Plan()
-        fields: dict[str, object] = {"fence": fence}
-        if preempted:
-            fields["preemptions"] = job.preemptions + 1
-            _count_preemption(plan, job)
-            self._block(plan, job)
-        what = f"node(s) of rank {', '.join(map(str, lost))} lost"
-        if decision is Recovery.REPLACE:
-            round_ = job.round + 1
-            plan.change(job, event="nodes-lost",
-                        event_data={"ranks": lost, "round": round_, "recovery": decision.value},
-                        reason=f"{what}; replacing them in {job.pool}", round=round_,
-                        node_ids=[n.node_id for n in alive], **fields)
-            plan.add_intent(Intent(kind=IntentKind.REPLACE, job_id=job.id, fence=fence,
-                                   attempt=job.attempt, gpus=job.gpus,
-                                   batch_size=job.batch_size, pool=job.pool, ranks=lost,
-                                   round=round_))
-            self.store.apply(plan, fence=fence)
-            log.info("job %s: %s; replacing them (round %d)", job.id, what, round_)
-        else:
-            plan.change(job, JobState.SUSPENDING, event="nodes-lost",
-                        event_data={"ranks": lost, "recovery": decision.value},
-                        reason=f"{what}; moving the job", **fields)
-            self.store.apply(plan, fence=fence)
-            for node in alive:  # the survivors checkpoint and exit
-                self.provider.terminate(node.node_id)
-        return decision
+        return decision, ""
+
+    def _preempted(self, plan: Plan, job: JobRecord) -> None:
+        """A preemption of ``job``: counted against its pool and its spot location blocked, in
+        ``plan`` (the job's own count the caller changes)."""
+        _count_preemption(plan, job)
+        self._block(plan, job)
 
     def _never_reported(self, job: JobRecord, nodes: dict[str, Node],
                         report: AgentReport) -> bool:
@@ -264,7 +279,8 @@ class Reconciler:
         if any(n is not None and n.state is not NodeState.TERMINATED for n in nodes):
             return False
         # A VM does not tell how the command ended; its agent did (``report.exits``).
-        agent = report.exit_code
+        # A gang judges each rank by its own report: a rank that sent none was lost.
+        agent = report.exit_code if job.nodes == 1 else None
 
         def code(n: Node | None) -> int | None:
             if n is not None and n.exit_code is not None:
@@ -277,18 +293,17 @@ class Reconciler:
         plan = Plan()
         fields: dict[str, object] = {"exit_code": codes[0] if codes else None, "fence": fence}
         event = None
-        if codes and all(c == EXIT_DONE for c in codes):
+        if codes and all(c == EXIT_FINISHED for c in codes):
             state, reason = JobState.COMPLETED, "finished"
         elif job.cancel_requested:
             state, reason = JobState.CANCELLED, "cancelled by user"
         elif preempted and job.state is JobState.RUNNING:  # ended before we saw the notice
             state, reason, event = JobState.SUSPENDED, "spot capacity reclaimed", "preempted"
             fields["preemptions"] = job.preemptions + 1
-            _count_preemption(plan, job)
-            self._block(plan, job)
+            self._preempted(plan, job)
         elif job.state is JobState.SUSPENDING and job.failures > self.max_failures:
             state, reason = JobState.FAILED, job.reason or "failed"  # e.g. never reported
-        elif (codes and all(c == EXIT_CHECKPOINTED for c in codes)) or \
+        elif (codes and all(c == EXIT_STOPPED for c in codes)) or \
                 job.state is JobState.SUSPENDING:
             state, reason = JobState.SUSPENDED, job.reason or "checkpointed"
         elif not codes and self._silent(job, report):
@@ -298,7 +313,8 @@ class Reconciler:
             fields["failures"] = failures
             state = JobState.FAILED if failures > self.max_failures else JobState.SUSPENDED
             reason = self._silent_reason()
-        elif not codes:
+        elif not codes or (job.nodes > 1 and all(c in (None, EXIT_STOPPED) for c in codes)):
+            # no report at all, or a gang whose ranks checkpointed but for those that were lost
             state, reason = JobState.SUSPENDED, "node lost"
             fields["preemptions"] = job.preemptions + 1
             _count_preemption(plan, job)
@@ -306,13 +322,14 @@ class Reconciler:
             failures = job.failures + 1
             fields["failures"] = failures
             state = JobState.FAILED if failures > self.max_failures else JobState.SUSPENDED
-            reason = f"command exited {codes[0]} (failure {failures})"
+            bad = next((c for c in codes if c not in (EXIT_FINISHED, EXIT_STOPPED)), codes[0])
+            reason = f"command exited {bad} (failure {failures})"
         plan.change(job, state, event=event, reason=reason, **fields)
         open_ = [p for p in self.store.placements(job.id) if p.end is None]
         if open_:
             closed = open_[-1].model_copy(update={"end": ended})
             plan.close_placement(closed)
-            nodes_held = max(1, len(job.node_ids))
+            nodes_held = max(1, job.nodes)
             plan.add_node_hours(closed.pool, (ended - closed.start) / 3600 * nodes_held)
         plan.wake = True
         self.store.apply(plan, fence=fence)
@@ -340,6 +357,10 @@ def _claims(job: JobRecord, node: Node) -> bool:
     if job.state is JobState.LAUNCHING:
         return key == launch
     return job.round > 0 and key == replacement_key(launch, node.rank or 0, job.round)
+
+
+def _cloud(job: JobRecord) -> str:
+    return (job.pool or "").split(":", 1)[0]
 
 
 def _live(job: JobRecord, nodes: dict[str, Node]) -> list[Node]:

@@ -227,10 +227,16 @@ def _checkpoint_location(job: JobRecord, pools_by_id: Mapping[str, Pool],
     spec names it, else the region of its last pool; nowhere before its first run."""
     if not job.pool or job.attempt == 0:
         return None, None
-    if (bucket := job.spec.checkpoint.region) is not None:
-        cloud, region = bucket.split(":")
-        return cloud, region
-    return _location(job.pool, pools_by_id)
+    bucket = _bucket(job.spec)
+    return bucket if bucket[0] is not None else _location(job.pool, pools_by_id)
+
+
+def _bucket(spec: JobSpec) -> tuple[str, str] | tuple[None, None]:
+    """(cloud, region) of the bucket the spec names (``checkpoint.region``), else Nones."""
+    if spec.checkpoint.region is None:
+        return None, None
+    cloud, region = spec.checkpoint.region.split(":")
+    return cloud, region
 
 
 def checkpoint_gb(job: JobRecord, config: SchedulerConfig) -> float:
@@ -253,7 +259,7 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
     rate = samples_per_sec(job, choice.gpus, choice.batch_size)
     left = max(0, spec.work_samples - job.samples_done)
     where = _checkpoint_location(job, pools_by_id)
-    bucket = spec.checkpoint.region.split(":") if spec.checkpoint.region else (None, None)
+    bucket = _bucket(spec)
     return PlacementRequest(
         job.id, choice.gpus, fallbacks, job.pool if job.state is JobState.RUNNING else None,
         spec.spot, spec.regions.allow, spec.regions.deny, marks.blocked, frozenset(marks.refused),
@@ -496,7 +502,7 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if target is None and job.state is not JobState.RUNNING and \
                     job.id in placed.notes and not _dropped_if_left_out(job, config):
                 _note(res, job, "waiting", placed.notes[job.id])
-            _diff(res, job, target, fence, config)
+            _diff(res, job, target, fence, config, pools_by_id)
     return res
 
 
@@ -668,8 +674,14 @@ def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity:
         return allocate(build(pin=False), capacity)
 
 
+def _nodes(pool: Pool | None, gpus: int) -> int:
+    """Nodes of a launch of ``gpus`` GPUs in ``pool`` (``Pool.shape``; one where unknown)."""
+    shape = pool.shape(gpus) if pool is not None else None
+    return shape[0] if shape else 1
+
+
 def _diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None, fence: int,
-          config: SchedulerConfig) -> None:
+          config: SchedulerConfig, pools_by_id: Mapping[str, Pool]) -> None:
     if job.state is JobState.RUNNING:
         if target is None:
             _stop(res, job, fence, IntentKind.SUSPEND, "allocator gave its GPUs to other jobs")
@@ -693,7 +705,9 @@ def _diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None,
     res.plan.change(job, JobState.LAUNCHING, event_data={"pool": pool, "gpus": gpus,
                                                          "batch_size": batch},
                     attempt=attempt, launch_key=intent.key, gpus=gpus, batch_size=batch,
-                    pool=pool, fence=fence, node_ids=[], exit_code=None,
+                    pool=pool, fence=fence, node_ids=[], exit_code=None, round=0,
+                    # known before any node boots: the rendezvous answers with it at once
+                    nodes=_nodes(pools_by_id.get(pool), gpus),
                     migrations=job.migrations + moved, rescales=job.rescales + resized,
                     reason="placed" if not relaunch else "resumed from checkpoint")
     res.plan.add_intent(intent)

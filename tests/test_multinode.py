@@ -49,10 +49,14 @@ def test_a_gang_launch_gives_each_node_its_rank_and_meets_at_the_rendezvous() ->
     assert (req.env["FLEET_NNODES"], req.env["FLEET_NPROC"], req.env["FLEET_ROUND"]) == (
         "2", "8", "0")
     assert "FLEET_MASTER_ADDR" not in req.env and "FLEET_NODE_RANK" not in req.env
-    stand_in = launch_request(job, intent.model_copy(update={
-        "kind": IntentKind.REPLACE, "ranks": [1], "round": 1}), CLOUD, ActuatorConfig(),
-        ranks=(1, 1))
+    launched = job.model_copy(update={"gpus": 16, "nodes": 2})
+    # the catalog now sells 16-GPU instances too: the stand-in still joins a gang of 2 x 8
+    bigger = CLOUD.model_copy(update={"gpu_prices": {**(CLOUD.gpu_prices or {}), 16: 0.3}})
+    stand_in = launch_request(launched, intent.model_copy(update={
+        "kind": IntentKind.REPLACE, "ranks": [1], "round": 1}), bigger, ActuatorConfig(),
+        ranks=(1, 1), zone="us-east-1b")
     assert (stand_in.nodes, stand_in.first_rank, stand_in.env["FLEET_NNODES"]) == (1, 1, "2")
+    assert (stand_in.gpus_per_node, stand_in.zone) == (8, "us-east-1b")
     assert stand_in.idempotency_key == replacement_key("gang-1:3:2", 1, 1) == "gang-1:3:2~r1.1"
     assert launch_key_of(stand_in.idempotency_key) == "gang-1:3:2"
     assert stand_in.env["FLEET_LAUNCH_KEY"] == stand_in.idempotency_key
@@ -75,24 +79,28 @@ FLEET = LocalFleet.model_validate({"grace_period_s": 2.0, "regions": [
 class Loop:
     """One broker's passes over a real Redis and the local provider (no API: agents unused)."""
 
-    def __init__(self, store: Store, provider: LocalProvider, *, replace: bool) -> None:
+    def __init__(self, store: Store, provider: LocalProvider, *, replace: bool,
+                 max_failures: int = 3) -> None:
         self.store, self.provider = store, provider
         self.actuator = Actuator(store, provider, ActuatorConfig(use_agent=False))
         self.scheduler = Scheduler(store, SchedulerConfig())
-        self.reconciler = Reconciler(store, provider, replace_lost_nodes=replace)
+        self.reconciler = Reconciler(store, provider, replace_lost_nodes=replace,
+                                     max_failures=max_failures)
         self.fence = store.acquire_lease("me", 60)
 
-    def step(self) -> None:
+    def step(self, schedule: bool = True) -> None:
         self.store.set_pools(self.provider.pools())
         self.reconciler.run(self.fence)
-        self.scheduler.run_round(self.fence)
+        if schedule:
+            self.scheduler.run_round(self.fence)
         self.actuator.run(self.fence)
 
-    def until(self, what: Callable[[], bool], timeout: float = 20) -> None:
+    def until(self, what: Callable[[], bool], timeout: float = 20,
+              schedule: bool = True) -> None:
         deadline = time.monotonic() + timeout
         while not what():
             assert time.monotonic() < deadline, "timed out"
-            self.step()
+            self.step(schedule)
             time.sleep(0.1)
 
     def job(self, job_id: str) -> JobRecord:
@@ -109,10 +117,16 @@ def provider(tmp_path: Path) -> Iterator[LocalProvider]:
         p.lose(node.node_id)
 
 
-def running_gang(loop: Loop) -> tuple[JobRecord, dict[int, str]]:
-    run = ("echo rank=$FLEET_NODE_RANK nnodes=$FLEET_NNODES round=$FLEET_ROUND; "
-           "trap 'sleep 1; exit 75' TERM; sleep 60 & wait")  # a second to checkpoint
+GANG = ("echo rank=$FLEET_NODE_RANK nnodes=$FLEET_NNODES round=$FLEET_ROUND; "
+        "trap 'sleep 1; exit 75' TERM; sleep 60 & wait")  # a second to checkpoint
+
+
+def running_gang(loop: Loop, run: str = GANG) -> tuple[JobRecord, dict[int, str]]:
     job = loop.store.submit(spec(2, run=run), team="t")
+    loop.store.set_pools(loop.provider.pools())
+    loop.scheduler.run_round(loop.fence)
+    launching = loop.job(job.id)  # the rendezvous knows the gang's size before any node boots
+    assert (launching.state, launching.nodes, launching.round) == (JobState.LAUNCHING, 2, 0)
     loop.until(lambda: loop.job(job.id).state is JobState.RUNNING)
     job = loop.job(job.id)
     ranks = {n.rank: n.node_id for n in loop.provider.nodes() if n.node_id in job.node_ids}
@@ -181,9 +195,69 @@ def test_when_no_stand_in_can_join_the_whole_job_moves(
     moved = loop.job(job.id)
     events = [e for e in store.events(job_id=job.id) if e.type == "nodes-lost"]
     assert events[0].data == {"from": "running", "to": "suspending", "ranks": [0],
-                              "recovery": "migrate"}
+                              "recovery": "migrate", "replaced": 0}
     assert moved.preemptions == 0 and moved.failures == 0
     assert ranks[1] not in moved.node_ids  # the survivor checkpointed and went
+
+
+def test_a_rank_whose_command_fails_stops_the_gang_and_nothing_is_replaced(
+        store: Store, provider: LocalProvider) -> None:
+    loop = Loop(store, provider, replace=True)
+    job, _ = running_gang(loop, run='[ "$FLEET_NODE_RANK" = 1 ] && { sleep 1; exit 3; }; '
+                              "trap 'exit 75' TERM; sleep 60 & wait")
+    loop.until(lambda: loop.job(job.id).failures == 1, schedule=False)
+    failed = loop.job(job.id)
+    assert failed.round == 0 and failed.reason == "command exited 3 (failure 1)"
+    types = [e.type for e in store.events(job_id=job.id)]
+    assert "nodes-lost" not in types
+
+
+def test_a_gang_that_keeps_losing_nodes_moves(store: Store, provider: LocalProvider) -> None:
+    loop = Loop(store, provider, replace=True, max_failures=1)
+    job, ranks = running_gang(loop)
+    provider.lose(ranks[1])
+    loop.until(lambda: loop.job(job.id).round == 1 and len(loop.job(job.id).node_ids) == 2)
+    stand_in = next(i for i in loop.job(job.id).node_ids if i != ranks[0])
+    provider.lose(stand_in)
+    loop.until(lambda: loop.job(job.id).attempt == job.attempt + 1)
+    (first, second) = [e for e in store.events(job_id=job.id) if e.type == "nodes-lost"]
+    assert (first.data["recovery"], second.data["recovery"]) == ("replace-node", "migrate")
+    assert second.data["replaced"] == 1  # max_failures replacements in one attempt
+    assert loop.job(job.id).round == 0  # the new attempt starts its own rounds
+
+
+def test_a_cancelled_gang_is_not_mended(store: Store, provider: LocalProvider) -> None:
+    loop = Loop(store, provider, replace=True)
+    job, ranks = running_gang(loop)
+    store.request_cancel(job.id)
+    provider.lose(ranks[1])
+    loop.until(lambda: loop.job(job.id).state is JobState.CANCELLED)
+    assert "nodes-lost" not in [e.type for e in store.events(job_id=job.id)]
+
+
+def test_a_gang_on_a_cloud_needs_the_broker_url(store: Store, provider: LocalProvider) -> None:
+    provider.starts_agent = True  # as a cloud's start script: its agents need the rendezvous
+    loop = Loop(store, provider, replace=True)
+    job = store.submit(spec(2), team="t")
+    loop.until(lambda: loop.job(job.id).failures == 1)
+    assert "meets at the broker's rendezvous" in (loop.job(job.id).reason or "")
+    assert provider.nodes() == []
+
+
+def test_a_launch_that_goes_down_whole_is_released_once_every_rank_reported(
+        store: Store, provider: LocalProvider, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a SkyPilot cluster: stopping one node stops them all, so the VMs are released only
+    when the last rank has reported its exit (rank 0 may still be writing its checkpoint)."""
+    provider.separable_nodes = False
+    monkeypatch.setattr(provider, "outlives_agent", lambda node: True)  # as VMs do
+    loop = Loop(store, provider, replace=True)
+    job, _ = running_gang(loop)
+    store.record_heartbeat(job.id, job.attempt, node_rank=1, exit_code=0)
+    loop.reconciler.run(loop.fence)
+    assert {n.state for n in provider.nodes()} == {NodeState.RUNNING}
+    store.record_heartbeat(job.id, job.attempt, node_rank=0, exit_code=0)
+    loop.reconciler.run(loop.fence)
+    assert NodeState.RUNNING not in {n.state for n in provider.nodes()}
 
 
 def test_a_refused_stand_in_moves_the_whole_job(store: Store, provider: LocalProvider) -> None:
