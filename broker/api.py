@@ -93,7 +93,8 @@ class HeartbeatReply(BaseModel):
 
 
 class Rendezvous(BaseModel):
-    """A node's visit to its job's rendezvous: rank 0 registers the master's address."""
+    """A node's visit to its job's rendezvous: it checks in for its round (rank 0 with the
+    master's address)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -104,7 +105,7 @@ class Rendezvous(BaseModel):
     addr: str | None = Field(default=None, max_length=270,
                              description="this node's 'host:port' (host: an IP address, IPv6 in "
                                          "brackets, or a DNS name; port 1-65535); rank 0's is "
-                                         "the round's master")
+                                         "the round's master and required for its check-in")
 
     @field_validator("addr")
     @classmethod
@@ -118,8 +119,8 @@ class Rendezvous(BaseModel):
 class RendezvousReply(BaseModel):
     round: int = Field(description="the job's current round (above the node's: move to it)")
     nnodes: int = Field(description="nodes in the job")
-    master: str | None = Field(description="'host:port' rank 0 registered for that round; "
-                                           "null until it did")
+    master: str | None = Field(description="'host:port' rank 0 registered for that round, "
+                                           "once every node checked in for it; null until then")
     action: str | None = Field(description="null: keep going; 'checkpoint-exit': exit 75")
 
 
@@ -342,8 +343,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         return HeartbeatReply(action=_agent_action(said.action), round=said.round)
 
     @app.post("/v1/agent/rendezvous", tags=["agent"], response_model=RendezvousReply,
-              summary="A multi-node job's rendezvous: rank 0 registers the master, every node "
-                      "polls until its round has one")
+              summary="A multi-node job's rendezvous: every node checks in (rank 0 with the "
+                      "master's address) and polls until its whole round has")
     def rendezvous(visit: Rendezvous, caller: Reporter) -> RendezvousReply:
         for_attempt(caller, visit.job_id, visit.attempt)
         try:

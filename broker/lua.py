@@ -177,51 +177,76 @@ return {jobs, progress, redis.call('HGETALL', p .. 'pools'), redis.call('HGETALL
 _JOB_SHAPE = """
 local function job_shape(key)
   local doc = cjson.decode(redis.call('HGET', key, 'doc'))
-  return tonumber(doc['round']) or 0, tonumber(doc['nodes']) or 1
+  return tonumber(doc['round']) or 0, math.max(tonumber(doc['nodes']) or 1, 1)
 end
 """
 
-# ARGV: prefix, job, attempt, now, n_fields, field, value, ... Records agent progress for the
-# job's current attempt; returns the job's state, cancel flag and rendezvous round so the caller
-# picks the action, with 'stale' for the state when the heartbeat comes from an attempt that is
-# no longer current.
+# ARGV: prefix, job, attempt, now, round, node_rank, n_progress, field, value, ... Records an
+# agent's report for the job's current attempt: the first n_progress pairs are progress, taken
+# from node rank 0 of the job's current round only (a node of an older round, or another rank,
+# must not reset it); the rest are the node's exit code and notice, taken for a round up to the
+# job's and a rank below its node count (a report naming a later round or a rank the job lacks
+# is dropped). Returns the job's state, cancel flag and rendezvous round so the caller picks the
+# action, with 'stale' for the state when the heartbeat comes from an attempt that is no longer
+# current.
 HEARTBEAT = _JOB_SHAPE + """
 local p, job, attempt, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local rnd, rank, np = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local key = p .. 'job:' .. job
 local st = redis.call('HGET', key, 'state')
 if not st then return {'missing', '0', 0} end
-local round = job_shape(key)
+local round, nodes = job_shape(key)
 if redis.call('HGET', key, 'attempt') ~= attempt then return {'stale', '0', round} end
-local nf = tonumber(ARGV[5])
-for i = 0, nf - 1 do
-  redis.call('HSET', p .. 'progress:' .. job, ARGV[6 + 2 * i], ARGV[7 + 2 * i])
+local progress = p .. 'progress:' .. job
+local leader = rank == 0 and rnd == round
+local member = rnd <= round and rank < nodes
+for i = 8, #ARGV, 2 do
+  local take = member
+  if (i - 8) / 2 < np then take = leader end
+  if take then redis.call('HSET', progress, ARGV[i], ARGV[i + 1]) end
 end
-redis.call('HSET', p .. 'progress:' .. job, 'heartbeat_at', now)
-redis.call('HSETNX', p .. 'progress:' .. job, 'beat:' .. attempt, now)  -- the attempt's first
+redis.call('HSET', progress, 'heartbeat_at', now)
+redis.call('HSETNX', progress, 'beat:' .. attempt, now)  -- the attempt's first
 return {st, redis.call('HGET', key, 'cancel_requested') or 'false', round}
 """
 
-# ARGV: prefix, job, attempt, round, node_rank, addr ('' = none), ttl_s. Records the node's
-# "host:port" in the hash rdzv:<job> (field "<attempt>:<round>:<rank>") when attempt and round
-# are the job's current ones. Returns the job's state ('stale' for another attempt, 'missing'),
-# cancel flag, round, node count and the address rank 0 registered for that round (or nil).
+# ARGV: prefix, job, attempt, round, node_rank, addr ('' = none), ttl_s. A node's check-in for
+# the job's current attempt and round, in the hash rdzv:<job> (field "<attempt>:<round>:<rank>"):
+# rank 0's "host:port" (rank 0 without one has not checked in), another rank's address or ''
+# (an address already there stays). A visit for another round or a rank the job lacks records
+# nothing. Returns the job's state ('stale' for another attempt, 'missing'), cancel flag, round,
+# node count and, once every rank 0..nodes-1 checked in for the current round (a barrier: no
+# node starts before the whole group is up), the address rank 0 registered (else nil; always
+# nil for a stale attempt).
 RENDEZVOUS = _JOB_SHAPE + """
-local p, job, attempt, rnd, rank, addr, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
-  ARGV[6], ARGV[7]
+local p, job, attempt, rnd, rank, addr, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]),
+  tonumber(ARGV[5]), ARGV[6], ARGV[7]
 local key = p .. 'job:' .. job
 local st = redis.call('HGET', key, 'state')
-if not st then return {'missing', '0', 0, 0} end
+if not st then return {'missing', '0', 0, 0, false} end
 local round, nodes = job_shape(key)
-local current = redis.call('HGET', key, 'attempt')
+local cancel = redis.call('HGET', key, 'cancel_requested') or 'false'
+if redis.call('HGET', key, 'attempt') ~= attempt then
+  return {'stale', cancel, round, nodes, false}
+end
 local rdzv = p .. 'rdzv:' .. job
-if current ~= attempt then
-  st = 'stale'
-elseif addr ~= '' and tonumber(rnd) == round then
-  redis.call('HSET', rdzv, attempt .. ':' .. rnd .. ':' .. rank, addr)
+local base = attempt .. ':' .. string.format('%d', round) .. ':'
+if rnd == round and rank < nodes and (rank > 0 or addr ~= '') then
+  local field = base .. string.format('%d', rank)
+  if addr ~= '' then
+    redis.call('HSET', rdzv, field, addr)
+  else
+    redis.call('HSETNX', rdzv, field, '')
+  end
   redis.call('EXPIRE', rdzv, ttl)
 end
-local master = redis.call('HGET', rdzv, current .. ':' .. string.format('%d', round) .. ':0')
-return {st, redis.call('HGET', key, 'cancel_requested') or 'false', round, nodes, master}
+local fields = {}
+for r = 0, nodes - 1 do fields[r + 1] = base .. string.format('%d', r) end
+local seen = redis.call('HMGET', rdzv, unpack(fields))
+for r = 1, nodes do
+  if not seen[r] then return {st, cancel, round, nodes, false} end
+end
+return {st, cancel, round, nodes, seen[1]}
 """
 
 # ARGV: prefix, job, max_lines, line... Appends log lines, trimming the oldest beyond

@@ -52,6 +52,11 @@ def report_field(kind: str, attempt: int, round: int, rank: int) -> str:
     return f"{kind}:{attempt}:{round}:{rank}"
 
 
+def _rdzv_field(job: JobRecord, rank: int) -> str:
+    """The field of the rendezvous hash where node ``rank`` checks in (``lua.RENDEZVOUS``)."""
+    return f"{job.attempt}:{job.round}:{rank}"
+
+
 def _action(state: str, cancel: str) -> str:
     """What an agent is told: stop for a stale attempt, a cancel, or a job being stopped."""
     if state == "stale" or cancel == "true" or state not in ("running", "launching"):
@@ -324,39 +329,42 @@ class Store:
                          checkpoint_step: int | None = None, checkpoint_bytes: int | None = None,
                          exit_code: int | None = None, notice: str | None = None,
                          **_: Any) -> Directive:
-        """Record an agent's report: progress from node rank 0 (the node whose rank-0 worker
-        measures it; the others report liveness, exit codes and notices), and the exit code and
-        any preemption notice of node ``node_rank`` in ``round`` of ``attempt``. The
+        """Record an agent's report: progress from node rank 0 of the job's current round (the
+        node whose rank-0 worker measures it; the others report liveness, exit codes and
+        notices), and the exit code and any preemption notice of node ``node_rank`` in ``round``
+        of ``attempt`` (dropped for a round the job has not reached or a rank it lacks). The
         checkpoint's size is kept with its step (unknown when the report has none), so a size
         never describes another checkpoint than the one recorded. Returns the action for the
         agent (``continue``, or ``checkpoint-exit`` for a stale attempt, a requested cancel or a
         job being stopped) and the job's current round."""
-        values: dict[str, Any] = {}
-        if node_rank == 0:
-            values.update(_progress_values(samples_done, samples_per_sec, world_size,
-                                           global_batch_size, checkpoint_step, checkpoint_bytes))
-        if exit_code is not None:
-            values[report_field("exit", attempt, round, node_rank)] = int(exit_code)
-        if notice:
-            values[report_field("notice", attempt, round, node_rank)] = notice[:500]
-        flat = [x for k, v in values.items() for x in (k, json.dumps(v))]
-        if node_rank == 0 and samples_per_sec and world_size and global_batch_size:
+        progress = _progress_values(samples_done, samples_per_sec, world_size,
+                                    global_batch_size, checkpoint_step, checkpoint_bytes)
+        if samples_per_sec and world_size and global_batch_size:
             # per-configuration history: the scheduler's throughput curve uses it
-            flat += [f"m:{int(world_size)}x{int(global_batch_size)}", json.dumps(
-                float(samples_per_sec))]
+            progress[f"m:{int(world_size)}x{int(global_batch_size)}"] = float(samples_per_sec)
+        report: dict[str, Any] = {}
+        if exit_code is not None:
+            report[report_field("exit", attempt, round, node_rank)] = int(exit_code)
+        if notice:
+            report[report_field("notice", attempt, round, node_rank)] = notice[:500]
+        # The script decides what it takes: progress from the current round's rank 0 only.
+        flat = [x for k, v in (progress | report).items() for x in (k, json.dumps(v))]
         state, cancel, current = self._heartbeat(args=[
-            self.p, job_id, json.dumps(int(attempt)), time.time(), len(flat) // 2, *flat])
+            self.p, job_id, json.dumps(int(attempt)), time.time(), int(round), int(node_rank),
+            len(progress), *flat])
         if state == "missing":
             raise JobNotFound(job_id)
         return Directive(_action(state, cancel), int(current))
 
     def rendezvous(self, job_id: str, attempt: int, round: int, node_rank: int,
                    addr: str | None) -> dict[str, Any]:
-        """One node's visit to its job's rendezvous: records ``addr`` ("host:port") as node
-        ``node_rank``'s address in ``round`` of ``attempt`` when both are the job's current
-        ones, and returns ``{"round", "nnodes", "master", "action"}``: the job's current round
-        and node count, the address rank 0 registered for that round (None until it did) and
-        the action, as for a heartbeat (``continue`` or ``checkpoint-exit``)."""
+        """One node's visit to its job's rendezvous: checks node ``node_rank`` in for ``round``
+        of ``attempt`` when both are the job's current ones (with ``addr``, "host:port": rank 0
+        must send its own, the round's master; another rank may), and returns ``{"round",
+        "nnodes", "master", "action"}``: the job's current round and node count, the address rank
+        0 registered for that round once every rank of the job checked in for it (None until
+        then, and for a stale attempt) and the action, as for a heartbeat (``continue`` or
+        ``checkpoint-exit``)."""
         reply = self._rendezvous(args=[self.p, job_id, int(attempt), int(round),
                                        int(node_rank), addr or "", RENDEZVOUS_TTL_S])
         if reply[0] == "missing":
@@ -364,6 +372,17 @@ class Store:
         state, cancel, current, nodes, master = reply
         return {"round": int(current), "nnodes": int(nodes), "master": master,
                 "action": _action(state, cancel)}
+
+    def checked_in(self, jobs: Iterable[JobRecord]) -> dict[str, set[int]]:
+        """Per job id, the node ranks that checked in at the rendezvous for the job's current
+        attempt and round (a stand-in missing there never came up)."""
+        jobs = list(jobs)
+        pipe = self.r.pipeline(transaction=False)
+        for job in jobs:
+            ranks = range(max(job.nodes, 1))
+            pipe.hmget(f"{self.p}rdzv:{job.id}", *(_rdzv_field(job, r) for r in ranks))
+        return {job.id: {r for r, v in enumerate(got) if v is not None}
+                for job, got in zip(jobs, pipe.execute(), strict=True)}
 
     # ---- events, logs, placements -----------------------------------------------------------
 

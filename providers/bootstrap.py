@@ -233,15 +233,17 @@ def rank_step(request: LaunchRequest, cloud: str, rank: int | None) -> str:
 
 # The exit trap. A failure the agent may not have reported itself (the install failed, the agent
 # crashed or was killed) goes to the broker as the agent's last heartbeat: ``state: failed`` and
-# the exit code. The token reaches curl on stdin, never on a command line or in the output. Then
-# the VM powers off: a VM whose job ended must not bill until the reconciler notices.
+# the exit code, in the node's rendezvous round (a stand-in's start failure belongs to the round
+# it was launched for, which the broker reads). The token reaches curl on stdin, never on a
+# command line or in the output. Then the VM powers off: a VM whose job ended must not bill until
+# the reconciler notices.
 EXIT_TRAP = r"""fleet_report_failure() {
   [ -n "${FLEET_BROKER_URL:-}" ] || return 0
   command -v curl >/dev/null || { echo "fleet: no curl to report the failure" >&2; return 1; }
   local body
-  body=$(printf '{"job_id": "%s", "attempt": %d, "node_rank": %d, "state": "failed", ' \
-    "$FLEET_JOB_ID" "${FLEET_ATTEMPT:-0}" "${FLEET_NODE_RANK:-0}")
-  body+=$(printf '"exit_code": %d}' "$1")
+  body=$(printf '{"job_id": "%s", "attempt": %d, "round": %d, "node_rank": %d, ' \
+    "$FLEET_JOB_ID" "${FLEET_ATTEMPT:-0}" "${FLEET_ROUND:-0}" "${FLEET_NODE_RANK:-0}")
+  body+=$(printf '"state": "failed", "exit_code": %d}' "$1")
   printf 'Authorization: Bearer %s\n' "${FLEET_AGENT_TOKEN:-}" | curl -fsS -m 10 --retry 3 \
     -o /dev/null -H @- -H 'Content-Type: application/json' --data-binary "$body" \
     "${FLEET_BROKER_URL%/}/v1/agent/heartbeat"

@@ -186,8 +186,21 @@ def test_a_failed_agent_is_reported_to_the_broker_then_the_vm_powers_off(
     names = [c.split()[0] for c in calls]
     assert names[-3:] == ["-m", "curl", "shutdown"]  # the agent, its report, the power-off
     beat = reported(tmp_path, calls)
-    assert (beat.job_id, beat.attempt, beat.state, beat.exit_code) == ("job-9", 3, "failed", 3)
+    assert (beat.job_id, beat.attempt, beat.round, beat.node_rank, beat.state, beat.exit_code
+            ) == ("job-9", 3, 0, 0, "failed", 3)
     assert TOKEN not in done.stdout + done.stderr
+
+
+def test_a_stand_ins_failure_is_reported_in_the_round_it_was_launched_for(
+        tmp_path: Path) -> None:
+    """A lost node's stand-in starts in the round the broker bumped to: its start failure
+    belongs there (the broker reads a node's exit code in the job's current round)."""
+    (tmp_path / "agent-exit").write_text("4")
+    stand_in = reporting(FLEET_ROUND="2").model_copy(update={"first_rank": 1})
+    done, calls = run_script(bootstrap.agent_script(stand_in, "gcp", "fb"), tmp_path)
+    assert done.returncode == 4
+    beat = reported(tmp_path, calls)
+    assert (beat.attempt, beat.round, beat.node_rank, beat.exit_code) == (3, 2, 1, 4)
 
 
 def test_a_failed_install_is_reported_and_the_agent_never_runs(tmp_path: Path) -> None:

@@ -29,21 +29,26 @@ def two_node_job(store: Store) -> JobRecord:
     return change(store, job.id, JobState.LAUNCHING, attempt=1, nodes=2)
 
 
-def test_rendezvous_names_rank_0s_address_of_the_current_attempt_and_round(
-        store: Store) -> None:
+def test_rendezvous_names_the_master_once_every_rank_checked_in(store: Store) -> None:
+    """A barrier: rank 0's address is handed out only once every node of the job's current
+    attempt and round checked in, so no node starts torch's init while another still boots."""
     job = two_node_job(store)
     waiting = {"round": 0, "nnodes": 2, "master": None, "action": CONTINUE}
-    assert store.rendezvous(job.id, 1, 0, 1, None) == waiting
-    assert store.rendezvous(job.id, 1, 0, 1, "10.0.0.6:1234") == waiting  # not the master
-    assert store.rendezvous(job.id, 1, 1, 0, "10.0.0.9:1") == waiting  # a round not yet begun
-    stale = store.rendezvous(job.id, 0, 0, 0, "10.0.0.9:2")
+    assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:29500") == waiting  # rank 0 alone
+    assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:29500") == waiting
+    assert store.rendezvous(job.id, 1, 1, 1, None) == waiting  # a round not yet begun
+    assert store.rendezvous(job.id, 1, 0, 2, None) == waiting  # no rank 2 in a 2-node job
+    stale = store.rendezvous(job.id, 0, 0, 1, None)
     assert stale == {**waiting, "action": CHECKPOINT_EXIT}  # an old attempt must stop
-    assert store.rendezvous(job.id, 1, 0, 1, None) == waiting  # neither was recorded
+    key = f"{store.p}rdzv:{job.id}"
+    assert store.r.hgetall(key) == {"1:0:0": "10.0.0.5:29500"}  # none of those checked in
 
     met = {**waiting, "master": "10.0.0.5:29500"}
+    assert store.rendezvous(job.id, 1, 0, 1, None) == met  # the last one in: the group formed
     assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:29500") == met
-    assert store.rendezvous(job.id, 1, 0, 1, None) == met
-    key = f"{store.p}rdzv:{job.id}"
+    assert store.rendezvous(job.id, 1, 0, 1, "10.0.0.6:1234") == met
+    assert store.rendezvous(job.id, 1, 0, 1, None) == met  # a visit without one keeps it
+    assert store.rendezvous(job.id, 0, 0, 1, None)["master"] is None  # nothing for the stale
     assert 0 < store.r.ttl(key) <= RENDEZVOUS_TTL_S
     assert store.r.hgetall(key) == {"1:0:0": "10.0.0.5:29500", "1:0:1": "10.0.0.6:1234"}
 
@@ -51,13 +56,37 @@ def test_rendezvous_names_rank_0s_address_of_the_current_attempt_and_round(
     moved = {**waiting, "round": 1}
     assert store.rendezvous(job.id, 1, 0, 1, None) == moved  # round 0's master is no answer
     assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:29501") == moved  # late for round 0
-    assert store.rendezvous(job.id, 1, 1, 0, "10.0.0.5:29502") == {
-        **moved, "master": "10.0.0.5:29502"}
+    assert store.rendezvous(job.id, 1, 1, 0, "10.0.0.5:29502") == moved  # the stand-in is due
+    assert store.rendezvous(job.id, 1, 1, 1, None) == {**moved, "master": "10.0.0.5:29502"}
 
+    change(store, job.id, round=2)  # rank 0 without an address has not checked in
+    assert store.rendezvous(job.id, 1, 2, 0, None)["master"] is None
+    assert store.rendezvous(job.id, 1, 2, 1, None)["master"] is None
     store.request_cancel(job.id)
-    assert store.rendezvous(job.id, 1, 1, 1, None)["action"] == CHECKPOINT_EXIT
+    assert store.rendezvous(job.id, 1, 2, 1, None)["action"] == CHECKPOINT_EXIT
     with pytest.raises(JobNotFound):
         store.rendezvous("nope-9", 1, 0, 0, None)
+
+
+def test_checked_in_names_the_ranks_of_the_current_attempt_and_round(store: Store) -> None:
+    job, solo = two_node_job(store), change(store, store.submit(spec(), team="t").id,
+                                            JobState.LAUNCHING, attempt=1)
+    assert store.checked_in([job, solo]) == {job.id: set(), solo.id: set()}
+    store.rendezvous(job.id, 1, 0, 1, None)
+    store.rendezvous(job.id, 1, 1, 0, "10.0.0.5:1")  # a round not yet begun
+    store.rendezvous(job.id, 1, 0, 3, None)  # a rank the job lacks
+    assert store.checked_in([job]) == {job.id: {1}}
+    store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:1")
+    assert store.checked_in([job, solo]) == {job.id: {0, 1}, solo.id: set()}
+
+    job = change(store, job.id, round=1)  # rank 1 lost: its stand-in must check in anew
+    store.rendezvous(job.id, 1, 1, 0, "10.0.0.5:2")
+    assert store.checked_in([job]) == {job.id: {0}}
+    store.rendezvous(job.id, 1, 1, 1, None)
+    assert store.checked_in([job]) == {job.id: {0, 1}}
+    job = change(store, job.id, attempt=2, round=0)  # a new attempt starts with no one
+    assert store.checked_in([job]) == {job.id: set()}
+    assert store.checked_in([]) == {}
 
 
 def test_rendezvous_stops_nodes_of_a_job_being_stopped(store: Store) -> None:
@@ -99,3 +128,32 @@ def test_agent_reports_per_node_and_round(store: Store) -> None:
     assert (report.exits, report.exit_code) == ({1: 1}, None)
     assert report.notice == "aws spot instance-action"
     assert store.record_heartbeat(job.id, 0, node_rank=1, round=1).round == 1  # stale: told too
+
+
+def test_heartbeats_of_a_round_or_rank_the_job_lacks_record_nothing(store: Store) -> None:
+    """A report naming a later round or a rank beyond the job's nodes is dropped; progress comes
+    from rank 0 of the current round only (an older round's rank 0 must not reset it)."""
+    job = change(store, two_node_job(store).id, JobState.RUNNING, round=1)
+    key = f"{store.p}progress:{job.id}"
+    said = store.record_heartbeat(job.id, 1, node_rank=1, round=2, exit_code=1, notice="gcp")
+    assert (said.action, said.round) == (CONTINUE, 1)  # told the round, nothing recorded
+    store.record_heartbeat(job.id, 1, node_rank=2, round=1, exit_code=9, notice="aws")
+    assert not [f for f in store.r.hgetall(key) if f.startswith(("exit:", "notice:"))]
+
+    store.record_heartbeat(job.id, 1, node_rank=0, round=1, samples_done=500,
+                           samples_per_sec=40.0, world_size=2, global_batch_size=64,
+                           checkpoint_step=7, checkpoint_bytes=1000)
+    # rank 0 of round 0 (the survivor before it re-forms the group) and rank 1: no progress
+    for rank, round_ in ((0, 0), (1, 1)):
+        store.record_heartbeat(job.id, 1, node_rank=rank, round=round_, samples_done=20,
+                               samples_per_sec=5.0, world_size=1, global_batch_size=8,
+                               checkpoint_step=1, checkpoint_bytes=10, exit_code=75)
+    got = store.get_job(job.id)
+    assert got is not None
+    assert (got.samples_done, got.samples_per_sec, got.checkpoint_step, got.checkpoint_bytes,
+            got.measured_gpus, got.measured) == (500, 40.0, 7, 1000, 2, {"2x64": 40.0})
+    # their exit codes count: rank 0's in round 0, rank 1's in the current round
+    assert store.r.hget(key, "exit:1") == "75"
+    assert store.agent_reports([got])[got.id].exits == {1: 75}
+    store.record_heartbeat(job.id, 1, node_rank=0, round=2, samples_done=900)  # a later round
+    assert store.get_job(job.id).samples_done == 500  # type: ignore[union-attr]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import os
 import shutil
@@ -38,6 +39,13 @@ from broker.runtime.notices import pollers
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 CHECKPOINT_EXIT = "checkpoint-exit"
+# What a heartbeat takes from the progress file, when the file has it (a field the node does not
+# know is left out: the broker keeps what it has).
+PROGRESS_KEYS = ("step", "samples_done", "samples_per_sec", "world_size", "global_batch_size",
+                 "checkpoint_step", "checkpoint_bytes")
+# Seconds between the tries of the final report (five tries over 15 s): a broker restarting or a
+# network blip must not lose how the node ended, which settles a multi-node job's round.
+FINAL_REPORT_DELAYS = (1.0, 2.0, 4.0, 8.0)
 
 
 def log(message: str) -> None:
@@ -282,8 +290,10 @@ class Agent:
         except (OSError, ValueError):
             return {}
 
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST ``body`` to the broker's ``path``; the JSON reply, or {} when there is none."""
+    def send(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """POST ``body`` to the broker's ``path``: its JSON reply ({} for an HTTP error or a
+        reply without one), or None when the broker did not answer (no connection, a timeout,
+        a connection dropped)."""
         headers = {"Content-Type": "application/json"}
         if self.config.token:
             headers["Authorization"] = f"Bearer {self.config.token}"
@@ -293,15 +303,29 @@ class Agent:
             headers=headers,
             method="POST",
         )
+        what = path.rsplit("/", 1)[-1]
         try:
             with urllib.request.urlopen(request, timeout=2.0) as response:
-                reply = json.loads(response.read() or b"{}")
-        except (urllib.error.URLError, OSError, TimeoutError, ValueError) as exc:
-            log(f"{path.rsplit('/', 1)[-1]} failed: {exc}")
+                raw = response.read()
+        except urllib.error.HTTPError as exc:  # an answer, if not the one hoped for
+            log(f"{what} refused: {exc}")
+            return {}
+        except (OSError, http.client.HTTPException) as exc:
+            log(f"{what} failed: {exc}")
+            return None
+        try:
+            reply = json.loads(raw or b"{}")
+        except ValueError:
+            log(f"{what}: the broker's reply is not JSON")
             return {}
         return reply if isinstance(reply, dict) else {}
 
-    def heartbeat(self, state: str, exit_code: int | None = None) -> dict[str, Any]:
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``send``, with {} when the broker did not answer."""
+        return self.send(path, body) or {}
+
+    def heartbeat(self, state: str, exit_code: int | None = None) -> dict[str, Any] | None:
+        """One heartbeat: the broker's reply, or None when it did not answer (``send``)."""
         c = self.config
         p = self.progress()
         body = {
@@ -310,19 +334,26 @@ class Agent:
             "node_rank": c.node_rank,
             "round": self.round,
             "state": state,
-            "step": p.get("step", 0),
-            "samples_done": p.get("samples_done", 0),
-            "samples_per_sec": p.get("samples_per_sec", 0.0),
-            "world_size": p.get("world_size", self.nnodes * c.nproc),
-            "global_batch_size": p.get("global_batch_size"),
-            "checkpoint_step": p.get("checkpoint_step"),
-            "checkpoint_bytes": p.get("checkpoint_bytes"),
+            **{k: p[k] for k in PROGRESS_KEYS if k in p},
         }
         if self.notice:
             body["notice"] = self.notice
         if exit_code is not None:
             body["exit_code"] = exit_code
-        return self.post("/v1/agent/heartbeat", body)
+        return self.send("/v1/agent/heartbeat", body)
+
+    def final_report(self, code: int) -> None:
+        """The last heartbeat, with the exit code, tried until the broker answers (any HTTP
+        reply; FINAL_REPORT_DELAYS): the broker settles the node's round on it."""
+        for delay in (*FINAL_REPORT_DELAYS, None):
+            if self.heartbeat(self.state, exit_code=code) is not None:
+                return
+            if delay is None:
+                break
+            log(f"the broker did not take the final report; trying again in {delay:g} s")
+            time.sleep(delay)
+        log(f"the broker did not take the final report in {len(FINAL_REPORT_DELAYS) + 1} "
+            "tries; giving up")
 
     def visit_rendezvous(self, round_: int, addr: str | None) -> dict[str, Any]:
         """One visit to the broker's rendezvous for ``round_``; a checkpoint-exit stops the
@@ -348,7 +379,7 @@ class Agent:
             action()
 
     def _beat(self) -> None:
-        self._obey(self.heartbeat("stopping" if self._stop.is_set() else self.state))
+        self._obey(self.heartbeat("stopping" if self._stop.is_set() else self.state) or {})
 
     def _poll_notices(self, checks: list[Callable[[], str | None]]) -> None:
         for check in checks:
@@ -374,13 +405,14 @@ class Agent:
         return join_host_port(host, free_port("", avoid=avoid))
 
     def meet(self) -> int | None:
-        """Form this round's group at the broker: rank 0 registers its address, every rank
-        polls until the broker names the master of its round (moving up to a newer round the
-        broker names). None once met (``round``, ``nnodes``, ``master`` set), else the exit
-        code: stopped (a stop or the broker's checkpoint-exit) or failed (no master in time)."""
+        """Form this round's group at the broker: every rank checks in (rank 0 with its
+        address) and polls until the broker names the master, which it does once all the
+        round's nodes checked in (moving up to a newer round the broker names). None once met
+        (``round``, ``nnodes``, ``master`` set), else the exit code: stopped (a stop or the
+        broker's checkpoint-exit) or failed (the group did not form in time)."""
         c = self.config
         deadline = time.monotonic() + c.rendezvous_timeout
-        round_, offer = self.round, None
+        round_, offer, told = self.round, None, -1
         while not self._stop.is_set():
             round_ = max(round_, self.broker_round)
             if c.node_rank == 0 and (offer is None or offer[0] != round_):
@@ -394,10 +426,14 @@ class Agent:
                 return self._joined(round_, nnodes, master)
             if self.broker_round > round_:
                 continue  # the broker moved on: join its round at once
+            if told != round_ and isinstance(nnodes, int):
+                told = round_
+                log(f"round {round_}: waiting at the broker's rendezvous until all {nnodes} "
+                    "nodes checked in")
             if time.monotonic() > deadline:
-                log(f"no master for round {round_} from the broker's rendezvous within "
-                    f"{c.rendezvous_timeout:g} s (FLEET_RENDEZVOUS_TIMEOUT): rank 0 never "
-                    "registered; giving up")
+                log(f"the group of round {round_} did not form at the broker's rendezvous "
+                    f"within {c.rendezvous_timeout:g} s (FLEET_RENDEZVOUS_TIMEOUT): not every "
+                    "node of the round checked in; giving up")
                 return EXIT_FAILED
             self._stop.wait(c.rendezvous_poll)
         return EXIT_STOPPED
@@ -464,7 +500,7 @@ class Agent:
         self._done.set()
         self.state = {EXIT_FINISHED: "finished", EXIT_STOPPED: "stopped"}.get(code, "failed")
         if c.broker_url:
-            self.heartbeat(self.state, exit_code=code)
+            self.final_report(code)
         why = self.stop_reason or self.halt_reason
         log(f"{self.state} (exit {code})" + (f": {why}" if why else ""))
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -125,6 +125,26 @@ def test_two_agents_meet_at_the_broker(stack: tuple[ApiServer, Store], tmp_path:
     assert store.agent_reports([job])[job.id].exits == {0: 0, 1: 0}
 
 
+def test_the_group_waits_for_its_last_node(stack: tuple[ApiServer, Store],
+                                           tmp_path: Path) -> None:
+    """Rank 0 registered first: its workers wait until rank 1 (a node still booting) checked
+    in, then both start with the same master."""
+    server, store = stack
+    job = running_job(store)
+    first = start_agent(server, job, 0, tmp_path, "exit")
+    deadline = time.monotonic() + 30
+    while store.checked_in([job])[job.id] != {0}:
+        assert time.monotonic() < deadline and first.poll() is None, "rank 0 did not register"
+        time.sleep(0.02)
+    time.sleep(1.0)  # ten polls
+    assert not (tmp_path / "out" / "r0-rank0.json").exists()  # no worker before the group
+    last = start_agent(server, job, 1, tmp_path, "exit")
+    (code, output), (code1, output1) = finish(first, last)
+    assert code == code1 == 0, output + output1
+    assert "round 0: waiting at the broker's rendezvous until all 2 nodes checked in" in output
+    assert seen(tmp_path, 0, 0)["MASTER_PORT"] == seen(tmp_path, 0, 1)["MASTER_PORT"]
+
+
 @pytest.mark.parametrize("mode", ["fail", "hang"])
 def test_a_new_round_restarts_the_workers_with_a_fresh_master(
         stack: tuple[ApiServer, Store], tmp_path: Path, mode: str) -> None:
@@ -163,14 +183,18 @@ def test_a_crash_without_a_new_round_ends_after_the_rejoin_wait(
     assert store.agent_reports([job])[job.id].exits == {0: 3, 1: 3}
 
 
-def test_no_master_fails_and_a_cancel_stops(stack: tuple[ApiServer, Store],
-                                            tmp_path: Path) -> None:
+def test_rank_0_alone_never_starts_and_a_cancel_stops(stack: tuple[ApiServer, Store],
+                                                       tmp_path: Path) -> None:
+    """Rank 0 registered, but the group never formed: it fails without running a worker."""
     server, store = stack
     job = running_job(store)
-    alone = start_agent(server, job, 1, tmp_path, "exit", rendezvous_timeout=0.5)
+    alone = start_agent(server, job, 0, tmp_path, "exit", rendezvous_timeout=0.5)
     [(code, output)] = finish(alone)
-    assert code == 1 and "no master for round 0 from the broker's rendezvous within 0.5 s" \
-        in output, output
+    assert code == 1 and "the group of round 0 did not form at the broker's rendezvous within " \
+        "0.5 s" in output, output
+    assert store.checked_in([job]) == {job.id: {0}}
+    assert not (tmp_path / "out" / "r0-rank0.json").exists()
+    job = running_job(store)  # a new job: rank 0 of the first one did check in
     cancelled = start_agent(server, job, 1, tmp_path, "exit")
     time.sleep(0.5)  # it polls the rendezvous meanwhile
     store.request_cancel(job.id)

@@ -1,0 +1,97 @@
+"""The agent's reports to the broker: a heartbeat leaves out the progress the node does not have
+(a real broker API over redis-server keeps what it had), and the final report, with the exit
+code, is tried again until a broker that drops connections answers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from broker.auth import attempt_token
+from tests.api_server import TOKENS, api_stack
+from tests.runtime.jobs import ROOT, job_env
+from tests.runtime.test_agent_rendezvous import running_job
+
+# A worker that fails after half a second (heartbeats go out meanwhile) and writes no progress.
+WORKER = "import sys, time; time.sleep(0.5); sys.exit(3)"
+
+
+def run_agent(tmp: Path, broker_url: str, **fleet: object) -> subprocess.CompletedProcess[str]:
+    """A one-node agent whose worker fails without writing progress."""
+    env = job_env(tmp, **{"broker_url": broker_url, "heartbeat_interval": 0.1, **fleet})
+    return subprocess.run(
+        [sys.executable, "-m", "broker.runtime.agent", "--", sys.executable, "-c", WORKER],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_a_heartbeat_leaves_out_the_progress_the_node_lacks(tmp_path: Path) -> None:
+    """A node whose worker wrote no progress yet (a new round's, say) must not report
+    samples_done 0 for 'not known yet': the broker keeps the job's progress."""
+    with api_stack(tmp_path) as (server, store):
+        job = running_job(store, nodes=1)
+        store.record_heartbeat(job.id, 1, samples_done=500, samples_per_sec=40.0, world_size=1,
+                               global_batch_size=32, checkpoint_step=7, checkpoint_bytes=99)
+        done = run_agent(tmp_path, server.url, job_id=job.id, attempt=1,
+                         agent_token=attempt_token(TOKENS["agent"], job.id, 1))
+        assert done.returncode == 3, done.stderr
+        got = store.get_job(job.id)
+        assert got is not None
+        assert (got.samples_done, got.samples_per_sec, got.checkpoint_step,
+                got.checkpoint_bytes) == (500, 40.0, 7, 99)
+        assert store.agent_reports([got])[got.id].exit_code == 3
+
+
+class Flaky(BaseHTTPRequestHandler):
+    """A broker that drops the connection of its first ``drops`` requests without a word, then
+    answers 503: an answer all the same."""
+
+    drops = 2
+    bodies: ClassVar[list[dict]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        if len(self.bodies) <= self.drops:
+            self.close_connection = True
+            return
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.fixture
+def flaky() -> Iterator[tuple[str, type[Flaky]]]:
+    handler = type("FlakyBroker", (Flaky,), {"bodies": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_the_final_report_is_tried_until_the_broker_answers(
+        tmp_path: Path, flaky: tuple[str, type[Flaky]]) -> None:
+    url, broker = flaky
+    done = run_agent(tmp_path, url, heartbeat_interval=60, job_id="job-4", attempt=2, round=1)
+    assert done.returncode == 3, done.stderr
+    # dropped twice, then a 503: any HTTP reply ends the tries
+    assert [b.get("exit_code") for b in broker.bodies] == [3, 3, 3]
+    assert {(b["job_id"], b["attempt"], b["round"], b["state"]) for b in broker.bodies} == {
+        ("job-4", 2, 1, "failed")}
+    assert not [b for b in broker.bodies if "samples_done" in b or "step" in b]
+    assert done.stderr.count("the broker did not take the final report; trying again") == 2
