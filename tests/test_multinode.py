@@ -80,12 +80,13 @@ class Loop:
     """One broker's passes over a real Redis and the local provider (no API: agents unused)."""
 
     def __init__(self, store: Store, provider: LocalProvider, *, replace: bool,
-                 max_failures: int = 3) -> None:
+                 max_failures: int = 3, launch_deadline_s: float | None = None) -> None:
         self.store, self.provider = store, provider
         self.actuator = Actuator(store, provider, ActuatorConfig(use_agent=False))
         self.scheduler = Scheduler(store, SchedulerConfig())
         self.reconciler = Reconciler(store, provider, replace_lost_nodes=replace,
-                                     max_failures=max_failures)
+                                     max_failures=max_failures,
+                                     launch_deadline_s=launch_deadline_s)
         self.fence = store.acquire_lease("me", 60)
 
     def step(self, schedule: bool = True) -> None:
@@ -224,6 +225,26 @@ def test_a_gang_that_keeps_losing_nodes_moves(store: Store, provider: LocalProvi
     assert (first.data["recovery"], second.data["recovery"]) == ("replace-node", "migrate")
     assert second.data["replaced"] == 1  # max_failures replacements in one attempt
     assert loop.job(job.id).round == 0  # the new attempt starts its own rounds
+
+
+def test_a_stand_in_that_never_comes_to_the_rendezvous_is_replaced_again(
+        store: Store, provider: LocalProvider) -> None:
+    """The survivor checks in for round 1, the stand-in never does (its VM hangs at boot):
+    past the launch deadline it counts as lost too, and a second stand-in is launched."""
+    loop = Loop(store, provider, replace=True, launch_deadline_s=1.0)
+    job, ranks = running_gang(loop)
+    provider.lose(ranks[1])
+    loop.until(lambda: loop.job(job.id).round == 1 and len(loop.job(job.id).node_ids) == 2)
+    (hung,) = [i for i in loop.job(job.id).node_ids if i != ranks[0]]
+    assert store.rendezvous(job.id, job.attempt, 1, 0, "127.0.0.1:29500")["master"] is None
+    assert store.checked_in([loop.job(job.id)]) == {job.id: {0}}
+    loop.until(lambda: loop.job(job.id).round == 2 and len(loop.job(job.id).node_ids) == 2)
+    again = loop.job(job.id)
+    assert ranks[0] in again.node_ids and hung not in again.node_ids
+    assert [e.data["ranks"] for e in store.events(job_id=job.id) if e.type == "nodes-lost"] \
+        == [[1], [1]]
+    loop.until(lambda: hung not in {n.node_id for n in provider.nodes()
+                                    if n.state is not NodeState.TERMINATED})
 
 
 def test_a_cancelled_gang_is_not_mended(store: Store, provider: LocalProvider) -> None:
