@@ -11,7 +11,7 @@ names each field.
 import ipaddress
 import math
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import redis
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
@@ -131,6 +131,16 @@ class PreemptRequest(BaseModel):
                         description="a spot pool's region, or cloud:region")
     duration_s: float = Field(default=60.0, gt=0, le=86_400,
                               description="how long the region stays reclaimed")
+
+
+class NodeChaosRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str = Field(min_length=1, max_length=128)
+    rank: int = Field(default=0, ge=0, le=4096, description="the node's rank in the job")
+    how: Literal["reclaim", "kill"] = Field(
+        default="reclaim", description="reclaim: a spot notice, then the grace period; kill: "
+        "the machine dies at once")
 
 
 def job_view(job: JobRecord) -> dict[str, Any]:
@@ -367,6 +377,19 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         store.request_preempt(hits[0].region, duration_s=req.duration_s)
         return {"accepted": True, "region": hits[0].region,
                 "pools": sorted(p.id for p in hits), "duration_s": req.duration_s}
+
+    @app.post("/v1/chaos/node", status_code=202, tags=["chaos"],
+              summary="Reclaim or kill one node of a running job (admin)")
+    def chaos_node(req: NodeChaosRequest,
+                   who: Annotated[Principal, Depends(admin)]) -> dict[str, Any]:
+        job = store.get_job(req.job_id)
+        if job is None:
+            raise ApiError(404, f"no job {req.job_id!r}")
+        if job.state is not JobState.RUNNING or req.rank >= job.nodes:
+            raise ApiError(409, f"job {job.id} is {job.state.value} on {job.nodes} node(s): "
+                           f"rank {req.rank} is not a running node of it")
+        store.request_command("node", job_id=job.id, rank=req.rank, how=req.how)
+        return {"accepted": True, "job_id": job.id, "rank": req.rank, "how": req.how}
 
     return app
 

@@ -146,6 +146,10 @@ class BrokerClient:
         return self._call("POST", "/v1/chaos/preempt",
                           json={"region": region, "duration_s": duration_s})
 
+    def node_chaos(self, job_id: str, rank: int, how: str) -> dict[str, Any]:
+        return self._call("POST", "/v1/chaos/node",
+                          json={"job_id": job_id, "rank": rank, "how": how})
+
     def _call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
         try:
             r = self.http.request(method, path, **kw)

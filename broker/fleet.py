@@ -251,6 +251,16 @@ class FleetProvider(Provider):
                              "regions only, and this fleet has none")
         return self.local.reclaim(region, duration_s)
 
+    def node_chaos(self, node_id: str, how: str) -> None:
+        """Chaos: reclaim (notice, grace period) or kill one node of a local pretend region."""
+        if self.local is None or node_id not in {n.node_id for n in self.local.nodes()}:
+            raise ValueError(f"cannot {how} node {node_id!r}: chaos acts on nodes of local "
+                             "pretend regions only")
+        if how == "kill":
+            self.local.lose(node_id)
+        else:
+            self.local.reclaim_node(node_id)
+
     # ---- nodes ------------------------------------------------------------------------------
 
     def launch(self, request: LaunchRequest) -> list[Node]:

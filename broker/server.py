@@ -167,6 +167,8 @@ class Broker:
         return bool(self.fence)
 
     def _command(self, cmd: dict[str, Any]) -> None:
+        if cmd.get("kind") == "node":
+            self._node_chaos(str(cmd["job_id"]), int(cmd["rank"]), str(cmd["how"]))
         if cmd.get("kind") == "preempt":
             try:
                 n = self.provider.reclaim(str(cmd["region"]), float(cmd.get("duration_s", 60)))
@@ -176,6 +178,23 @@ class Broker:
             plan = Plan()
             plan.event("region-reclaimed", None, {"region": cmd["region"], "nodes": n})
             self.store.apply(plan, fence=self.fence)
+
+    def _node_chaos(self, job_id: str, rank: int, how: str) -> None:
+        """Chaos: reclaim or kill the node of ``rank`` of a job (local pretend regions)."""
+        job = self.store.get_job(job_id)
+        node = next((n for n in self.provider.nodes() if job is not None
+                     and n.node_id in job.node_ids and (n.rank or 0) == rank), None)
+        try:
+            if node is None:
+                raise ValueError(f"job {job_id} has no live node of rank {rank}")
+            self.provider.node_chaos(node.node_id, how)
+        except ValueError as exc:
+            log.warning("chaos on a node refused: %s", exc)
+            return
+        plan = Plan()
+        plan.event("node-killed" if how == "kill" else "node-reclaimed", job_id,
+                   {"node": node.node_id, "rank": rank})
+        self.store.apply(plan, fence=self.fence)
 
     def run_forever(self) -> None:
         while not self._stop.is_set():

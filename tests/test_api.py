@@ -71,7 +71,7 @@ def test_openapi_and_health(server: ApiServer) -> None:
         paths = c.get("/openapi.json").json()["paths"]
     for path in ("/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel",
                  "/v1/jobs/{job_id}/logs", "/v1/capacity", "/v1/events", "/v1/agent/heartbeat",
-                 "/v1/agent/rendezvous", "/v1/chaos/preempt"):
+                 "/v1/agent/rendezvous", "/v1/chaos/preempt", "/v1/chaos/node"):
         assert path in paths
 
 
@@ -119,7 +119,7 @@ def test_teams_see_only_their_jobs_admin_sees_all(server: ApiServer, store: Stor
     ("GET", "/v1/jobs"), ("POST", "/v1/jobs"), ("GET", "/v1/jobs/x-1"),
     ("POST", "/v1/jobs/x-1/cancel"), ("GET", "/v1/jobs/x-1/logs"), ("GET", "/v1/capacity"),
     ("GET", "/v1/events"), ("POST", "/v1/agent/heartbeat"), ("POST", "/v1/agent/rendezvous"),
-    ("POST", "/v1/chaos/preempt"),
+    ("POST", "/v1/chaos/preempt"), ("POST", "/v1/chaos/node"),
 ])
 def test_unauthenticated_is_401(server: ApiServer, store: Store, method: str,
                                 path: str) -> None:
@@ -137,6 +137,7 @@ def test_roles(server: ApiServer, store: Store) -> None:
     assert submit(server, "agent").status_code == 403
     with client(server, "ml") as c:
         assert c.post("/v1/chaos/preempt", json={"region": "east"}).status_code == 403
+        assert c.post("/v1/chaos/node", json={"job_id": "a-1"}).status_code == 403
         assert c.post("/v1/agent/heartbeat", json={"job_id": "a-1", "attempt": 1}
                       ).status_code == 403
     r = submit(server, "ml", SPEC + "team: vision\n")
@@ -395,6 +396,30 @@ def test_chaos_preempt(server: ApiServer, store: Store) -> None:
         bad = c.post("/v1/chaos/preempt", json={"region": "east/../x", "extra": 1})
         assert bad.status_code == 422
     assert store.pop_commands() == []
+
+
+def test_chaos_node(server: ApiServer, store: Store) -> None:
+    job = store.get_job(submit(server, "ml").json()["job"]["id"])
+    assert job is not None
+    with client(server, "admin") as c:
+        assert c.post("/v1/chaos/node", json={"job_id": "nope-1"}).status_code == 404
+        queued = c.post("/v1/chaos/node", json={"job_id": job.id})
+        assert queued.status_code == 409 and "queued" in queued.json()["error"]["message"]
+        plan = Plan()
+        plan.change(job, JobState.LAUNCHING, attempt=1, gpus=2, nodes=2)
+        store.apply(plan)
+        launching = store.get_job(job.id)
+        assert launching is not None
+        plan = Plan()
+        plan.change(launching, JobState.RUNNING)
+        store.apply(plan)
+        assert c.post("/v1/chaos/node", json={"job_id": job.id, "rank": 2}).status_code == 409
+        bad = c.post("/v1/chaos/node", json={"job_id": job.id, "how": "melt"})
+        assert bad.status_code == 422 and "how" in bad.text
+        r = c.post("/v1/chaos/node", json={"job_id": job.id, "rank": 1, "how": "kill"})
+        assert r.status_code == 202
+    assert store.pop_commands() == [{"kind": "node", "job_id": job.id, "rank": 1,
+                                     "how": "kill"}]
 
 
 def test_store_down_is_503(tmp_path: Path) -> None:

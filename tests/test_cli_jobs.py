@@ -183,6 +183,8 @@ def test_capacity_and_chaos(store: Store, env: dict[str, str]) -> None:
     assert store.pop_commands() == [{"kind": "preempt", "region": "east", "duration_s": 5.0}]
     code, _, err = fleet(admin, "chaos", "preempt", "mars")
     assert code == 3 and "spot regions: local:east" in err
+    code, _, err = fleet(admin, "chaos", "node", "nope-1", "--rank", "1", "--kill")
+    assert code == 3 and "no job 'nope-1'" in err
 
 
 def test_login_saves_config_then_commands_use_it(store: Store, env: dict[str, str]) -> None:

@@ -82,10 +82,9 @@ def test_a_lost_node_is_replaced_and_the_survivor_resumes_with_it(
     assert running is not None and (running.state, running.nodes) == (JobState.RUNNING, 2)
     ranks = {n.rank: n for n in local.nodes() if n.node_id in running.node_ids}
     survivor, doomed = ranks[0], ranks[1]
-    if loss == "dies":
-        local.lose(doomed.node_id)
-    else:
-        local.reclaim_node(doomed.node_id)
+    # what `fleet chaos node JOB --rank 1 [--kill]` asks the leader to do
+    store.request_command("node", job_id=job.id, rank=1,
+                          how="kill" if loss == "dies" else "reclaim")
     while (done := store.get_job(job.id)).state is not JobState.COMPLETED:  # type: ignore[union-attr]
         assert done is not None and not done.state.terminal, done
         assert time.monotonic() < deadline + 120, f"not finished: {done}"
@@ -96,6 +95,7 @@ def test_a_lost_node_is_replaced_and_the_survivor_resumes_with_it(
     assert kept is None or kept.launched_at == survivor.launched_at  # never relaunched
     types = [e.type for e in store.events(job_id=job.id)]
     assert types.count("nodes-lost") == 1 and types.count("nodes-replaced") == 1
+    assert types.count("node-killed" if loss == "dies" else "node-reclaimed") == 1
     assert "preempted" not in types and types.count("running") == 1
     assert done.preemptions == (loss == "reclaimed")
     lines = "\n".join(store.read_logs(job.id, limit=100_000)[0])

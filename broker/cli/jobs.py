@@ -272,6 +272,20 @@ def chaos_preempt(region: str = typer.Argument(..., help="A spot region (or clou
                   f"{out['duration_s']:.0f}s", highlight=False)
 
 
+@chaos_app.command("node")
+def chaos_node(job_id: str = typer.Argument(..., help="A running job"),
+               rank: int = typer.Option(0, "--rank", min=0, help="Which of its nodes"),
+               kill: bool = typer.Option(False, "--kill",
+                                         help="The machine dies at once (default: a spot "
+                                         "reclaim: notice, then the grace period)"),
+               url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
+    """Take one node of a job away (local pretend regions): a multi-node job replaces it."""
+    how = "kill" if kill else "reclaim"
+    with _client(url, token) as client:
+        out = _call(client, "node_chaos", job_id, rank, how)
+    console.print(f"{out['how']} node of rank {out['rank']} of {out['job_id']}", highlight=False)
+
+
 @app.command()
 def login(url: str = typer.Option(..., "--url", help="Broker URL"),
           token: str = typer.Option(..., "--token", prompt=True, hide_input=True,
