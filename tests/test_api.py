@@ -18,6 +18,7 @@ from broker.store import Plan, Store
 from policies.models import Accelerator, Market, Pool
 from tests.api_server import TOKENS, ApiServer, api_config, api_stack
 from tests.redis_server import RedisServer
+from tests.test_rendezvous import change
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "jobs"
 
@@ -405,14 +406,8 @@ def test_chaos_node(server: ApiServer, store: Store) -> None:
         assert c.post("/v1/chaos/node", json={"job_id": "nope-1"}).status_code == 404
         queued = c.post("/v1/chaos/node", json={"job_id": job.id})
         assert queued.status_code == 409 and "queued" in queued.json()["error"]["message"]
-        plan = Plan()
-        plan.change(job, JobState.LAUNCHING, attempt=1, gpus=2, nodes=2)
-        store.apply(plan)
-        launching = store.get_job(job.id)
-        assert launching is not None
-        plan = Plan()
-        plan.change(launching, JobState.RUNNING)
-        store.apply(plan)
+        change(store, job.id, JobState.LAUNCHING, attempt=1, gpus=2, nodes=2)
+        change(store, job.id, JobState.RUNNING)
         assert c.post("/v1/chaos/node", json={"job_id": job.id, "rank": 2}).status_code == 409
         bad = c.post("/v1/chaos/node", json={"job_id": job.id, "how": "melt"})
         assert bad.status_code == 422 and "how" in bad.text

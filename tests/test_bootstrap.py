@@ -13,10 +13,9 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Collection, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from broker.api import Heartbeat
 from policies.models import Accelerator, Market
 from providers import bootstrap
 from providers.base import LaunchRequest, replacement_key
+from tests.http_stub import serve
 
 SHIM = """#!/bin/bash
 echo "$*|PIP_BREAK_SYSTEM_PACKAGES=${PIP_BREAK_SYSTEM_PACKAGES:-}\
@@ -343,15 +343,8 @@ class Imds(BaseHTTPRequestHandler):
 def imds() -> Iterator[tuple[str, type[Imds]]]:
     """A local metadata service on a free loopback port: (its base URL, its handler class)."""
     handler = type("ImdsOnce", (Imds,), {"seen": []})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}", handler
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serve(handler) as url:
+        yield url, handler
 
 
 def agent_rank(calls: list[str]) -> str:

@@ -19,6 +19,7 @@ from broker.models import JobRecord, JobState
 from broker.store import Plan, Store
 from tests.api_server import TOKENS, ApiServer, api_stack
 from tests.runtime.jobs import ROOT, job_env
+from tests.test_rendezvous import change
 from tests.test_store import spec
 
 # Writes what the agent told it to out/r<round>-rank<rank>.json, then acts out its mode in round
@@ -50,19 +51,7 @@ def running_job(store: Store, nodes: int = 2) -> JobRecord:
     plan = Plan()
     plan.change(job, JobState.LAUNCHING, attempt=1, nodes=nodes)
     store.apply(plan)
-    return bump(store, job.id, state=JobState.RUNNING)
-
-
-def bump(store: Store, job_id: str, state: JobState | None = None, **fields: object,
-         ) -> JobRecord:
-    job = store.get_job(job_id)
-    assert job is not None
-    plan = Plan()
-    plan.change(job, state, **fields)
-    store.apply(plan)
-    got = store.get_job(job_id)
-    assert got is not None
-    return got
+    return change(store, job.id, state=JobState.RUNNING)
 
 
 def start_agent(server: ApiServer, job: JobRecord, rank: int, tmp: Path, mode: str,
@@ -155,7 +144,7 @@ def test_a_new_round_restarts_the_workers_with_a_fresh_master(
     agents = [start_agent(server, job, rank, tmp_path, mode, node_addr="node0.internal")
               for rank in (0, 1)]
     wait_for_files(tmp_path, 0)
-    job = bump(store, job.id, round=1)
+    job = change(store, job.id, round=1)
     results = finish(*agents)
     for code, output in results:
         assert code == 0, output

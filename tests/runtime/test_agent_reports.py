@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import ClassVar
 
@@ -17,6 +16,7 @@ import pytest
 
 from broker.auth import attempt_token
 from tests.api_server import TOKENS, api_stack
+from tests.http_stub import serve
 from tests.runtime.jobs import ROOT, job_env
 from tests.runtime.test_agent_rendezvous import running_job
 
@@ -73,15 +73,8 @@ class Flaky(BaseHTTPRequestHandler):
 @pytest.fixture
 def flaky() -> Iterator[tuple[str, type[Flaky]]]:
     handler = type("FlakyBroker", (Flaky,), {"bodies": []})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", handler
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serve(handler) as url:
+        yield url, handler
 
 
 def test_the_final_report_is_tried_until_the_broker_answers(
