@@ -106,6 +106,9 @@ class JobRecord(BaseModel):
     # broker replaced (the survivors' agents re-form the group in the new round).
     round: int = 0
     replaced_at: float | None = None  # when the last stand-ins for lost nodes were launched
+    # rank -> the round its current stand-in was launched for (its key is
+    # ``replacement_key(launch_key, rank, round)``); ranks not here are the launch's own nodes
+    stand_ins: dict[int, int] = Field(default_factory=dict)
     launch_key: str | None = None  # idempotency key of the current attempt's launch
     samples_done: int = 0
     samples_per_sec: float | None = None  # last measured throughput (agent heartbeats)

@@ -177,7 +177,9 @@ class Reconciler:
                         event_data={"ranks": gang.lost, "round": round_,
                                     "recovery": decision.value},
                         reason=f"{what}; replacing them in {job.pool}", round=round_,
-                        node_ids=[n.node_id for n in gang.alive], **fields)
+                        node_ids=[n.node_id for n in gang.alive],
+                        stand_ins={**job.stand_ins, **dict.fromkeys(gang.lost, round_)},
+                        **fields)
             plan.add_intent(Intent(kind=IntentKind.REPLACE, job_id=job.id, fence=fence,
                                    attempt=job.attempt, gpus=job.gpus,
                                    batch_size=job.batch_size, pool=job.pool, ranks=gang.lost,

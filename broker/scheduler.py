@@ -706,6 +706,7 @@ def _diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None,
                                                          "batch_size": batch},
                     attempt=attempt, launch_key=intent.key, gpus=gpus, batch_size=batch,
                     pool=pool, fence=fence, node_ids=[], exit_code=None, round=0,
+                    stand_ins={}, replaced_at=None,
                     # known before any node boots: the rendezvous answers with it at once
                     nodes=_nodes(pools_by_id.get(pool), gpus),
                     migrations=job.migrations + moved, rescales=job.rescales + resized,
