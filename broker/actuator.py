@@ -67,8 +67,10 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     current launch, under their own key (``providers.base.replacement_key``), shaped as the gang
     was launched (whatever the pool sells now) and in the survivors' ``zone``."""
     spec = job.spec
-    if ranks is None:
-        nodes, per_node = pool.shape(intent.gpus) or (1, intent.gpus)
+    if ranks is None:  # the gang the scheduler placed (its node count), else the pool's shape
+        nodes, per_node = (job.nodes, intent.gpus // job.nodes) \
+            if job.nodes > 1 and intent.gpus % job.nodes == 0 else \
+            pool.shape(intent.gpus) or (1, intent.gpus)
         first_rank, count, key = 0, nodes, intent.key
     else:
         nodes, per_node = job.nodes, job.gpus // max(1, job.nodes)
@@ -290,8 +292,8 @@ class Actuator:
                         "the job", fence=fence)
             self.store.apply(plan, fence=fence)
             return 1
-        if pool.market is Market.SPOT:
-            self._reactivate(job, pool, plan)
+        # No SpotHedge reactivation: a stand-in goes where its gang runs, not to a location
+        # chosen as a last resort, and must not undo the block of the reclaim it mends.
         plan.change(job, event="nodes-replaced",
                     event_data={"ranks": intent.ranks, "round": intent.round,
                                 "nodes": [n.node_id for n in nodes]},

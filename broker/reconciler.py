@@ -147,15 +147,17 @@ class Reconciler:
 
     def _recover(self, job: JobRecord, nodes: dict[str, Node], noticed: set[str],
                  report: AgentReport, fence: int) -> bool:
-        """A running multi-node job that lost some nodes (gone, reclaimed, or stand-ins that
-        never came to the rendezvous within the launch deadline) while others live: replace
+        """A running multi-node job that lost some nodes (gone, reclaimed, or nodes that never
+        came to the rendezvous of their round within the launch deadline) while others live:
+        replace
         the lost ranks in its pool, the survivors staying, or move the whole job
         (``recover_lost_nodes``). A rank whose command failed stops the others: the gang cannot
         go on, and the job settles as that failure once all are gone. False when there is
         nothing to do here (the job ends or settles its usual way)."""
-        overdue = job.round > 0 and job.replaced_at is not None and \
-            self.launch_deadline_s is not None and \
-            self.clock() - job.replaced_at > self.launch_deadline_s
+        # since the round's nodes were launched: the gang's, or the last stand-ins'
+        since = job.replaced_at if job.round > 0 else job.launched_at
+        overdue = since is not None and self.launch_deadline_s is not None and \
+            self.clock() - since > self.launch_deadline_s
         checked_in = self.store.checked_in([job]).get(job.id, set()) if overdue else None
         gang = gang_state(job, nodes, noticed, report, checked_in)
         if gang.failed:
@@ -280,22 +282,13 @@ class Reconciler:
         """If every node of the job is gone, record how it ended. True when settled."""
         if any(n is not None and n.state is not NodeState.TERMINATED for n in nodes):
             return False
-        # A VM does not tell how the command ended; its agent did (``report.exits``).
-        # A gang judges each rank by its own report: a rank that sent none was lost.
-        agent = report.exit_code if job.nodes == 1 else None
-
-        def code(n: Node | None) -> int | None:
-            if n is not None and n.exit_code is not None:
-                return n.exit_code
-            return agent if n is None else report.exits.get(n.rank or 0, agent)
-
-        codes = [code(n) for n in nodes if n is not None or agent is not None]
+        codes = _exit_codes(job, nodes, report)
         ended = max((n.ended_at.timestamp() for n in nodes if n and n.ended_at),
                     default=time.time())
         plan = Plan()
         fields: dict[str, object] = {"exit_code": codes[0] if codes else None, "fence": fence}
         event = None
-        if codes and all(c == EXIT_FINISHED for c in codes):
+        if _finished(job, codes):
             state, reason = JobState.COMPLETED, "finished"
         elif job.cancel_requested:
             state, reason = JobState.CANCELLED, "cancelled by user"
@@ -359,6 +352,30 @@ def _claims(job: JobRecord, node: Node) -> bool:
     if job.state is JobState.LAUNCHING:
         return key == launch
     return job.round > 0 and key == replacement_key(launch, node.rank or 0, job.round)
+
+
+def _exit_codes(job: JobRecord, nodes: list[Node | None],
+                report: AgentReport) -> list[int | None]:
+    """How the job's command ended on each node: the provider's exit code where it knows one,
+    else the agent's report (a VM does not tell). A gang is judged rank by rank, the nodes the
+    inventory no longer lists (deleted VMs) by the reports of the ranks no listed node holds; a
+    rank with no report was lost (None). A single node without a record takes its agent's."""
+    if job.nodes == 1:
+        agent = report.exit_code
+        return [agent if n is None or n.exit_code is None else n.exit_code
+                for n in nodes if n is not None or agent is not None]
+    by_rank = {n.rank or 0: n for n in nodes if n is not None}
+    return [n.exit_code if (n := by_rank.get(r)) is not None and n.exit_code is not None
+            else report.exits.get(r) for r in range(job.nodes)]
+
+
+def _finished(job: JobRecord, codes: list[int | None]) -> bool:
+    """The command finished on every node; a gang's when its training loop finished on some
+    rank and no rank failed (the others stopped, or were gone, as it ended)."""
+    if job.nodes > 1:
+        return EXIT_FINISHED in codes and \
+            all(c in (None, EXIT_FINISHED, EXIT_STOPPED) for c in codes)
+    return bool(codes) and all(c == EXIT_FINISHED for c in codes)
 
 
 def _cloud(job: JobRecord) -> str:

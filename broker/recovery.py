@@ -36,14 +36,17 @@ def gang_state(job: JobRecord, nodes: Mapping[str, Node], noticed: Collection[st
     tell. ``checked_in``: when the job's stand-ins are overdue (their launch deadline passed),
     the ranks that came to the rendezvous this round; any other rank counts as lost."""
     mine = [n for i in job.node_ids if (n := nodes.get(i)) is not None]
-    codes = [*(n.exit_code for n in mine if n.state is NodeState.TERMINATED),
-             *report.exits.values()]
-    failed = any(c not in (None, EXIT_FINISHED, EXIT_STOPPED) for c in codes)
-    finishing = EXIT_FINISHED in codes
     # A notice counts after its node is gone too: the node was reclaimed, not lost. A node
     # already stopping (PREEMPTING) is no survivor either.
     warned = frozenset(n.node_id for n in mine if n.node_id in noticed
                        or n.state is NodeState.PREEMPTING or (n.rank or 0) in report.notices)
+    # How a reclaimed node's command ended says nothing of the job (killed after its grace).
+    spared = {n.rank or 0 for n in mine if n.node_id in warned} | set(report.notices)
+    codes = [*(n.exit_code for n in mine
+               if n.state is NodeState.TERMINATED and n.node_id not in warned),
+             *(c for r, c in report.exits.items() if r not in spared)]
+    failed = any(c not in (None, EXIT_FINISHED, EXIT_STOPPED) for c in codes)
+    finishing = EXIT_FINISHED in codes
     alive = [n for n in mine if n.state is not NodeState.TERMINATED and n.node_id not in warned
              and (checked_in is None or (n.rank or 0) in checked_in)]
     known = {n.rank for n in alive if n.rank is not None}

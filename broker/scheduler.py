@@ -411,7 +411,7 @@ def pool_risk(pools: Sequence[Pool], priors: Mapping[str, float], stats: PoolSta
     hours = dict(stats.node_hours)
     for job in jobs:
         if job.state in (JobState.RUNNING, JobState.SUSPENDING) and job.pool and job.launched_at:
-            held = max(0.0, now - job.launched_at) / 3600 * max(1, len(job.node_ids))
+            held = max(0.0, now - job.launched_at) / 3600 * max(1, job.nodes)
             hours[job.pool] = hours.get(job.pool, 0.0) + held
     return {p.id: PoolRisk(prior_monthly_rate=priors.get(p.id, 0.0),
                            preemptions_seen=stats.preemptions.get(p.id, 0),

@@ -233,6 +233,7 @@ def test_a_stand_in_that_never_comes_to_the_rendezvous_is_replaced_again(
     past the launch deadline it counts as lost too, and a second stand-in is launched."""
     loop = Loop(store, provider, replace=True, launch_deadline_s=1.0)
     job, ranks = running_gang(loop)
+    store.rendezvous(job.id, job.attempt, 0, 0, "127.0.0.1:29400")  # rank 0's agent, round 0
     provider.lose(ranks[1])
     loop.until(lambda: loop.job(job.id).round == 1 and len(loop.job(job.id).node_ids) == 2)
     (hung,) = [i for i in loop.job(job.id).node_ids if i != ranks[0]]
@@ -245,6 +246,47 @@ def test_a_stand_in_that_never_comes_to_the_rendezvous_is_replaced_again(
         == [[1], [1]]
     loop.until(lambda: hung not in {n.node_id for n in provider.nodes()
                                     if n.state is not NodeState.TERMINATED})
+
+
+def test_a_node_of_the_first_launch_that_never_comes_up_is_replaced(
+        store: Store, provider: LocalProvider) -> None:
+    """Round 0: rank 0 checks in at the rendezvous, rank 1's VM hangs at boot (its process runs,
+    its agent never comes): past the launch deadline it counts as lost and is replaced."""
+    loop = Loop(store, provider, replace=True, launch_deadline_s=1.0)
+    job, ranks = running_gang(loop)
+    store.rendezvous(job.id, job.attempt, 0, 0, "127.0.0.1:29400")
+    loop.until(lambda: loop.job(job.id).round == 1 and len(loop.job(job.id).node_ids) == 2)
+    mended = loop.job(job.id)
+    assert ranks[0] in mended.node_ids and ranks[1] not in mended.node_ids
+    assert mended.stand_ins == {1: 1}
+
+
+def test_a_finished_gang_whose_vms_are_deleted_completes(
+        store: Store, provider: LocalProvider) -> None:
+    """GCP and Azure delete a VM once its agent reported: the inventory no longer lists the
+    gang's nodes, and each rank is judged by its own report."""
+    loop = Loop(store, provider, replace=True)
+    job, ranks = running_gang(loop)
+    for rank, node_id in ranks.items():
+        store.record_heartbeat(job.id, job.attempt, node_rank=rank, exit_code=0)
+        provider.lose(node_id)
+    loop.until(lambda: all(n.state is NodeState.TERMINATED for n in provider.nodes()))
+    for node_id in ranks.values():
+        provider.forget(node_id)
+    loop.until(lambda: loop.job(job.id).state.terminal)
+    done = loop.job(job.id)
+    assert (done.state, done.preemptions, done.failures) == (JobState.COMPLETED, 0, 0)
+
+
+def test_a_reclaimed_node_killed_after_its_grace_is_mended_not_failed(
+        store: Store, provider: LocalProvider) -> None:
+    """The reclaimed node's command dies with 1 (killed after the grace period): that says
+    nothing of the job, which is mended."""
+    loop = Loop(store, provider, replace=True)
+    job, ranks = running_gang(loop, run="trap 'exit 1' TERM; sleep 60 & wait")
+    provider.reclaim_node(ranks[1])
+    loop.until(lambda: loop.job(job.id).round == 1 and len(loop.job(job.id).node_ids) == 2)
+    assert loop.job(job.id).failures == 0
 
 
 def test_a_cancelled_gang_is_not_mended(store: Store, provider: LocalProvider) -> None:
