@@ -293,6 +293,19 @@ class FleetProvider(Provider):
             out += found
         return out
 
+    def bucket_region(self, uri: str) -> str | None:
+        """The first cloud that stores the bucket behind ``uri`` names its region; a cloud
+        whose lookup fails is passed over."""
+        for backend in self.clouds.values():
+            try:
+                found = _as_provider_error(backend, "bucket lookup", backend.bucket_region, uri)
+            except ProviderError as exc:
+                log.info("%s", exc)
+                continue
+            if found is not None:
+                return found
+        return None
+
     def unreachable(self) -> frozenset[str]:
         down = set()
         for name, backend in self._named():

@@ -8,6 +8,7 @@ run. Several broker processes may share one Redis: one holds the lease and acts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,9 +25,10 @@ from pydantic import BaseModel, Field
 
 from broker.actuator import Actuator, ActuatorConfig
 from broker.fleet import FleetProvider, build_fleet_provider
+from broker.models import JobState
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig
-from broker.store import Plan, StaleFence, Store
+from broker.store import Conflict, Plan, StaleFence, Store
 from policies.migration import DEFAULT_DECAY_S
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,7 @@ class Broker:
             replace_lost_nodes=config.broker_url is not None)
         self.fence = 0
         self.rounds = 0
+        self._buckets: dict[str, str | None] = {}  # checkpoint URI -> its bucket's region
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -157,6 +160,7 @@ class Broker:
             for cmd in self.store.pop_commands():
                 self._command(cmd)
             self.store.set_pools(self.provider.pools())
+            self._locate_checkpoints()
             self.reconciler.run(self.fence)
             self.scheduler.run_round(self.fence)
             self.actuator.run(self.fence)
@@ -165,6 +169,28 @@ class Broker:
             log.warning("lost the leader lease (fence %s); standing by", self.fence)
             self.fence = 0
         return bool(self.fence)
+
+    def _locate_checkpoints(self) -> None:
+        """Name the region of a waiting job's checkpoint bucket where its spec does not
+        (``checkpoint.region``), asking the clouds once per URI: placement prices the restore
+        from there and every checkpoint written from elsewhere."""
+        for job in self.store.list_jobs(states=[JobState.QUEUED, JobState.SUSPENDED]):
+            ck = job.spec.checkpoint
+            if ck.uri is None or ck.region is not None:
+                continue
+            if ck.uri not in self._buckets:
+                self._buckets[ck.uri] = self.provider.bucket_region(ck.uri)
+            region = self._buckets[ck.uri]
+            if region is None:
+                continue
+            spec = job.spec.model_copy(update={"checkpoint": ck.model_copy(
+                update={"region": region})})
+            plan = Plan()
+            plan.change(job, event="checkpoint-located",
+                        event_data={"uri": ck.uri, "region": region}, spec=spec,
+                        fence=self.fence)
+            with contextlib.suppress(Conflict):  # the job moved on: the next pass sees it
+                self.store.apply(plan, fence=self.fence)
 
     def _command(self, cmd: dict[str, Any]) -> None:
         if cmd.get("kind") == "node":

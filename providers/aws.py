@@ -9,6 +9,7 @@ broker's next attempt, under a new key (``LaunchRequest.avoid_zones``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
@@ -35,6 +36,8 @@ from providers.catalog import (
     load_offers,
     vcpu_quota,
 )
+
+log = logging.getLogger(__name__)
 
 CAPACITY_CODES = {
     "InsufficientInstanceCapacity",
@@ -87,6 +90,16 @@ def placement(key: str, zone: str | None) -> dict[str, Any]:
     whatever AZ (a different AZ under the same token is ``IdempotentParameterMismatch``)."""
     token = {"ClientToken": bootstrap.token(key)}
     return token if zone is None else {**token, "Placement": {"AvailabilityZone": zone}}
+
+
+S3_LEGACY_REGIONS = {"EU": "eu-west-1"}  # GetBucketLocation's old names
+
+
+def _s3_bucket(uri: str) -> str | None:
+    """The bucket of an ``s3://bucket/key`` URI (None for other schemes)."""
+    if not uri.startswith("s3://"):
+        return None
+    return uri[len("s3://"):].split("/", 1)[0] or None
 
 
 def map_error(exc: Exception, what: str) -> Exception:
@@ -157,6 +170,23 @@ class AwsProvider(Provider):
                 service, region_name=region, endpoint_url=self._endpoint_url
             )
         return self._clients[key]
+
+    def bucket_region(self, uri: str) -> str | None:
+        """The region of an ``s3://`` checkpoint bucket (``GetBucketLocation``: no constraint
+        is us-east-1, the legacy ``EU`` is eu-west-1); None for another scheme or a bucket this
+        account cannot see."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        bucket = _s3_bucket(uri)
+        if bucket is None:
+            return None
+        try:
+            got = self._client("s3", self.regions[0] if self.regions else "us-east-1") \
+                .get_bucket_location(Bucket=bucket).get("LocationConstraint")
+        except (ClientError, BotoCoreError) as exc:
+            log.info("aws: where is bucket %s? %s", bucket, exc)
+            return None
+        return f"aws:{S3_LEGACY_REGIONS.get(got or '', got or 'us-east-1')}"
 
     # --- offers and capacity ---------------------------------------------------------------
 

@@ -236,6 +236,11 @@ class Provider(abc.ABC):
         broker must terminate it once the agent reported how the job ended."""
         return self.starts_agent
 
+    def bucket_region(self, uri: str) -> str | None:
+        """``cloud:region`` of the bucket behind a checkpoint ``uri`` this backend's cloud
+        stores (``s3://`` for AWS), None when it holds no such bucket or cannot tell."""
+        return None
+
     def read_log(self, node_id: str, offset: int = 0) -> tuple[list[str], int]:
         """Complete output lines of a node from byte ``offset``; backends without logs: none."""
         return [], offset

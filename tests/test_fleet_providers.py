@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import pytest
 from moto import mock_aws
 
@@ -18,6 +19,7 @@ from broker.fleet import CloudConfig, FleetFile, FleetProvider, build_fleet_prov
 from broker.models import JobState
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig, blocked_pools, refused_pools
+from broker.server import Broker, BrokerConfig
 from broker.store import Conflict, Plan, Store
 from policies.migration import Blocklist, mark_preempted, refusal_key
 from policies.models import (
@@ -92,6 +94,42 @@ def request(key: str, cloud: str, region: str, market: Market = Market.SPOT) -> 
     return LaunchRequest(idempotency_key=key, job_id=key.split(":")[0], cloud=cloud,
                          region=region, accelerator=Accelerator.V100, gpus_per_node=1,
                          market=market, command=["sh", "-c", "sleep 30"])
+
+
+def test_the_clouds_name_a_checkpoint_buckets_region(mixed: FleetProvider) -> None:
+    s3 = boto3.client("s3", region_name="us-east-1")
+    s3.create_bucket(Bucket="ck-eu", CreateBucketConfiguration={
+        "LocationConstraint": "eu-west-1"})
+    s3.create_bucket(Bucket="ck-us")  # no constraint: us-east-1
+    assert mixed.bucket_region("s3://ck-eu/runs/7") == "aws:eu-west-1"
+    assert mixed.bucket_region("s3://ck-us") == "aws:us-east-1"
+    assert mixed.bucket_region("s3://nobody-has-this-bucket/x") is None
+    assert mixed.bucket_region("gs://ck-eu/runs/7") is None  # no GCP backend here
+
+
+def test_the_leader_records_where_a_waiting_jobs_checkpoint_bucket_is(
+        mixed: FleetProvider, redis_server: RedisServer, tmp_path: Path) -> None:
+    """A spec with an s3:// checkpoint and no ``checkpoint.region``: the leader asks AWS once
+    and records the bucket's region on the job, so placement prices restores and writes."""
+    boto3.client("s3", region_name="us-east-1").create_bucket(
+        Bucket="ck-eu", CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
+    store = Store.from_url(redis_server.url)
+    broker = Broker(BrokerConfig(state_dir=tmp_path / "b", redis_url=redis_server.url), store,
+                    mixed)
+    base = spec("located")
+    h100 = base.model_copy(update={  # no pool sells H100 here: the job stays queued
+        "accelerators": [Accelerator.H100],
+        "checkpoint": base.checkpoint.model_copy(update={"uri": "s3://ck-eu/located"})})
+    job = store.submit(h100, team="t")
+    other = store.submit(h100.model_copy(update={"checkpoint": h100.checkpoint.model_copy(
+        update={"uri": "s3://nobody-has-this-bucket/x"})}), team="t")
+    broker.step()
+    broker.step()
+    located = store.get_job(job.id)
+    assert located is not None and located.spec.checkpoint.region == "aws:eu-west-1"
+    assert [e.data["region"] for e in store.events(job_id=job.id)
+            if e.type == "checkpoint-located"] == ["aws:eu-west-1"]  # once
+    assert store.get_job(other.id).spec.checkpoint.region is None  # type: ignore[union-attr]
 
 
 # ---- fleet files ----------------------------------------------------------------------------
