@@ -32,6 +32,14 @@ from broker.store import CHECKPOINT_EXIT, JobNotFound, Store
 from policies.models import JobSpec, Market
 
 JOB_ID = r"^[a-z0-9][a-z0-9_.-]{0,80}$"
+# A node's idempotency key (FLEET_LAUNCH_KEY): "<job>:<fence>:<attempt>", a stand-in's with
+# "~r<rank>.<round>" after it (providers.base.replacement_key).
+LAUNCH_KEY = r"^[A-Za-z0-9:~._-]{1,160}$"
+LAUNCH_KEY_FIELD = Field(
+    default=None, max_length=160, pattern=LAUNCH_KEY,
+    description="the node's FLEET_LAUNCH_KEY (letters, digits, ':', '~', '.', '-', '_'; at most "
+                "160): a node the broker replaced no longer holds its rank's key and is told "
+                "to stop; none (an agent from before keys) only while no rank was replaced")
 DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 SPEC_MEDIA = ("application/yaml", "application/x-yaml", "text/yaml", "text/plain",
               "application/json")
@@ -60,6 +68,7 @@ class Heartbeat(BaseModel):
     attempt: int = Field(ge=0, le=10**9)
     node_rank: int = Field(default=0, ge=0, le=4096)
     round: int = Field(default=0, ge=0, le=10**9, description="the agent's rendezvous round")
+    launch_key: str | None = LAUNCH_KEY_FIELD
     state: str = Field(default="running", max_length=32)
     step: int | None = Field(default=None, ge=0, le=10**15)
     samples_done: int | None = Field(default=None, ge=0, le=10**18)
@@ -106,6 +115,7 @@ class Rendezvous(BaseModel):
                              description="this node's 'host:port' (host: an IP address, IPv6 in "
                                          "brackets, or a DNS name; port 1-65535); rank 0's is "
                                          "the round's master and required for its check-in")
+    launch_key: str | None = LAUNCH_KEY_FIELD
 
     @field_validator("addr")
     @classmethod
@@ -359,7 +369,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         for_attempt(caller, visit.job_id, visit.attempt)
         try:
             got = store.rendezvous(visit.job_id, visit.attempt, visit.round, visit.node_rank,
-                                   visit.addr)
+                                   visit.addr, visit.launch_key)
         except JobNotFound:
             raise ApiError(404, f"no job {visit.job_id!r}") from None
         return RendezvousReply(**{**got, "action": _agent_action(got["action"])})

@@ -173,36 +173,57 @@ end
 return {jobs, progress, redis.call('HGETALL', p .. 'pools'), redis.call('HGETALL', p .. 'outbox')}
 """
 
-# The job's rendezvous round and node count, which only its record (``doc``) holds.
+# The job's rendezvous round and node count, which only its record (``doc``) holds, and whether
+# a visitor holds the idempotency key of rank ``rank``'s current node: that of the rank's
+# stand-in (``providers.base.replacement_key``: "<launch_key>~r<rank>.<round>", stand_ins naming
+# the round it was launched for; cjson keys the object with strings) or else the launch's own.
+# A node the broker gave up on (a late stand-in, a partitioned node) still holds the attempt's
+# token but not that key. A visitor without a key (an agent from before keys) passes only while
+# the job has no stand-ins; a record without a launch key has nothing to check against.
 _JOB_SHAPE = """
 local function job_shape(key)
   local doc = cjson.decode(redis.call('HGET', key, 'doc'))
-  return tonumber(doc['round']) or 0, math.max(tonumber(doc['nodes']) or 1, 1)
+  return tonumber(doc['round']) or 0, math.max(tonumber(doc['nodes']) or 1, 1), doc
+end
+local function holds_rank(doc, rank, node_key)
+  local launch = doc['launch_key']
+  local stand_ins = type(doc['stand_ins']) == 'table' and doc['stand_ins'] or {}
+  local since = stand_ins[string.format('%d', rank)]
+  if node_key == '' then return next(stand_ins) == nil end
+  if type(launch) ~= 'string' then return true end
+  if since then
+    return node_key == launch .. '~r' .. string.format('%d', rank) .. '.' ..
+                       string.format('%d', since)
+  end
+  return node_key == launch
 end
 """
 
-# ARGV: prefix, job, attempt, now, round, node_rank, n_progress, field, value, ... Records an
-# agent's report for the job's current attempt: the first n_progress pairs are progress, taken
-# from node rank 0 of the job's current round only (a node of an older round, or another rank,
-# must not reset it); the rest are the node's exit code and notice, taken for a round up to the
-# job's and a rank below its node count (a report naming a later round or a rank the job lacks
-# is dropped). Returns the job's state, cancel flag and rendezvous round so the caller picks the
-# action, with 'stale' for the state when the heartbeat comes from an attempt that is no longer
-# current.
+# ARGV: prefix, job, attempt, now, round, node_rank, node_key ('' = none), n_progress, field,
+# value, ... Records an agent's report for the job's current attempt: the first n_progress pairs
+# are progress, taken from node rank 0 of the job's current round only (a node of an older
+# round, or another rank, must not reset it); the rest are the node's exit code and notice,
+# taken for a round up to the job's and a rank below its node count (a report naming a later
+# round or a rank the job lacks is dropped). A node that does not hold the rank's current key
+# (``holds_rank``: the broker replaced it) records nothing, not even liveness. Returns the job's
+# state, cancel flag and rendezvous round so the caller picks the action, with 'stale' for the
+# state when the heartbeat comes from an attempt that is no longer current and 'superseded' for
+# a replaced node.
 HEARTBEAT = _JOB_SHAPE + """
 local p, job, attempt, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local rnd, rank, np = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local rnd, rank, node_key, np = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
 local key = p .. 'job:' .. job
 local st = redis.call('HGET', key, 'state')
 if not st then return {'missing', '0', 0} end
-local round, nodes = job_shape(key)
+local round, nodes, doc = job_shape(key)
 if redis.call('HGET', key, 'attempt') ~= attempt then return {'stale', '0', round} end
+if not holds_rank(doc, rank, node_key) then return {'superseded', '0', round} end
 local progress = p .. 'progress:' .. job
 local leader = rank == 0 and rnd == round
 local member = rnd <= round and rank < nodes
-for i = 8, #ARGV, 2 do
+for i = 9, #ARGV, 2 do
   local take = member
-  if (i - 8) / 2 < np then take = leader end
+  if (i - 9) / 2 < np then take = leader end
   if take then redis.call('HSET', progress, ARGV[i], ARGV[i + 1]) end
 end
 redis.call('HSET', progress, 'heartbeat_at', now)
@@ -210,43 +231,52 @@ redis.call('HSETNX', progress, 'beat:' .. attempt, now)  -- the attempt's first
 return {st, redis.call('HGET', key, 'cancel_requested') or 'false', round}
 """
 
-# ARGV: prefix, job, attempt, round, node_rank, addr ('' = none), ttl_s. A node's check-in for
-# the job's current attempt and round, in the hash rdzv:<job> (field "<attempt>:<round>:<rank>"):
-# rank 0's "host:port" (rank 0 without one has not checked in), another rank's address or ''
-# (an address already there stays). A visit for another round or a rank the job lacks records
-# nothing. Returns the job's state ('stale' for another attempt, 'missing'), cancel flag, round,
-# node count and, once every rank 0..nodes-1 checked in for the current round (a barrier: no
-# node starts before the whole group is up), the address rank 0 registered (else nil; always
-# nil for a stale attempt).
+# ARGV: prefix, job, attempt, round, node_rank, addr ('' = none), ttl_s, node_key ('' = none:
+# an agent from before keys). A node's check-in for the job's current attempt and round, in the
+# hash rdzv:<job> (field "<attempt>:<round>:<rank>"): rank 0's "host:port" (rank 0 without one
+# has not checked in), another rank's address or '' (an address already there stays). A visit
+# for another round or a rank the job lacks records nothing; so does one from a node that does
+# not hold the rank's current key (``holds_rank``), which is told to stop ('superseded'). Once
+# every rank 0..nodes-1 checked in for the current round (a barrier: no node starts before the
+# whole group is up) rank 0's address is frozen, so the master handed out never changes.
+# Returns the job's state ('stale' for another attempt, 'superseded', 'missing'), cancel flag,
+# round, node count and, once the barrier released, the address rank 0 registered (else nil;
+# always nil for a stale attempt or a superseded node).
 RENDEZVOUS = _JOB_SHAPE + """
-local p, job, attempt, rnd, rank, addr, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]),
-  tonumber(ARGV[5]), ARGV[6], ARGV[7]
+local p, job, attempt, rnd, rank, addr, ttl, node_key = ARGV[1], ARGV[2], ARGV[3],
+  tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8]
 local key = p .. 'job:' .. job
 local st = redis.call('HGET', key, 'state')
 if not st then return {'missing', '0', 0, 0, false} end
-local round, nodes = job_shape(key)
+local round, nodes, doc = job_shape(key)
 local cancel = redis.call('HGET', key, 'cancel_requested') or 'false'
 if redis.call('HGET', key, 'attempt') ~= attempt then
   return {'stale', cancel, round, nodes, false}
 end
+if not holds_rank(doc, rank, node_key) then return {'superseded', cancel, round, nodes, false} end
 local rdzv = p .. 'rdzv:' .. job
 local base = attempt .. ':' .. string.format('%d', round) .. ':'
+local fields = {}
+for r = 0, nodes - 1 do fields[r + 1] = base .. string.format('%d', r) end
+local function released()
+  local seen = redis.call('HMGET', rdzv, unpack(fields))
+  for r = 1, nodes do
+    if not seen[r] then return false end
+  end
+  return seen[1]
+end
 if rnd == round and rank < nodes and (rank > 0 or addr ~= '') then
   local field = base .. string.format('%d', rank)
-  if addr ~= '' then
+  if rank == 0 and released() then
+    -- the master was handed out: a second registration must not change it
+  elseif addr ~= '' then
     redis.call('HSET', rdzv, field, addr)
   else
     redis.call('HSETNX', rdzv, field, '')
   end
   redis.call('EXPIRE', rdzv, ttl)
 end
-local fields = {}
-for r = 0, nodes - 1 do fields[r + 1] = base .. string.format('%d', r) end
-local seen = redis.call('HMGET', rdzv, unpack(fields))
-for r = 1, nodes do
-  if not seen[r] then return {st, cancel, round, nodes, false} end
-end
-return {st, cancel, round, nodes, seen[1]}
+return {st, cancel, round, nodes, released()}
 """
 
 # ARGV: prefix, job, max_lines, line... Appends log lines, trimming the oldest beyond

@@ -58,8 +58,9 @@ def _rdzv_field(job: JobRecord, rank: int) -> str:
 
 
 def _action(state: str, cancel: str) -> str:
-    """What an agent is told: stop for a stale attempt, a cancel, or a job being stopped."""
-    if state == "stale" or cancel == "true" or state not in ("running", "launching"):
+    """What an agent is told: stop for a stale attempt, a node the broker replaced
+    ('superseded'), a cancel, or a job being stopped."""
+    if cancel == "true" or state not in ("running", "launching"):
         return CHECKPOINT_EXIT
     return CONTINUE
 
@@ -323,20 +324,22 @@ class Store:
         raise Conflict(f"job {job_id} kept changing; try again")
 
     def record_heartbeat(self, job_id: str, attempt: int, *, node_rank: int = 0, round: int = 0,
-                         samples_done: int | None = None,
+                         launch_key: str | None = None, samples_done: int | None = None,
                          samples_per_sec: float | None = None, world_size: int | None = None,
                          global_batch_size: int | None = None,
                          checkpoint_step: int | None = None, checkpoint_bytes: int | None = None,
                          exit_code: int | None = None, notice: str | None = None,
                          **_: Any) -> Directive:
-        """Record an agent's report: progress from node rank 0 of the job's current round (the
-        node whose rank-0 worker measures it; the others report liveness, exit codes and
-        notices), and the exit code and any preemption notice of node ``node_rank`` in ``round``
-        of ``attempt`` (dropped for a round the job has not reached or a rank it lacks). The
-        checkpoint's size is kept with its step (unknown when the report has none), so a size
-        never describes another checkpoint than the one recorded. Returns the action for the
-        agent (``continue``, or ``checkpoint-exit`` for a stale attempt, a requested cancel or a
-        job being stopped) and the job's current round."""
+        """Record an agent's report: progress from node rank 0 of the job's current round (the node
+        whose rank-0 worker measures it; the others report liveness, exit codes and notices), and
+        the exit code and any preemption notice of node ``node_rank`` in ``round`` of ``attempt``
+        (dropped for a round the job has not reached or a rank it lacks). ``launch_key`` is the
+        node's FLEET_LAUNCH_KEY: a node that does not hold the rank's current key
+        (``lua.HEARTBEAT``) records nothing and is told to stop. The checkpoint's size is kept with
+        its step (unknown when the report has none), so a size never describes another checkpoint
+        than the one recorded. Returns the action for the agent (``continue``, or
+        ``checkpoint-exit`` for a stale attempt, a replaced node, a requested cancel or a job being
+        stopped) and the job's current round."""
         progress = _progress_values(samples_done, samples_per_sec, world_size,
                                     global_batch_size, checkpoint_step, checkpoint_bytes)
         if samples_per_sec and world_size and global_batch_size:
@@ -351,22 +354,25 @@ class Store:
         flat = [x for k, v in (progress | report).items() for x in (k, json.dumps(v))]
         state, cancel, current = self._heartbeat(args=[
             self.p, job_id, json.dumps(int(attempt)), time.time(), int(round), int(node_rank),
-            len(progress), *flat])
+            launch_key or "", len(progress), *flat])
         if state == "missing":
             raise JobNotFound(job_id)
         return Directive(_action(state, cancel), int(current))
 
     def rendezvous(self, job_id: str, attempt: int, round: int, node_rank: int,
-                   addr: str | None) -> dict[str, Any]:
+                   addr: str | None, launch_key: str | None = None) -> dict[str, Any]:
         """One node's visit to its job's rendezvous: checks node ``node_rank`` in for ``round``
         of ``attempt`` when both are the job's current ones (with ``addr``, "host:port": rank 0
-        must send its own, the round's master; another rank may), and returns ``{"round",
+        must send its own, the round's master; another rank may) and the node holds the rank's
+        current ``launch_key`` (its FLEET_LAUNCH_KEY: the launch's, or its stand-in's; None, an
+        agent from before keys, only while the job has no stand-ins), and returns ``{"round",
         "nnodes", "master", "action"}``: the job's current round and node count, the address rank
         0 registered for that round once every rank of the job checked in for it (None until
-        then, and for a stale attempt) and the action, as for a heartbeat (``continue`` or
-        ``checkpoint-exit``)."""
+        then, for a stale attempt and for a node the broker replaced; it never changes once
+        given) and the action, as for a heartbeat (``continue`` or ``checkpoint-exit``)."""
         reply = self._rendezvous(args=[self.p, job_id, int(attempt), int(round),
-                                       int(node_rank), addr or "", RENDEZVOUS_TTL_S])
+                                       int(node_rank), addr or "", RENDEZVOUS_TTL_S,
+                                       launch_key or ""])
         if reply[0] == "missing":
             raise JobNotFound(job_id)
         state, cancel, current, nodes, master = reply

@@ -385,6 +385,26 @@ def test_agent_rendezvous(server: ApiServer, store: Store) -> None:
                       ).status_code == 404
 
 
+def test_agent_launch_key(server: ApiServer, store: Store) -> None:
+    """An agent's FLEET_LAUNCH_KEY is checked for shape on both agent endpoints, and a node
+    whose rank was replaced is told to stop by either."""
+    job_id = launching(server, store)
+    job = change(store, job_id, JobState.RUNNING, nodes=2, launch_key=f"{job_id}:3:1",
+                 round=1, stand_ins={1: 1})
+    visit = {"job_id": job_id, "attempt": 1, "round": 1, "node_rank": 1}
+    with client(server, "agent") as c:
+        for path in ("/v1/agent/rendezvous", "/v1/agent/heartbeat"):
+            for bad in ("", "a b", "key/1", "k\n", "x" * 161):
+                r = c.post(path, json={**visit, "launch_key": bad})
+                assert r.status_code == 422, (path, bad)
+                assert [p["field"] for p in r.json()["error"]["problems"]] == ["launch_key"]
+            old = c.post(path, json={**visit, "launch_key": job.launch_key}).json()
+            assert old["action"] == "checkpoint-exit", path
+            stand_in = c.post(path, json={**visit, "launch_key": f"{job.launch_key}~r1.1"})
+            assert stand_in.json()["action"] is None, path
+    assert store.checked_in([job]) == {job_id: {1}}
+
+
 def test_chaos_preempt(server: ApiServer, store: Store) -> None:
     store.set_pools(POOLS)
     with client(server, "admin") as c:

@@ -237,7 +237,9 @@ def test_a_stand_in_that_never_comes_to_the_rendezvous_is_replaced_again(
     provider.lose(ranks[1])
     loop.until(lambda: loop.job(job.id).round == 1 and len(loop.job(job.id).node_ids) == 2)
     (hung,) = [i for i in loop.job(job.id).node_ids if i != ranks[0]]
-    assert store.rendezvous(job.id, job.attempt, 1, 0, "127.0.0.1:29500")["master"] is None
+    survivor = loop.job(job.id).launch_key  # rank 0 is the launch's own node
+    assert store.rendezvous(job.id, job.attempt, 1, 0, "127.0.0.1:29500", survivor
+                            )["master"] is None
     assert store.checked_in([loop.job(job.id)]) == {job.id: {0}}
     loop.until(lambda: loop.job(job.id).round == 2 and len(loop.job(job.id).node_ids) == 2)
     again = loop.job(job.id)

@@ -8,7 +8,10 @@ import pytest
 
 from broker.models import JobRecord, JobState
 from broker.store import CHECKPOINT_EXIT, CONTINUE, RENDEZVOUS_TTL_S, JobNotFound, Plan, Store
+from providers.base import replacement_key
 from tests.test_store import spec
+
+LAUNCH = "train-1:3:1"  # the launch's idempotency key (job:fence:attempt)
 
 
 def change(store: Store, job_id: str, state: JobState | None = None, **fields: object,
@@ -66,6 +69,81 @@ def test_rendezvous_names_the_master_once_every_rank_checked_in(store: Store) ->
     assert store.rendezvous(job.id, 1, 2, 1, None)["action"] == CHECKPOINT_EXIT
     with pytest.raises(JobNotFound):
         store.rendezvous("nope-9", 1, 0, 0, None)
+
+
+def test_the_master_handed_out_never_changes(store: Store) -> None:
+    """Before the barrier releases rank 0 may register again (a new port); once every rank
+    checked in, its address is frozen: a second registration must not move the master that
+    other nodes already got."""
+    job = two_node_job(store)
+    store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:1000")
+    store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:1001")  # not yet handed out: it may move
+    assert store.rendezvous(job.id, 1, 0, 1, None)["master"] == "10.0.0.5:1001"
+    assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.9:2000")["master"] == "10.0.0.5:1001"
+    assert store.rendezvous(job.id, 1, 0, 1, None)["master"] == "10.0.0.5:1001"
+    assert store.r.hget(f"{store.p}rdzv:{job.id}", "1:0:0") == "10.0.0.5:1001"
+
+
+def replaced_job(store: Store) -> JobRecord:
+    """A running 2-node job whose rank 1 was replaced in round 2 (after a loss in round 1)."""
+    job = two_node_job(store)
+    return change(store, job.id, JobState.RUNNING, launch_key=LAUNCH, round=2,
+                  stand_ins={1: 2})
+
+
+def test_a_replaced_rank_counts_only_with_its_stand_ins_key(store: Store) -> None:
+    """The barrier counts machines, not ranks: rank 1's old node (given up on, yet holding the
+    attempt's token) and its earlier stand-in are told to stop and record nothing; only the node
+    holding rank 1's current key, the round-2 stand-in's, checks in and releases the master."""
+    job = replaced_job(store)
+    superseded = {"round": 2, "nnodes": 2, "master": None, "action": CHECKPOINT_EXIT}
+    assert store.rendezvous(job.id, 1, 2, 0, "10.0.0.5:1", LAUNCH)["action"] == CONTINUE
+    for old in (LAUNCH, replacement_key(LAUNCH, 1, 1), None):  # None: an agent before keys
+        assert store.rendezvous(job.id, 1, 2, 1, None, old) == superseded, old
+    # rank 0 is still the launch's own node: a stand-in's key is not its
+    assert store.rendezvous(job.id, 1, 2, 0, "10.0.0.6:1", replacement_key(LAUNCH, 0, 2)
+                            ) == superseded
+    assert store.checked_in([job]) == {job.id: {0}}
+    assert store.r.hgetall(f"{store.p}rdzv:{job.id}") == {"1:2:0": "10.0.0.5:1"}
+
+    got = store.rendezvous(job.id, 1, 2, 1, None, replacement_key(LAUNCH, 1, 2))
+    assert got == {**superseded, "master": "10.0.0.5:1", "action": CONTINUE}
+    assert store.rendezvous(job.id, 1, 2, 0, None, LAUNCH)["master"] == "10.0.0.5:1"
+    assert store.rendezvous(job.id, 1, 2, 1, None, LAUNCH) == superseded  # still refused
+
+
+def test_a_job_without_stand_ins_takes_agents_without_a_key(store: Store) -> None:
+    """Agents from before keys keep working until the broker replaces a node; a key, once
+    sent, must be the launch's."""
+    job = change(store, two_node_job(store).id, launch_key=LAUNCH)
+    assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:1", None)["action"] == CONTINUE
+    assert store.rendezvous(job.id, 1, 0, 1, None, "other-1:1:1")["action"] == CHECKPOINT_EXIT
+    assert store.checked_in([job]) == {job.id: {0}}
+    assert store.rendezvous(job.id, 1, 0, 1, None, LAUNCH)["master"] == "10.0.0.5:1"
+
+
+def test_a_replaced_node_reports_nothing(store: Store) -> None:
+    """A replaced node's heartbeats, its final report included, record nothing (its exit code
+    would pass for the stand-in's) and tell it to stop; the current nodes' are taken."""
+    job = replaced_job(store)
+    key = f"{store.p}progress:{job.id}"
+    for old in (LAUNCH, replacement_key(LAUNCH, 1, 1), None):
+        said = store.record_heartbeat(job.id, 1, node_rank=1, round=2, launch_key=old,
+                                      exit_code=75, notice="gcp preempted")
+        assert (said.action, said.round) == (CHECKPOINT_EXIT, 2), old
+    said = store.record_heartbeat(job.id, 1, node_rank=0, round=2,
+                                  launch_key=replacement_key(LAUNCH, 0, 2), samples_done=10)
+    assert said.action == CHECKPOINT_EXIT
+    assert store.r.hgetall(key) == {}  # not even liveness
+
+    said = store.record_heartbeat(job.id, 1, node_rank=0, round=2, launch_key=LAUNCH,
+                                  samples_done=500)
+    assert (said.action, said.round) == (CONTINUE, 2)
+    store.record_heartbeat(job.id, 1, node_rank=1, round=2,
+                           launch_key=replacement_key(LAUNCH, 1, 2), exit_code=3)
+    got = store.get_job(job.id)
+    assert got is not None and got.samples_done == 500
+    assert store.agent_reports([got])[got.id].exits == {1: 3}
 
 
 def test_checked_in_names_the_ranks_of_the_current_attempt_and_round(store: Store) -> None:

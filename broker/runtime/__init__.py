@@ -33,8 +33,12 @@ FLEET_ROUND                the rendezvous round this node starts in (default 0; 
 FLEET_NODE_ADDR            the address rank 0 registers at the rendezvous (default: this
                            machine's address on the route to FLEET_BROKER_URL's host)
 FLEET_RENDEZVOUS_POLL      seconds between rendezvous polls (default 1)
-FLEET_RENDEZVOUS_TIMEOUT   seconds a node waits for its round's group to form (default 1200),
-                           then fails
+FLEET_RENDEZVOUS_TIMEOUT   seconds a node waits for a round's group to form (default 1800, above
+                           the broker's launch deadline: the broker decides that a stand-in is
+                           not coming and replaces it), then fails; anew for each round
+FLEET_LAUNCH_KEY           the node's idempotency key (the launch's, or a stand-in's
+                           ``<launch key>~r<rank>.<round>``), sent as ``launch_key`` with every
+                           heartbeat and rendezvous visit
 FLEET_REJOIN_TIMEOUT       seconds a node whose workers ended by themselves (a lost peer?) waits
                            for the broker's next round before it exits (default 120)
 FLEET_GLOBAL_BATCH_SIZE    the global batch the allocator chose
@@ -65,28 +69,32 @@ included), and FLEET_PROGRESS_FILE (a file in the agent's temp folder unless the
 already names one). Rank 0 writes there, as JSON, ``{step, samples_done, samples_per_sec,
 global_batch_size, world_size, checkpoint_step, checkpoint_bytes}`` (checkpoint_bytes: the size of
 that checkpoint, every rank's files and the manifest; null when unknown). Every
-FLEET_HEARTBEAT_INTERVAL the agent sends ``{job_id, attempt, node_rank, round, state}`` and the
-progress file's ``step, samples_done, samples_per_sec, world_size, global_batch_size,
-checkpoint_step, checkpoint_bytes`` that it has (none before the file exists: the broker keeps
-what it had), where state is ``running``, ``stopping`` or ``rejoining``. A last heartbeat says
-``finished``, ``stopped`` or ``failed`` and carries ``exit_code`` (a cloud VM does not tell the
-broker how the command ended); it is tried up to five times over about 15 s until the broker
-answers at all. The broker takes progress from node rank 0 of the job's current round only (its
-rank-0 worker writes it), and a node's exit code or notice only for a round the job reached and
-a rank it has.
+FLEET_HEARTBEAT_INTERVAL the agent sends ``{job_id, attempt, node_rank, round, state, launch_key}``
+(round: the round the node is in, joined or still forming) and the progress file's ``step,
+samples_done, samples_per_sec, world_size, global_batch_size, checkpoint_step, checkpoint_bytes``
+that it has (none before the file exists: the broker keeps what it had), where state is ``running``,
+``stopping`` or ``rejoining``. A last heartbeat says ``finished``, ``stopped`` or ``failed`` and
+carries ``exit_code`` (a cloud VM does not tell the broker how the command ended); it is tried up to
+five times over about 15 s until the broker takes it (no answer, a 5xx or a 429 is tried again; any
+other answer ends the tries). The broker takes progress from node rank 0 of the job's current round
+only (its rank-0 worker writes it), and a node's exit code or notice only for a round the job
+reached and a rank it has.
 Once the node has a preemption notice every heartbeat carries it as ``notice``
 (the first is sent at once), so the broker blocks the location. A response
 ``{"action": "checkpoint-exit"}`` stops the job; its ``round`` is the job's rendezvous round.
 
-Rendezvous (FLEET_NNODES > 1, no FLEET_MASTER_ADDR, a FLEET_BROKER_URL): nobody knows the master
-at launch, so each round every agent checks in with ``POST /v1/agent/rendezvous {job_id, attempt,
-round, node_rank, addr}``, rank 0 with ``host:port`` (FLEET_NODE_ADDR or its address toward the
-broker, a free port), and polls that endpoint (FLEET_RENDEZVOUS_POLL) until the reply ``{round,
-nnodes, master, action}`` names the master of its round. The broker names it only once every
-node of the round checked in, a barrier: no worker starts torch's init (whose own timeout is
-short) while a node of the group, such as a lost node's stand-in, is still booting. A reply with
-a higher round moves the agent there first; no group within FLEET_RENDEZVOUS_TIMEOUT: exit 1;
-``checkpoint-exit``: exit 75.
+Rendezvous (FLEET_NNODES > 1, no FLEET_MASTER_ADDR, a FLEET_BROKER_URL): nobody knows the master at
+launch, so each round every agent checks in with ``POST /v1/agent/rendezvous {job_id, attempt,
+round, node_rank, addr, launch_key}``, rank 0 with ``host:port`` (FLEET_NODE_ADDR or its address
+toward the broker, a free port), and polls that endpoint (FLEET_RENDEZVOUS_POLL) until the reply
+``{round, nnodes, master, action}`` names the master of its round. The broker names it only once
+every node of the round checked in, a barrier: no worker starts torch's init (whose own timeout is
+short) while a node of the group, such as a lost node's stand-in, is still booting, and the master
+it names never changes. A node counts only with its rank's current key: one the broker replaced (a
+stand-in that came too late, a partitioned node) is told ``checkpoint-exit`` by the rendezvous and
+by heartbeats, which record nothing from it; an agent without a key is refused so once the job has
+stand-ins. A reply with a higher round moves the agent there first; no group within
+FLEET_RENDEZVOUS_TIMEOUT: exit 1; ``checkpoint-exit``: exit 75.
 A multi-node job survives a lost node: the broker launches a replacement of the same rank and
 bumps the round. A heartbeat reply whose ``round`` is above the agent's stops its workers (as a
 stop does, without stopping the agent) and the agent re-forms the group in the new round with new

@@ -43,9 +43,13 @@ CHECKPOINT_EXIT = "checkpoint-exit"
 # know is left out: the broker keeps what it has).
 PROGRESS_KEYS = ("step", "samples_done", "samples_per_sec", "world_size", "global_batch_size",
                  "checkpoint_step", "checkpoint_bytes")
-# Seconds between the tries of the final report (five tries over 15 s): a broker restarting or a
-# network blip must not lose how the node ended, which settles a multi-node job's round.
+# Seconds between the tries of the final report (five tries over 15 s): a broker restarting, its
+# Redis away (503), a rate limit (429) or a network blip must not lose how the node ended, which
+# settles a multi-node job's round.
 FINAL_REPORT_DELAYS = (1.0, 2.0, 4.0, 8.0)
+# Longer than the broker's launch deadline (BrokerConfig.launch_deadline_s, 1200 s): the broker,
+# not a survivor waiting for it, decides that a stand-in is not coming (and replaces it again).
+RENDEZVOUS_TIMEOUT_S = 1800.0
 
 
 def log(message: str) -> None:
@@ -101,8 +105,9 @@ class AgentConfig:
     round: int = 0
     node_addr: str | None = None
     rendezvous_poll: float = 1.0
-    rendezvous_timeout: float = 1200.0
+    rendezvous_timeout: float = RENDEZVOUS_TIMEOUT_S
     rejoin_timeout: float = 120.0
+    launch_key: str | None = None  # this node's idempotency key: whose rank it holds
 
     @property
     def rendezvous(self) -> bool:
@@ -181,8 +186,10 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
         round=opts.round,
         node_addr=env.get("FLEET_NODE_ADDR", "").strip() or None,
         rendezvous_poll=max(env_float(env, "FLEET_RENDEZVOUS_POLL", 1.0), 0.05),  # type: ignore[type-var]
-        rendezvous_timeout=env_float(env, "FLEET_RENDEZVOUS_TIMEOUT", 1200.0),  # type: ignore[arg-type]
+        rendezvous_timeout=env_float(env, "FLEET_RENDEZVOUS_TIMEOUT",  # type: ignore[arg-type]
+                                     RENDEZVOUS_TIMEOUT_S),
         rejoin_timeout=env_float(env, "FLEET_REJOIN_TIMEOUT", 120.0),  # type: ignore[arg-type]
+        launch_key=env.get("FLEET_LAUNCH_KEY", "").strip() or None,
     )
     return config, argv[split + 1 :]
 
@@ -208,7 +215,8 @@ class Agent:
         self._out_lock = threading.Lock()
         self._round_lock = threading.Lock()
         self.state = "running"
-        # The current round's group; the rendezvous fills it in before each round.
+        # The current round's group; the rendezvous fills it in before each round. ``round`` is
+        # the round this node is in, joined or still forming (reports carry it).
         self.round = config.round
         self.nnodes = config.nnodes
         self.master = (config.master_addr or "", config.master_port or 0)
@@ -291,9 +299,9 @@ class Agent:
             return {}
 
     def send(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
-        """POST ``body`` to the broker's ``path``: its JSON reply ({} for an HTTP error or a
-        reply without one), or None when the broker did not answer (no connection, a timeout,
-        a connection dropped)."""
+        """POST ``body`` to the broker's ``path``: its JSON reply ({} for a refusal or a reply
+        without one), or None when the broker did not take it (no connection, a timeout, a
+        connection dropped, or a 5xx or 429 answer: worth another try)."""
         headers = {"Content-Type": "application/json"}
         if self.config.token:
             headers["Authorization"] = f"Bearer {self.config.token}"
@@ -307,8 +315,11 @@ class Agent:
         try:
             with urllib.request.urlopen(request, timeout=2.0) as response:
                 raw = response.read()
-        except urllib.error.HTTPError as exc:  # an answer, if not the one hoped for
-            log(f"{what} refused: {exc}")
+        except urllib.error.HTTPError as exc:
+            if exc.code >= 500 or exc.code == 429:  # busy or its Redis away: try later
+                log(f"{what} not taken: {exc}")
+                return None
+            log(f"{what} refused: {exc}")  # an answer, if not the one hoped for
             return {}
         except (OSError, http.client.HTTPException) as exc:
             log(f"{what} failed: {exc}")
@@ -334,6 +345,7 @@ class Agent:
             "node_rank": c.node_rank,
             "round": self.round,
             "state": state,
+            **self._key(),
             **{k: p[k] for k in PROGRESS_KEYS if k in p},
         }
         if self.notice:
@@ -343,8 +355,8 @@ class Agent:
         return self.send("/v1/agent/heartbeat", body)
 
     def final_report(self, code: int) -> None:
-        """The last heartbeat, with the exit code, tried until the broker answers (any HTTP
-        reply; FINAL_REPORT_DELAYS): the broker settles the node's round on it."""
+        """The last heartbeat, with the exit code, tried until the broker takes it (any answer
+        but a 5xx or 429; FINAL_REPORT_DELAYS): the broker settles the node's round on it."""
         for delay in (*FINAL_REPORT_DELAYS, None):
             if self.heartbeat(self.state, exit_code=code) is not None:
                 return
@@ -361,9 +373,13 @@ class Agent:
         c = self.config
         reply = self.post("/v1/agent/rendezvous", {
             "job_id": c.job_id, "attempt": c.attempt, "round": round_,
-            "node_rank": c.node_rank, "addr": addr})
+            "node_rank": c.node_rank, "addr": addr, **self._key()})
         self._obey(reply)
         return reply
+
+    def _key(self) -> dict[str, str]:
+        """The node's FLEET_LAUNCH_KEY for a report: the broker refuses a node it replaced."""
+        return {"launch_key": self.config.launch_key} if self.config.launch_key else {}
 
     def _obey(self, reply: dict[str, Any]) -> None:
         """Act on what the broker answered: stop the agent, or note a newer round."""
@@ -409,12 +425,15 @@ class Agent:
         address) and polls until the broker names the master, which it does once all the
         round's nodes checked in (moving up to a newer round the broker names). None once met
         (``round``, ``nnodes``, ``master`` set), else the exit code: stopped (a stop or the
-        broker's checkpoint-exit) or failed (the group did not form in time)."""
+        broker's checkpoint-exit) or failed (a round's group did not form in time; each round
+        the node moves to gets FLEET_RENDEZVOUS_TIMEOUT anew). Meanwhile ``round`` is the round
+        it waits in, which its reports carry."""
         c = self.config
-        deadline = time.monotonic() + c.rendezvous_timeout
-        round_, offer, told = self.round, None, -1
+        round_, offer, told, deadline = -1, None, -1, 0.0
         while not self._stop.is_set():
-            round_ = max(round_, self.broker_round)
+            if round_ != (wanted := max(self.round, self.broker_round)):  # its own deadline
+                round_, deadline = wanted, time.monotonic() + c.rendezvous_timeout
+                self.round = round_
             if c.node_rank == 0 and (offer is None or offer[0] != round_):
                 addr = self._master_offer(avoid=self.master[1])
                 offer = (round_, addr) if addr else None

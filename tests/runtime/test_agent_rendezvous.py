@@ -17,6 +17,7 @@ import pytest
 from broker.auth import attempt_token
 from broker.models import JobRecord, JobState
 from broker.store import Plan, Store
+from providers.base import replacement_key
 from tests.api_server import TOKENS, ApiServer, api_stack
 from tests.runtime.jobs import ROOT, job_env
 from tests.test_rendezvous import change
@@ -46,12 +47,12 @@ def stack(tmp_path: Path) -> Iterator[tuple[ApiServer, Store]]:
         yield got
 
 
-def running_job(store: Store, nodes: int = 2) -> JobRecord:
+def running_job(store: Store, nodes: int = 2, **fields: object) -> JobRecord:
     job = store.submit(spec(), team="t")
     plan = Plan()
     plan.change(job, JobState.LAUNCHING, attempt=1, nodes=nodes)
     store.apply(plan)
-    return change(store, job.id, state=JobState.RUNNING)
+    return change(store, job.id, state=JobState.RUNNING, **fields)
 
 
 def start_agent(server: ApiServer, job: JobRecord, rank: int, tmp: Path, mode: str,
@@ -190,3 +191,59 @@ def test_rank_0_alone_never_starts_and_a_cancel_stops(stack: tuple[ApiServer, St
     [(code, output)] = finish(cancelled)
     assert code == 75 and "broker asked for checkpoint-exit" in output, output
     assert not (tmp_path / "out" / "r0-rank1.json").exists()  # no worker ever ran
+
+
+def wait_checked_in(store: Store, job: JobRecord, ranks: set[int],
+                    agent: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 30
+    while store.checked_in([job])[job.id] != ranks:
+        assert time.monotonic() < deadline and agent.poll() is None, f"{ranks} did not check in"
+        time.sleep(0.02)
+
+
+def test_a_replaced_node_stops_and_the_stand_in_meets(stack: tuple[ApiServer, Store],
+                                                      tmp_path: Path) -> None:
+    """Rank 1's old node (the broker gave up on it, yet it holds the attempt's token) comes to
+    the rendezvous of the round its stand-in was launched for: it must not release the master
+    to rank 0; it exits 75 without a worker and reports nothing. The stand-in, with its own
+    key, forms the group with rank 0."""
+    server, store = stack
+    launch = "job:3:1"
+    job = running_job(store, launch_key=launch, round=1, stand_ins={1: 1})
+    first = start_agent(server, job, 0, tmp_path, "exit", round=1, launch_key=launch)
+    wait_checked_in(store, job, {0}, first)
+    old = start_agent(server, job, 1, tmp_path, "exit", round=1, launch_key=launch)
+    [(code, output)] = finish(old)
+    assert code == 75 and "broker asked for checkpoint-exit" in output, output
+    assert store.checked_in([job]) == {job.id: {0}}
+    assert not (tmp_path / "out" / "r1-rank0.json").exists()  # no master for rank 0 either
+    reports = [f for f in store.r.hgetall(f"{store.p}progress:{job.id}")
+               if f.startswith(("exit:", "notice:"))]
+    assert reports == []  # its exit 75 must not pass for the stand-in's
+    stand_in = start_agent(server, job, 1, tmp_path, "exit", round=1,
+                           launch_key=replacement_key(launch, 1, 1))
+    for code, output in finish(first, stand_in):
+        assert code == 0, output
+    assert store.agent_reports([job])[job.id].exits == {0: 0, 1: 0}
+
+
+def test_a_new_round_gets_its_own_deadline_and_carries_the_reports(
+        stack: tuple[ApiServer, Store], tmp_path: Path) -> None:
+    """Rank 0 waits for a group that does not form; the broker moves on to round 1 (it replaced
+    rank 1): the node waits FLEET_RENDEZVOUS_TIMEOUT anew there, and its exit, once that runs
+    out, is filed under round 1, the round the broker reads, not under round 0."""
+    server, store = stack
+    job = running_job(store)
+    alone = start_agent(server, job, 0, tmp_path, "exit", rendezvous_timeout=2.5)
+    wait_checked_in(store, job, {0}, alone)
+    time.sleep(1.5)
+    job = change(store, job.id, round=1)
+    moved = time.monotonic()
+    while alone.poll() is None and time.monotonic() - moved < 30:
+        time.sleep(0.02)
+    waited = time.monotonic() - moved
+    [(code, output)] = finish(alone)
+    assert code == 1 and "the group of round 1 did not form" in output, output
+    assert waited > 2.0, f"gave up {waited:.1f} s into round 1: the deadline was not reset"
+    assert store.agent_reports([job])[job.id].exits == {0: 1}
+    assert store.r.hget(f"{store.p}progress:{job.id}", "exit:1") is None  # not under round 0

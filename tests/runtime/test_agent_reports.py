@@ -1,6 +1,7 @@
 """The agent's reports to the broker: a heartbeat leaves out the progress the node does not have
 (a real broker API over redis-server keeps what it had), and the final report, with the exit
-code, is tried again until a broker that drops connections answers."""
+code, is tried again while the broker drops connections or answers that it cannot take it now
+(503, as the API does while Redis is away; 429), until it answers otherwise."""
 
 from __future__ import annotations
 
@@ -50,19 +51,20 @@ def test_a_heartbeat_leaves_out_the_progress_the_node_lacks(tmp_path: Path) -> N
 
 
 class Flaky(BaseHTTPRequestHandler):
-    """A broker that drops the connection of its first ``drops`` requests without a word, then
-    answers 503: an answer all the same."""
+    """A broker that drops the first request's connection without a word, answers the next
+    ones 503 (its Redis away) and 429 (busy), then 404: an answer that no retry changes."""
 
-    drops = 2
+    answers = (None, 503, 429, 404)  # None: drop the connection; the last one repeats
     bodies: ClassVar[list[dict]] = []
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).bodies.append(body)
-        if len(self.bodies) <= self.drops:
+        status = self.answers[min(len(self.bodies), len(self.answers)) - 1]
+        if status is None:
             self.close_connection = True
             return
-        self.send_response(503)
+        self.send_response(status)
         self.send_header("Content-Length", "0")
         self.end_headers()
 
@@ -77,14 +79,16 @@ def flaky() -> Iterator[tuple[str, type[Flaky]]]:
         yield url, handler
 
 
-def test_the_final_report_is_tried_until_the_broker_answers(
+def test_the_final_report_is_tried_until_the_broker_takes_it(
         tmp_path: Path, flaky: tuple[str, type[Flaky]]) -> None:
     url, broker = flaky
     done = run_agent(tmp_path, url, heartbeat_interval=60, job_id="job-4", attempt=2, round=1)
     assert done.returncode == 3, done.stderr
-    # dropped twice, then a 503: any HTTP reply ends the tries
-    assert [b.get("exit_code") for b in broker.bodies] == [3, 3, 3]
+    # dropped, 503, 429: tried again each time; the 404 ends the tries
+    assert [b.get("exit_code") for b in broker.bodies] == [3, 3, 3, 3]
     assert {(b["job_id"], b["attempt"], b["round"], b["state"]) for b in broker.bodies} == {
         ("job-4", 2, 1, "failed")}
     assert not [b for b in broker.bodies if "samples_done" in b or "step" in b]
-    assert done.stderr.count("the broker did not take the final report; trying again") == 2
+    assert done.stderr.count("the broker did not take the final report; trying again") == 3
+    assert "heartbeat not taken: HTTP Error 503" in done.stderr
+    assert "heartbeat not taken: HTTP Error 429" in done.stderr
