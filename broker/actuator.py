@@ -49,6 +49,12 @@ class ActuatorConfig(BaseModel):
     use_agent: bool = True  # run the command under ``broker.runtime.agent``
     heartbeat_interval_s: float = 5.0
     max_failures: int = 3
+    # the broker's launch deadline (``Reconciler``): a gang's agents wait longer at the
+    # rendezvous, so the broker, not a survivor, decides that a stand-in is not coming
+    launch_deadline_s: float | None = None
+
+
+RENDEZVOUS_MARGIN_S = 600.0  # a stand-in's launch, after the deadline, and its boot
 
 
 def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorConfig, *,
@@ -93,6 +99,8 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     }
     if nodes == 1:  # one node is its own master; a gang meets at the broker's rendezvous
         env["FLEET_MASTER_ADDR"] = "127.0.0.1"
+    elif config.launch_deadline_s is not None:
+        env["FLEET_RENDEZVOUS_TIMEOUT"] = f"{config.launch_deadline_s + RENDEZVOUS_MARGIN_S:g}"
     # The spec's interval is the runtime's default; an interval the script passes itself wins.
     every, in_steps = spec.checkpoint.every
     env["FLEET_CHECKPOINT_EVERY_STEPS" if in_steps else "FLEET_CHECKPOINT_EVERY_SECONDS"] = \

@@ -179,7 +179,7 @@ return {jobs, progress, redis.call('HGETALL', p .. 'pools'), redis.call('HGETALL
 # the round it was launched for; cjson keys the object with strings) or else the launch's own.
 # A node the broker gave up on (a late stand-in, a partitioned node) still holds the attempt's
 # token but not that key. A visitor without a key (an agent from before keys) passes only while
-# the job has no stand-ins; a record without a launch key has nothing to check against.
+# its rank was never replaced; a record without a launch key has nothing to check against.
 _JOB_SHAPE = """
 local function job_shape(key)
   local doc = cjson.decode(redis.call('HGET', key, 'doc'))
@@ -189,7 +189,7 @@ local function holds_rank(doc, rank, node_key)
   local launch = doc['launch_key']
   local stand_ins = type(doc['stand_ins']) == 'table' and doc['stand_ins'] or {}
   local since = stand_ins[string.format('%d', rank)]
-  if node_key == '' then return next(stand_ins) == nil end
+  if node_key == '' then return since == nil end  -- an old agent holds a rank never replaced
   if type(launch) ~= 'string' then return true end
   if since then
     return node_key == launch .. '~r' .. string.format('%d', rank) .. '.' ..
@@ -199,16 +199,17 @@ local function holds_rank(doc, rank, node_key)
 end
 """
 
-# ARGV: prefix, job, attempt, now, round, node_rank, node_key ('' = none), n_progress, field,
-# value, ... Records an agent's report for the job's current attempt: the first n_progress pairs
-# are progress, taken from node rank 0 of the job's current round only (a node of an older
-# round, or another rank, must not reset it); the rest are the node's exit code and notice,
-# taken for a round up to the job's and a rank below its node count (a report naming a later
-# round or a rank the job lacks is dropped). A node that does not hold the rank's current key
-# (``holds_rank``: the broker replaced it) records nothing, not even liveness. Returns the job's
-# state, cancel flag and rendezvous round so the caller picks the action, with 'stale' for the
-# state when the heartbeat comes from an attempt that is no longer current and 'superseded' for
-# a replaced node.
+# ARGV: prefix, job, attempt, now, round, node_rank, node_key ('' = none), n_progress,
+# rendezvous_ttl_s, field, value, ... Records an agent's report for the job's current attempt: the
+# first n_progress pairs are progress, taken from node rank 0 of the job's current round only (a
+# node of an older round, or another rank, must not reset it); the rest are the node's exit code
+# and notice, taken for a round up to the job's and a rank below its node count (a report naming a
+# later round or a rank the job lacks is dropped). A node that does not hold the rank's current
+# key (``holds_rank``: the broker replaced it) records nothing, not even liveness. Returns the
+# job's state, cancel flag and rendezvous round so the caller picks the action, with 'stale' for
+# the state when the heartbeat comes from an attempt that is no longer current and 'superseded'
+# for a replaced node. A heartbeat keeps the job's rendezvous record alive (rdzv:<job>): the
+# reconciler reads who checked in for as long as the job runs, however long it trains.
 HEARTBEAT = _JOB_SHAPE + """
 local p, job, attempt, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local rnd, rank, node_key, np = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
@@ -221,11 +222,12 @@ if not holds_rank(doc, rank, node_key) then return {'superseded', '0', round} en
 local progress = p .. 'progress:' .. job
 local leader = rank == 0 and rnd == round
 local member = rnd <= round and rank < nodes
-for i = 9, #ARGV, 2 do
+for i = 10, #ARGV, 2 do
   local take = member
-  if (i - 9) / 2 < np then take = leader end
+  if (i - 10) / 2 < np then take = leader end
   if take then redis.call('HSET', progress, ARGV[i], ARGV[i + 1]) end
 end
+redis.call('EXPIRE', p .. 'rdzv:' .. job, ARGV[9])  -- no-op while there is none
 redis.call('HSET', progress, 'heartbeat_at', now)
 redis.call('HSETNX', progress, 'beat:' .. attempt, now)  -- the attempt's first
 return {st, redis.call('HGET', key, 'cancel_requested') or 'false', round}

@@ -137,7 +137,8 @@ class Broker:
             checkpoint_root=config.state_dir / "checkpoints", broker_url=config.broker_url,
             agent_token=config.agent_token, use_agent=config.use_agent,
             heartbeat_interval_s=config.heartbeat_interval_s,
-            max_failures=config.scheduler.max_failures))
+            max_failures=config.scheduler.max_failures,
+            launch_deadline_s=config.launch_deadline_s if config.broker_url else None))
         self.reconciler = Reconciler(
             store, provider, max_failures=config.scheduler.max_failures,
             blocklist_decay_s=config.blocklist_decay_s,

@@ -354,7 +354,7 @@ class Store:
         flat = [x for k, v in (progress | report).items() for x in (k, json.dumps(v))]
         state, cancel, current = self._heartbeat(args=[
             self.p, job_id, json.dumps(int(attempt)), time.time(), int(round), int(node_rank),
-            launch_key or "", len(progress), *flat])
+            launch_key or "", len(progress), RENDEZVOUS_TTL_S, *flat])
         if state == "missing":
             raise JobNotFound(job_id)
         return Directive(_action(state, cancel), int(current))

@@ -243,6 +243,8 @@ EXIT_TRAP = r"""fleet_report_failure() {
   local body
   body=$(printf '{"job_id": "%s", "attempt": %d, "round": %d, "node_rank": %d, ' \
     "$FLEET_JOB_ID" "${FLEET_ATTEMPT:-0}" "${FLEET_ROUND:-0}" "${FLEET_NODE_RANK:-0}")
+  # the node's key: the broker takes a report only from the node that holds its rank now
+  [ -z "${FLEET_LAUNCH_KEY:-}" ] || body+=$(printf '"launch_key": "%s", ' "$FLEET_LAUNCH_KEY")
   body+=$(printf '"state": "failed", "exit_code": %d}' "$1")
   printf 'Authorization: Bearer %s\n' "${FLEET_AGENT_TOKEN:-}" | curl -fsS -m 10 --retry 3 \
     -o /dev/null -H @- -H 'Content-Type: application/json' --data-binary "$body" \

@@ -196,11 +196,14 @@ def test_a_stand_ins_failure_is_reported_in_the_round_it_was_launched_for(
     """A lost node's stand-in starts in the round the broker bumped to: its start failure
     belongs there (the broker reads a node's exit code in the job's current round)."""
     (tmp_path / "agent-exit").write_text("4")
-    stand_in = reporting(FLEET_ROUND="2").model_copy(update={"first_rank": 1})
+    key = replacement_key("job-9:2:3", 1, 2)
+    stand_in = reporting(FLEET_ROUND="2", FLEET_LAUNCH_KEY=key).model_copy(
+        update={"first_rank": 1})
     done, calls = run_script(bootstrap.agent_script(stand_in, "gcp", "fb"), tmp_path)
     assert done.returncode == 4
     beat = reported(tmp_path, calls)
     assert (beat.attempt, beat.round, beat.node_rank, beat.exit_code) == (3, 2, 1, 4)
+    assert beat.launch_key == key  # the broker takes it from the node that holds rank 1 now
 
 
 def test_a_failed_install_is_reported_and_the_agent_never_runs(tmp_path: Path) -> None:

@@ -44,8 +44,10 @@ def test_a_gang_launch_gives_each_node_its_rank_and_meets_at_the_rendezvous() ->
     job = JobRecord(id="gang-1", spec=spec(16), team="ml", launch_key="gang-1:3:2")
     intent = Intent(kind=IntentKind.LAUNCH, job_id=job.id, fence=3, attempt=2, gpus=16,
                     batch_size=8, pool=CLOUD.id)
-    req = launch_request(job, intent, CLOUD, ActuatorConfig(broker_url="http://b:8"))
+    req = launch_request(job, intent, CLOUD, ActuatorConfig(broker_url="http://b:8",
+                                                            launch_deadline_s=3600))
     assert (req.nodes, req.gpus_per_node, req.first_rank) == (2, 8, 0)
+    assert req.env["FLEET_RENDEZVOUS_TIMEOUT"] == "4200"  # the broker decides first
     assert (req.env["FLEET_NNODES"], req.env["FLEET_NPROC"], req.env["FLEET_ROUND"]) == (
         "2", "8", "0")
     assert "FLEET_MASTER_ADDR" not in req.env and "FLEET_NODE_RANK" not in req.env

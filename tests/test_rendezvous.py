@@ -122,6 +122,29 @@ def test_a_job_without_stand_ins_takes_agents_without_a_key(store: Store) -> Non
     assert store.rendezvous(job.id, 1, 0, 1, None, LAUNCH)["master"] == "10.0.0.5:1"
 
 
+def test_an_agent_without_a_key_keeps_a_rank_never_replaced(store: Store) -> None:
+    """A gang launched before keys (or on an image with an older agent): rank 1 was replaced,
+    rank 0 never was, so its keyless agent still counts; rank 1's keyless one does not."""
+    job = replaced_job(store)
+    assert store.rendezvous(job.id, 1, 2, 0, "10.0.0.5:1", None)["action"] == CONTINUE
+    assert store.record_heartbeat(job.id, 1, node_rank=0, round=2).action == CONTINUE
+    assert store.rendezvous(job.id, 1, 2, 1, None, None)["action"] == CHECKPOINT_EXIT
+    assert store.checked_in([job]) == {job.id: {0}}
+
+
+def test_heartbeats_keep_the_rendezvous_record_while_the_gang_trains(store: Store) -> None:
+    """Who checked in stays readable however long the gang trains after it formed: each
+    heartbeat renews the record's expiry (the reconciler reads it to tell a silent node)."""
+    job = change(store, two_node_job(store).id, launch_key=LAUNCH)
+    store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:1", LAUNCH)
+    store.rendezvous(job.id, 1, 0, 1, None, LAUNCH)
+    rdzv = f"{store.p}rdzv:{job.id}"
+    store.r.expire(rdzv, 5)  # as a day after the group formed
+    store.record_heartbeat(job.id, 1, node_rank=1, launch_key=LAUNCH)
+    assert store.r.ttl(rdzv) > RENDEZVOUS_TTL_S - 60
+    assert store.checked_in([job]) == {job.id: {0, 1}}
+
+
 def test_a_replaced_node_reports_nothing(store: Store) -> None:
     """A replaced node's heartbeats, its final report included, record nothing (its exit code
     would pass for the stand-in's) and tell it to stop; the current nodes' are taken."""
