@@ -202,7 +202,8 @@ class Actuator:
             self.store.apply(plan, fence=fence)
             return 1
         # Never two attempts at once: an older attempt's node must be gone first.
-        if self._in_the_way(job, lambda n: n.idempotency_key != intent.key):
+        if self._in_the_way(self.provider.nodes(), job,
+                            lambda n: n.idempotency_key != intent.key):
             return 0
         pool = pools.get(intent.pool or "")
         if pool is None:
@@ -269,7 +270,8 @@ class Actuator:
         # The node a stand-in replaces must be gone first (a reclaimed one checkpoints within
         # its grace period), as for an older attempt: it still holds its GPUs and quota.
         launch = job.launch_key or ""
-        if self._in_the_way(job, lambda n: n.node_id not in job.node_ids
+        inventory = self.provider.nodes()
+        if self._in_the_way(inventory, job, lambda n: n.node_id not in job.node_ids
                             and launch_key_of(n.idempotency_key) == launch
                             and (n.rank or 0) in intent.ranks and n.idempotency_key !=
                             replacement_key(launch, n.rank or 0, intent.round)):
@@ -278,8 +280,7 @@ class Actuator:
             return 0  # lost the lease: leave the intent to the next leader
         pool = pools.get(job.pool or "")
         # the survivors' zone: a gang's collectives stay inside one AZ
-        zone = next((n.zone for n in self.provider.nodes() if n.node_id in job.node_ids
-                     and n.zone), None)
+        zone = next((n.zone for n in inventory if n.node_id in job.node_ids and n.zone), None)
         nodes: list[Node] = []
         try:
             if pool is None:
@@ -315,10 +316,11 @@ class Actuator:
         leader = self.store.leader()
         return leader is not None and leader[0] == fence
 
-    def _in_the_way(self, job: JobRecord, leaving: Callable[[Node], bool]) -> bool:
-        """Stop the job's live nodes that must be gone before a launch (``leaving``); True
-        while any is still there (the intent waits for the next pass)."""
-        doomed = [n for n in self.provider.nodes() if n.job_id == job.id
+    def _in_the_way(self, inventory: list[Node], job: JobRecord,
+                    leaving: Callable[[Node], bool]) -> bool:
+        """Stop the job's live nodes of ``inventory`` that must be gone before a launch
+        (``leaving``); True while any is still there (the intent waits for the next pass)."""
+        doomed = [n for n in inventory if n.job_id == job.id
                   and n.state is not NodeState.TERMINATED and leaving(n)]
         for n in doomed:
             self.provider.terminate(n.node_id)

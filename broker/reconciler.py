@@ -149,8 +149,7 @@ class Reconciler:
                  report: AgentReport, fence: int) -> bool:
         """A running multi-node job that lost some nodes (gone, reclaimed, or nodes that never
         came to the rendezvous of their round within the launch deadline) while others live:
-        replace
-        the lost ranks in its pool, the survivors staying, or move the whole job
+        replace the lost ranks in its pool, the survivors staying, or move the whole job
         (``recover_lost_nodes``). A rank whose command failed stops the others: the gang cannot
         go on, and the job settles as that failure once all are gone. False when there is
         nothing to do here (the job ends or settles its usual way)."""
@@ -199,11 +198,11 @@ class Reconciler:
 
     def _decide(self, job: JobRecord, lost: int) -> tuple[Recovery, str]:
         """``recover_lost_nodes`` for the job's pool now, and why it moves when it does."""
+        if job.round >= self.max_failures:  # a gang that keeps losing nodes here goes elsewhere
+            return Recovery.MIGRATE, f" (nodes replaced {job.round} times in this attempt)"
         pool = next((p for p in self.store.pools() if p.id == job.pool), None)
         now = time.time()
         blocklist = self.store.blocklist(self.blocklist_decay_s)[0]
-        if job.round >= self.max_failures:  # a gang that keeps losing nodes here goes elsewhere
-            return Recovery.MIGRATE, f" (nodes replaced {job.round} times in this attempt)"
         decision = recover_lost_nodes(
             job.nodes, lost, elastic=False,
             # agents reach the rendezvous, and the backend can stop or add one node alone

@@ -8,7 +8,6 @@ run. Several broker processes may share one Redis: one holds the lease and acts.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -149,6 +148,7 @@ class Broker:
         self.fence = 0
         self.rounds = 0
         self._buckets: dict[str, str | None] = {}  # checkpoint URI -> its bucket's region
+        self._examined: set[str] = set()  # waiting jobs whose checkpoint bucket was looked at
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -174,8 +174,15 @@ class Broker:
     def _locate_checkpoints(self) -> None:
         """Name the region of a waiting job's checkpoint bucket where its spec does not
         (``checkpoint.region``), asking the clouds once per URI: placement prices the restore
-        from there and every checkpoint written from elsewhere."""
-        for job in self.store.list_jobs(states=[JobState.QUEUED, JobState.SUSPENDED]):
+        from there and every checkpoint written from elsewhere. Each job is read once per
+        broker process (this runs every pass, beside thousands of waiting jobs)."""
+        waiting = self.store.job_ids([JobState.QUEUED, JobState.SUSPENDED])
+        self._examined &= waiting  # forget jobs that no longer wait
+        for job_id in waiting - self._examined:
+            self._examined.add(job_id)
+            job = self.store.get_job(job_id)
+            if job is None:
+                continue
             ck = job.spec.checkpoint
             if ck.uri is None or ck.region is not None:
                 continue
@@ -190,8 +197,10 @@ class Broker:
             plan.change(job, event="checkpoint-located",
                         event_data={"uri": ck.uri, "region": region}, spec=spec,
                         fence=self.fence)
-            with contextlib.suppress(Conflict):  # the job moved on: the next pass sees it
+            try:
                 self.store.apply(plan, fence=self.fence)
+            except Conflict:  # the job changed meanwhile: look at it again next pass
+                self._examined.discard(job_id)
 
     def _command(self, cmd: dict[str, Any]) -> None:
         if cmd.get("kind") == "node":

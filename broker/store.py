@@ -40,7 +40,7 @@ CONTINUE = "continue"
 BLOCKLIST_KEY = "blocklist"  # the reclaimed spot locations (policies.migration.Blocklist JSON)
 PREEMPTIONS_KEY = "pool:preemptions"  # hash: pool id -> preemptions the reconciler handled there
 NODE_HOURS_KEY = "pool:node_hours"  # hash: pool id -> node-hours of closed placement intervals
-RENDEZVOUS_TTL_S = 86_400  # a job's rendezvous addresses outlive their last registration a day
+RENDEZVOUS_TTL_S = 86_400  # a job's rendezvous record outlives its last visit or heartbeat a day
 
 
 def report_field(kind: str, attempt: int, round: int, rank: int) -> str:
@@ -296,12 +296,16 @@ class Store:
         """Jobs in submission order, optionally of one team and in some states."""
         ids: list[str] = self.r.zrange(f"{self.p}team:{team}" if team else f"{self.p}jobs", 0, -1)
         if states is not None:
-            wanted = [JobState(s).value for s in states]
-            members: set[str] = set()
-            for s in wanted:
-                members |= self.r.smembers(f"{self.p}state:{s}")
+            members = self.job_ids(states)
             ids = [i for i in ids if i in members]
         return self._get_many(ids)
+
+    def job_ids(self, states: Iterable[JobState | str]) -> set[str]:
+        """The ids of the jobs in ``states`` (no record is read)."""
+        members: set[str] = set()
+        for s in states:
+            members |= self.r.smembers(f"{self.p}state:{JobState(s).value}")
+        return members
 
     def request_cancel(self, job_id: str) -> JobRecord:
         """Cancel a job: at once when it holds no GPUs, else flag it for the scheduler to stop.
