@@ -20,7 +20,18 @@ from pydantic import BaseModel, Field
 
 from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.store import Plan, PoolStats, Snapshot, Store
+from policies.apps import APP_SPECS, Application
+from policies.choices import assign_types
 from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
+from policies.job_model import (
+    GenericPrior,
+    JobModel,
+    Measurement,
+    Prior,
+    TablePrior,
+    fit,
+    measurements,
+)
 from policies.migration import Blocklist, location_keys
 from policies.models import Accelerator, JobSpec, Market, Pool
 from policies.placement import (
@@ -33,7 +44,8 @@ from policies.placement import (
 )
 from policies.region_score import DEFAULT_RESTART_S, Egress, Stickiness
 from policies.spot import DeadlineJob, choose_market, holds_pace, must_not_preempt, preemption_h
-from policies.throughput import ThroughputModel, batch_candidates
+from policies.throughput import batch_candidates
+from providers.measurements import load_application
 
 log = logging.getLogger(__name__)
 
@@ -85,78 +97,119 @@ class RoundResult:
     changed: list[str] = field(default_factory=list)
 
 
-def _job_model(job: JobRecord, model: ThroughputModel | None = None) -> ThroughputModel:
-    """The throughput model rescaled to the job's last measurement."""
-    return (model or ThroughputModel()).calibrated(
-        job.measured_gpus, job.measured_batch_size, job.samples_per_sec,
-        job.spec.batch_size.per_gpu_max)
+@functools.cache
+def _application(name: str) -> Application | None:
+    """The measured tables of a model the spec names (``policies.apps``), else None."""
+    return load_application(name) if name in APP_SPECS else None
 
 
-def _throughput(seen: Mapping[str, float], model: ThroughputModel, gpus: int, batch: int,
-                per_gpu_max: int | None) -> float:
-    """Samples/s at a configuration: what the job's agent measured there, else the model's."""
-    return seen.get(f"{gpus}x{batch}") or model.throughput(gpus, batch, per_gpu_max)
+def _pool_accelerator(pool_id: str | None) -> Accelerator | None:
+    """The accelerator of a pool id (``cloud:region[/zone]:market:accelerator``)."""
+    try:
+        return Accelerator(pool_id.rsplit(":", 1)[1]) if pool_id else None
+    except (IndexError, ValueError):
+        return None
+
+
+def job_accelerator(job: JobRecord) -> Accelerator:
+    """The type a job runs (or last ran) on, else the first its spec accepts."""
+    return _pool_accelerator(job.pool) or job.spec.accelerators[0]
+
+
+def job_model(job: JobRecord) -> JobModel:
+    """The job's model (``policies.job_model``): the measured tables of ``spec.model`` at the
+    job's epoch, else the generic prior, fitted to what its agent measured on the type it ran
+    on (:func:`job_accelerator`)."""
+    spec = job.spec
+    generic = GenericPrior(per_gpu_max=spec.batch_size.per_gpu_max,
+                           init_batch=spec.batch_size.initial)
+    app = _application(spec.model) if spec.model else None
+    prior: Prior = generic
+    if app is not None:
+        epoch = app.efficiency.epoch(job.samples_done / app.init_batch_size)
+        prior = TablePrior(app.name, epoch, app, generic)
+    seen = measurements(job.measured)
+    if not seen and job.measured_gpus and job.measured_batch_size and job.samples_per_sec:
+        seen = ((job.measured_gpus, job.measured_batch_size, job.samples_per_sec),)
+    return _fitted(prior, seen, job_accelerator(job))
+
+
+@functools.lru_cache(maxsize=65_536)
+def _fitted(prior: Prior, seen: tuple[Measurement, ...],
+            accelerator: Accelerator | None) -> JobModel:
+    return fit(prior, seen, accelerator)
 
 
 def samples_per_sec(job: JobRecord, gpus: int, batch: int,
-                    model: ThroughputModel | None = None) -> float:
-    """The scheduler's throughput estimate for ``job`` at ``gpus`` GPUs and global ``batch``."""
-    return _throughput(job.measured, _job_model(job, model), gpus, batch,
-                       job.spec.batch_size.per_gpu_max)
+                    accelerator: Accelerator | None = None) -> float:
+    """The scheduler's estimate of ``job``'s useful samples/s at ``gpus`` GPUs of
+    ``accelerator`` (default: :func:`job_accelerator`) and global ``batch``."""
+    return job_model(job).rate(accelerator or job_accelerator(job), gpus, batch)
 
 
 def job_choices(job: JobRecord, policy: Policy, max_gpus: int,
-                model: ThroughputModel | None = None) -> list[Choice]:
-    """Each GPU count's best batch size and its value (speed-up over one GPU)."""
+                accelerator: Accelerator | None = None, base: float | None = None,
+                ) -> list[Choice]:
+    """Each GPU count's best batch size on ``accelerator`` and its value: the speed-up over
+    ``base`` samples/s (default: the job's best on one GPU of that type)."""
     spec = job.spec
-    pgm = spec.batch_size.per_gpu_max
-    model = _job_model(job, model)
     fixed = policy is not Policy.ELASTIC or spec.batch_mode.value == "fixed"
     lo, hi = spec.gpus.min, min(spec.gpus.max, max_gpus)
     if policy is Policy.STATIC:
         hi = min(hi, lo)
     b = spec.batch_size
-    measured = tuple(sorted(job.measured.items()))
-    return list(_choice_table(lo, hi, b.min, b.max, b.initial, pgm, fixed, spec.priority, model,
-                              measured))
+    return list(_choice_table(lo, hi, b.min, b.max, b.initial, fixed, spec.priority,
+                              job_model(job), accelerator or job_accelerator(job), base))
+
+
+def one_gpu_rate(job: JobRecord, accelerator: Accelerator, fixed: bool = False) -> float:
+    """The job's best useful samples/s on one GPU of ``accelerator``."""
+    b = job.spec.batch_size
+    return _one_gpu(job_model(job), accelerator, b.min, b.max, b.initial, fixed)
+
+
+def _batches(bmin: int, bmax: int, binit: int, fixed: bool, gpus: int) -> list[int]:
+    if fixed:
+        return [binit] if binit >= gpus else []
+    return batch_candidates(bmin, bmax, gpus)
+
+
+def _one_gpu(model: JobModel, accelerator: Accelerator, bmin: int, bmax: int, binit: int,
+             fixed: bool) -> float:
+    return max((model.rate(accelerator, 1, x) for x in _batches(bmin, bmax, binit, fixed, 1)),
+               default=0.0) or model.rate(accelerator, 1, binit)
 
 
 @functools.lru_cache(maxsize=65_536)
-def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, pgm: int | None,
-                  fixed: bool, priority: int, model: ThroughputModel,
-                  measured: tuple[tuple[str, float], ...] = ()) -> tuple[Choice, ...]:
-    """Choices depend only on these numbers; jobs of the same shape share one table. Where the
-    job's agent measured a configuration, the measurement replaces the model's estimate."""
-    seen = dict(measured)
-
-    def tput(g: int, x: int) -> float:
-        return _throughput(seen, model, g, x, pgm)
-
-    def batches(g: int) -> list[int]:
-        if fixed:
-            return [binit] if binit >= g else []
-        return batch_candidates(bmin, bmax, g)
-
-    base = max((tput(1, x) for x in batches(1)), default=0.0) or tput(1, binit)
+def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, fixed: bool,
+                  priority: int, model: JobModel, accelerator: Accelerator,
+                  base: float | None) -> tuple[Choice, ...]:
+    """Choices depend only on these numbers; jobs of the same shape share one table."""
+    base = base or _one_gpu(model, accelerator, bmin, bmax, binit, fixed)
+    if not base > 0:
+        return ()
     weight = 2.0 ** (priority / 25.0)
     out = []
     for g in range(lo, hi + 1):
-        options = batches(g)
+        options = _batches(bmin, bmax, binit, fixed, g)
         if not options:
             continue
-        best = max(options, key=lambda x, g=g: tput(g, x))
-        out.append(Choice(g, best, weight * tput(g, best) / base))
+        rates = {x: model.rate(accelerator, g, x) for x in options}
+        best = max(options, key=rates.__getitem__)
+        if rates[best] > 0:
+            out.append(Choice(g, best, weight * rates[best] / base))
     return tuple(out)
 
 
-def _accelerator(job: JobRecord, pools_by_id: dict[str, Pool]) -> Accelerator | None:
-    """Where it runs, else the first of its accelerators a pool in its regions offers."""
-    if job.state is JobState.RUNNING and job.pool in pools_by_id:
-        return pools_by_id[job.pool].accelerator
+def _offered(job: JobRecord, pools: Iterable[Pool]) -> list[Accelerator]:
+    """The types a job may be given: the one it runs on, else those of its accelerators that
+    a pool in its regions offers, in the spec's order."""
+    if job.state is JobState.RUNNING and (accel := _pool_accelerator(job.pool)) is not None:
+        return [accel]
     r = job.spec.regions
-    offered = {p.accelerator for p in pools_by_id.values()
+    offered = {p.accelerator for p in pools
                if p.capacity > 0 and region_allowed(p, r.allow, r.deny)}
-    return next((a for a in job.spec.accelerators if a in offered), None)
+    return [a for a in job.spec.accelerators if a in offered]
 
 
 def _no_region(job: JobRecord, pools: Iterable[Pool]) -> str | None:
@@ -249,14 +302,15 @@ def checkpoint_gb(job: JobRecord, config: SchedulerConfig) -> float:
 
 def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
                       marks: Marks, pools_by_id: Mapping[str, Pool],
-                      config: SchedulerConfig) -> PlacementRequest:
+                      config: SchedulerConfig,
+                      accelerator: Accelerator | None = None) -> PlacementRequest:
     """The job as placement sees it: its size and constraints, and what finishing it costs
     where: hours of work left at the chosen size (the scheduler's throughput estimate), the
     relaunch cost, the checkpoint interval, and its checkpoint's size (:func:`checkpoint_gb`),
     location (:func:`_checkpoint_location`; none before its first run) and, when the spec names
     the bucket's ``checkpoint.region``, the bucket every checkpoint is written to."""
     spec = job.spec
-    rate = samples_per_sec(job, choice.gpus, choice.batch_size)
+    rate = samples_per_sec(job, choice.gpus, choice.batch_size, accelerator)
     left = max(0, spec.work_samples - job.samples_done)
     where = _checkpoint_location(job, pools_by_id)
     bucket = _bucket(spec)
@@ -271,7 +325,8 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
 
 
 def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool],
-                 config: SchedulerConfig, now: float) -> DeadlineJob:
+                 config: SchedulerConfig, now: float,
+                 accelerator: Accelerator | None = None) -> DeadlineJob:
     """Where the job stands against its deadline for ``policies.spot.choose_market``.
 
     Hours of work are counted at ``choice`` (GPUs, batch), the job's requested size
@@ -283,7 +338,7 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
     ``reaction_s``, ``restart_s`` and up to a checkpoint interval of work (a preemption notice
     may come too late to checkpoint). ``spot: never`` is ``must_not_preempt``."""
     spec = job.spec
-    rate = samples_per_sec(job, choice.gpus, choice.batch_size)
+    rate = samples_per_sec(job, choice.gpus, choice.batch_size, accelerator)
     total_h = spec.work_samples / rate / 3600
     progress_h = min(job.samples_done, spec.work_samples) / rate / 3600
     pool = pools_by_id.get(job.pool or "") if job.state is JobState.RUNNING else None
@@ -422,7 +477,9 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
                now: float | None = None, *, blocklist: Blocklist | None = None,
                priors: Mapping[str, float] | None = None,
                stats: PoolStats | None = None) -> RoundResult:
-    """Decide the round's changes from one snapshot; pure apart from reading the clock. Jobs
+    """Decide the round's changes from one snapshot; pure apart from reading the clock. Each
+    job waiting for GPUs gets one of the accelerator types its spec accepts (:func:`_types`),
+    then each type's allocation and placement run on its pools (:func:`_plan_type`). Jobs
     are not placed in spot locations ``blocklist`` holds while other pools have room, nor ever in
     pools it marks refused (they may stay where they run: :class:`Marks`); pools
     are ranked by expected cost with ``priors`` (monthly reclaim rate per pool id; none: 0)
@@ -434,7 +491,8 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
                   refused_pools(snap.pools, blocklist, now))
     risk = pool_risk(snap.pools, priors or {}, stats or PoolStats(), snap.jobs, now)
     used: dict[str, int] = defaultdict(int)  # GPUs held by jobs this round does not move
-    by_accel: dict[Accelerator, list[JobRecord]] = defaultdict(list)
+    offered: dict[str, list[Accelerator]] = {}
+    jobs: list[JobRecord] = []
 
     for job in snap.jobs:
         if job.state in (JobState.LAUNCHING, JobState.SUSPENDING):
@@ -445,72 +503,163 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if job.state is JobState.RUNNING:
                 _stop(res, job, fence, IntentKind.STOP, "cancelled by user")
             continue
-        accel = _accelerator(job, pools_by_id)
-        if accel is None:
+        types = _offered(job, snap.pools)
+        if not types:
             if job.state is JobState.QUEUED:
                 _no_pool(res, job, _no_region(job, snap.pools), config)
             continue
-        by_accel[accel].append(job)
+        offered[job.id] = types
+        jobs.append(job)
 
-    for accel, jobs in by_accel.items():
-        pools = [p for p in snap.pools if p.accelerator is accel]
-        capacity = max(0, sum(p.capacity - used.get(p.id, 0) for p in pools))
-        # Running jobs first so the allocator's tie-break favours keeping them.
-        jobs.sort(key=lambda j: (j.state is not JobState.RUNNING, -j.spec.priority,
-                                 j.submitted_at, j.id))
-        # Only GPU counts some pool can launch (a cloud's instance sizes): an 8-GPU instance
-        # type does not make 2 GPUs of that type launchable.
-        counts = None if any(p.gpu_counts is None for p in pools) else {
-            g for p in pools for g in p.gpu_counts or ()}
-        choices = {j.id: [c for c in job_choices(j, config.policy, capacity)
-                          if counts is None or c.gpus in counts] for j in jobs}
-        unfit = [j for j in jobs if counts is not None and j.state is JobState.QUEUED
-                 and not any(j.spec.gpus.min <= n <= j.spec.gpus.max for n in counts)]
-        for j in unfit:
-            _unlaunchable(res, j, accel, sorted(counts or ()), config)
-        never = [j for j in jobs if j.state is JobState.QUEUED and j not in unfit
-                 and must_not_preempt(j.spec.spot) and not _on_demand_launches(j, pools)]
-        for j in never:
-            g = j.spec.gpus
-            _unlaunchable(res, j, accel, [], config, reason=(
-                f"spot: never runs on on-demand only, and no on-demand {accel.value} pool in its "
-                f"regions launches {g.min}-{g.max} GPUs; allow spot, or widen gpus or regions"))
-        unfit += never
-        if config.admission is Admission.DROP:  # dropped now: one change per job and plan
-            jobs = [j for j in jobs if j not in unfit]
-        placed = _allocate_and_place(res, jobs, choices, capacity, pools, pools_by_id, used,
-                                     risk, marks, config, now)
-        # GPUs free right now: running jobs hold theirs until they have checkpointed, so a
-        # launch into GPUs a resizing job still holds waits for a later round.
-        free_now = {p.id: p.capacity - used.get(p.id, 0) for p in pools}
-        for job in jobs:
-            if job.state is JobState.RUNNING and job.pool in free_now:
-                free_now[job.pool] -= job.gpus
-        for job in jobs:
-            where = placed.where.get(job.id)
-            target = None
-            if where is not None:
-                batch = next(x.batch_size for x in choices[job.id] if x.gpus == where.gpus)
-                target = (where.pool, where.gpus, batch)
-                if job.state is not JobState.RUNNING:
-                    if free_now[where.pool] < where.gpus:
-                        continue  # deferred, not dropped: it waits for the GPUs to free up
-                    free_now[where.pool] -= where.gpus
-            if job.id in placed.waits:
-                _wait_for_spot(res, job, fence)
-                continue
-            if target is None and job.state is not JobState.RUNNING and \
-                    job.id in placed.notes and not _dropped_if_left_out(job, config):
-                _note(res, job, "waiting", placed.notes[job.id])
-            _diff(res, job, target, fence, config, pools_by_id)
+    pools_of: dict[Accelerator, list[Pool]] = defaultdict(list)
+    for p in snap.pools:
+        pools_of[p.accelerator].append(p)
+    room = {p.id: max(0, p.capacity - used.get(p.id, 0)) for p in snap.pools}
+    # Running jobs first so the allocator's tie-break favours keeping them.
+    jobs.sort(key=lambda j: (j.state is not JobState.RUNNING, -j.spec.priority, j.submitted_at,
+                             j.id))
+    choices = {(j.id, a): _type_choices(j, a, pools_of[a], room, config)
+               for j in jobs for a in offered[j.id]}
+    by_accel: dict[Accelerator, list[JobRecord]] = defaultdict(list)
+    types = _types(jobs, offered, choices, pools_of, room)
+    for job in jobs:
+        by_accel[types.get(job.id, offered[job.id][0])].append(job)
+    for accel, group in by_accel.items():
+        _plan_type(res, accel, group, {j.id: choices[j.id, accel] for j in group},
+                   pools_of[accel], pools_by_id, used, risk, marks, config, fence, now)
     return res
+
+
+def _type_choices(job: JobRecord, accel: Accelerator, pools: Sequence[Pool],
+                  room: Mapping[str, int], config: SchedulerConfig) -> list[Choice]:
+    """The job's choices on ``accel``: GPU counts one pool of that type it may use can host
+    (its room this round, a running job's own GPUs counted free) and launch (a cloud's instance
+    sizes: an 8-GPU instance type does not make 2 GPUs launchable), each valued as the speed-up
+    over one GPU of the slowest type the job accepts, so values compare across types. Where no
+    pool has room for any size, the sizes its pools hold at all (placement then says why the job
+    waits)."""
+    r = job.spec.regions
+    mine = [p for p in pools if region_allowed(p, r.allow, r.deny)
+            and not (p.market is Market.SPOT and must_not_preempt(job.spec.spot))]
+    top = max((p.capacity for p in mine), default=0)
+    if not top:
+        return []
+    fixed = config.policy is not Policy.ELASTIC or job.spec.batch_mode.value == "fixed"
+    base = min((x for a in job.spec.accelerators if (x := one_gpu_rate(job, a, fixed)) > 0),
+               default=None)
+    opts = job_choices(job, config.policy, top, accel, base)
+    roomy = [c for c in opts
+             if any(p.launchable(c.gpus) and room.get(p.id, 0) >= c.gpus for p in mine)]
+    # no room anywhere now: sizes a pool holds at all, so placement can say why it waits
+    return roomy or [c for c in opts if any(p.launchable(c.gpus) for p in mine)]
+
+
+def _types(jobs: Sequence[JobRecord], offered: Mapping[str, list[Accelerator]],
+           choices: Mapping[tuple[str, Accelerator], list[Choice]],
+           pools_of: Mapping[Accelerator, list[Pool]],
+           room: Mapping[str, int]) -> dict[str, Accelerator]:
+    """One accelerator type per job that accepts several (``policies.choices.assign_types``: a
+    Lagrangian split of the types' GPUs, scored exactly with the allocator); a running job stays
+    on its type, and a job with one offered type takes it."""
+    multi = [j for j in jobs if len(offered[j.id]) > 1]
+    if not multi:
+        return {}
+    capacity = {a: sum(room.get(p.id, 0) for p in ps) for a, ps in pools_of.items()}
+    cands = {j.id: {a: JobChoices(j.id, choices[j.id, a]) for a in offered[j.id]}
+             for j in jobs}
+    return assign_types(cands, {a: c for a, c in capacity.items()
+                                if any(a in offered[j.id] for j in jobs)})
+
+
+def _plan_type(res: RoundResult, accel: Accelerator, jobs: list[JobRecord],
+               choices: dict[str, list[Choice]], pools: list[Pool],
+               pools_by_id: dict[str, Pool], used: Mapping[str, int],
+               risk: Mapping[str, PoolRisk], marks: Marks, config: SchedulerConfig, fence: int,
+               now: float) -> None:
+    """One accelerator type's allocation, placement and diff against what runs."""
+    capacity = max(0, sum(p.capacity - used.get(p.id, 0) for p in pools))
+    counts = None if any(p.gpu_counts is None for p in pools) else {
+        g for p in pools for g in p.gpu_counts or ()}
+    unfit = [j for j in jobs if counts is not None and j.state is JobState.QUEUED
+             and not any(j.spec.gpus.min <= n <= j.spec.gpus.max for n in counts)]
+    for j in unfit:
+        _unlaunchable(res, j, accel, sorted(counts or ()), config)
+    never = [j for j in jobs if j.state is JobState.QUEUED and j not in unfit
+             and must_not_preempt(j.spec.spot) and not _on_demand_launches(j, pools)]
+    for j in never:
+        g = j.spec.gpus
+        _unlaunchable(res, j, accel, [], config, reason=(
+            f"spot: never runs on on-demand only, and no on-demand {accel.value} pool in its "
+            f"regions launches {g.min}-{g.max} GPUs; allow spot, or widen gpus or regions"))
+    unfit += never
+    if config.admission is Admission.DROP:  # dropped now: one change per job and plan
+        jobs = [j for j in jobs if j not in unfit]
+    placed = _allocate_and_place(res, jobs, choices, capacity, pools, pools_by_id, used,
+                                 risk, marks, config, now, accel)
+    placed = _repair(res, jobs, choices, placed, pools, pools_by_id, used, risk, marks, config,
+                     now, accel)
+    # GPUs free right now: running jobs hold theirs until they have checkpointed, so a
+    # launch into GPUs a resizing job still holds waits for a later round.
+    free_now = {p.id: p.capacity - used.get(p.id, 0) for p in pools}
+    for job in jobs:
+        if job.state is JobState.RUNNING and job.pool in free_now:
+            free_now[job.pool] -= job.gpus
+    for job in jobs:
+        where = placed.where.get(job.id)
+        target = None
+        if where is not None:
+            batch = next(x.batch_size for x in choices[job.id] if x.gpus == where.gpus)
+            target = (where.pool, where.gpus, batch)
+            if job.state is not JobState.RUNNING:
+                if free_now[where.pool] < where.gpus:
+                    continue  # deferred, not dropped: it waits for the GPUs to free up
+                free_now[where.pool] -= where.gpus
+        if job.id in placed.waits:
+            _wait_for_spot(res, job, fence)
+            continue
+        if target is None and job.state is not JobState.RUNNING and \
+                job.id in placed.notes and not _dropped_if_left_out(job, config):
+            _note(res, job, "waiting", placed.notes[job.id])
+        _diff(res, job, target, fence, config, pools_by_id)
+
+
+def _repair(res: RoundResult, jobs: list[JobRecord], choices: dict[str, list[Choice]],
+            placed: Placed, pools: list[Pool], pools_by_id: dict[str, Pool],
+            used: Mapping[str, int], risk: Mapping[str, PoolRisk], marks: Marks,
+            config: SchedulerConfig, now: float, accel: Accelerator,
+            passes: int = 2) -> Placed:
+    """Fragmentation repair: the jobs placement left out (the allocator counts a type's GPUs
+    as one heap, placement puts each gang in one pool) are allocated again over the room left
+    in each pool, at sizes one pool still hosts, so no GPU idles while a waiting job fits."""
+    for _ in range(passes):
+        left = [j for j in jobs if placed.where.get(j.id) is None and j.id not in placed.waits]
+        if not left:
+            break
+        held = _held(used, placed.where)
+        room = {p.id: max(0, p.capacity - held.get(p.id, 0)) for p in pools}
+        again = {j.id: [c for c in choices[j.id]
+                        if any(room[p.id] >= c.gpus and p.launchable(c.gpus) for p in pools)]
+                 for j in left}
+        if not any(again.values()):
+            break
+        more = _allocate_and_place(res, left, again, sum(room.values()), pools, pools_by_id,
+                                   held, risk, marks, config, now, accel)
+        got = {k: v for k, v in more.where.items() if v is not None}
+        if not got:
+            break
+        placed.where.update(got)
+        placed.waits |= more.waits
+        for k in got:
+            placed.notes.pop(k, None)
+    return placed
 
 
 def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
                         choices: dict[str, list[Choice]], capacity: int, pools: list[Pool],
                         pools_by_id: dict[str, Pool], used: Mapping[str, int],
                         risk: Mapping[str, PoolRisk], marks: Marks,
-                        config: SchedulerConfig, now: float) -> Placed:
+                        config: SchedulerConfig, now: float,
+                        accel: Accelerator | None = None) -> Placed:
     """One accelerator's allocation and placement; the deadline jobs that wait for spot or
     found no room in any market they may use (see :func:`place_by_deadline`) give their share
     back: the others are allocated and placed again without them, and those sent to on-demand
@@ -520,14 +669,14 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
     paced = {}
     for job in (j for j in jobs if j.spec.deadline_s is not None):
         if (c := requested_choice(job, choices[job.id], pools, marks)) is not None:
-            paced[job.id] = Paced.of(c, deadline_job(job, c, pools_by_id, config, now),
+            paced[job.id] = Paced.of(c, deadline_job(job, c, pools_by_id, config, now, accel),
                                      on_demand_choices(job, choices[job.id], c, pools, marks,
-                                                       room))
+                                                       room, accel))
     waiting: set[str] = set()
     missed: dict[str, PlacementRequest] = {}  # gave their share back: what they asked for
     notes: dict[str, str] = {}
     for last in (False, True):
-        allowed, required = _paced_choices(jobs, choices, paced, pools_by_id)
+        allowed, required = _paced_choices(jobs, choices, paced, pools_by_id, accel)
         active = [j for j in jobs if j.id not in waiting and j.id not in missed]
         t0 = time.perf_counter()
         chosen = _allocate(active, allowed, capacity, pools_by_id, config, now, required)
@@ -538,7 +687,8 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
             if c is None:
                 continue
             fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
-            requests.append(placement_request(job, c, fallbacks, marks, pools_by_id, config))
+            requests.append(placement_request(job, c, fallbacks, marks, pools_by_id, config,
+                                              accel))
         placed = place_by_deadline(requests, paced, pools, used, risk, config, below_pace=last)
         notes.update(placed.notes)
         if not placed.waits and not placed.switched and not placed.missed:
@@ -573,7 +723,7 @@ def requested_choice(job: JobRecord, opts: Sequence[Choice], pools: Sequence[Poo
 
 def on_demand_choices(job: JobRecord, opts: Sequence[Choice], requested: Choice,
                       pools: Sequence[Pool], marks: Marks, room: Mapping[str, int],
-                      ) -> list[Choice]:
+                      accelerator: Accelerator | None = None) -> list[Choice]:
     """The sizes a deadline job takes on on-demand, largest first. Those that keep its pace (as
     fast as at ``requested``, the size its pace is judged at), from the largest that fits an
     on-demand pool's ``room`` this round (pool id -> GPUs not held by jobs the round does not
@@ -585,14 +735,16 @@ def on_demand_choices(job: JobRecord, opts: Sequence[Choice], requested: Choice,
     if top is None:
         return []
     sizes = sorted((c for c in opts if c.gpus <= top.gpus), key=lambda c: -c.gpus)
-    pace = samples_per_sec(job, requested.gpus, requested.batch_size)
-    on_pace = [c for c in sizes if samples_per_sec(job, c.gpus, c.batch_size) >= pace]
+    pace = samples_per_sec(job, requested.gpus, requested.batch_size, accelerator)
+    on_pace = [c for c in sizes
+               if samples_per_sec(job, c.gpus, c.batch_size, accelerator) >= pace]
     fits = requested_choice(job, on_pace, pools, marks, Market.ON_DEMAND, room)
     return [c for c in on_pace if c.gpus <= fits.gpus] if fits else sizes
 
 
 def _paced_choices(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]],
                    paced: Mapping[str, Paced], pools_by_id: Mapping[str, Pool],
+                   accelerator: Accelerator | None = None,
                    ) -> tuple[dict[str, list[Choice]], set[str]]:
     """The configurations the allocator may give each job, and the jobs that must get one of
     theirs (while all such pins can be honoured), as the simulator's fleet policy does: a
@@ -615,9 +767,10 @@ def _paced_choices(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]
             if not p.view.must_not_preempt:
                 required.add(job.id)
         elif p.market is Market.SPOT and holds_pace(p.view):
-            pace = samples_per_sec(job, p.requested.gpus, p.requested.batch_size)
+            pace = samples_per_sec(job, p.requested.gpus, p.requested.batch_size, accelerator)
             pool = pools_by_id.get(job.pool or "")
-            kept = [c for c in current if samples_per_sec(job, c.gpus, c.batch_size) >= pace]
+            kept = [c for c in current
+                    if samples_per_sec(job, c.gpus, c.batch_size, accelerator) >= pace]
             if kept and pool is not None and pool.market is Market.SPOT:
                 allowed[job.id] = kept
                 required.add(job.id)
@@ -645,12 +798,20 @@ def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity:
     """Run the allocator with running jobs' current config favoured (``stickiness``) and, for
     jobs started less than ``min_rescale_interval_s`` ago (or under the static policy) and jobs
     that must not be preempted (``spot: never``: no suspension or rescale to rebalance), pinned;
-    so are the ``required`` jobs to one of their choices (:func:`_paced_choices`). Pins are
-    dropped when they cannot all be honoured (capacity was lost)."""
+    so are the ``required`` jobs to one of their choices (:func:`_paced_choices`). Under
+    admission drop a running job is never suspended to admit a newcomer (required, as in the
+    seed paper), and a newcomer is admitted, in order, only while its smallest size still fits
+    beside those admitted before it (:func:`_admitted`). Pins are dropped when they cannot all
+    be honoured (capacity was lost)."""
+    admitted = _admitted(jobs, choices, capacity) if config.admission is Admission.DROP else set()
+
     def build(pin: bool) -> list[JobChoices]:
         out = []
         for job in jobs:
             opts = choices[job.id]
+            if pin and job.id in admitted:
+                out.append(JobChoices(job.id, opts, required=True))
+                continue
             if pin and job.id in required:
                 out.append(JobChoices(job.id, opts, required=True))
                 continue
@@ -672,6 +833,24 @@ def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity:
         return allocate(build(pin=True), capacity)
     except InfeasibleAllocation:
         return allocate(build(pin=False), capacity)
+
+
+def _admitted(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]],
+              capacity: int) -> set[str]:
+    """Admission drop: the running jobs, and the newcomers (queued, in the round's order) whose
+    smallest size fits beside them; the others get nothing, and a newcomer left out is
+    dropped."""
+    out, taken = set(), 0
+    for job in sorted(jobs, key=lambda j: j.state is not JobState.RUNNING):
+        opts = choices[job.id]
+        if not opts or job.state not in (JobState.RUNNING, JobState.QUEUED):
+            continue
+        smallest = min(c.gpus for c in opts)
+        if job.state is JobState.QUEUED and taken + smallest > capacity:
+            continue
+        taken += smallest
+        out.add(job.id)
+    return out
 
 
 def _nodes(pool: Pool | None, gpus: int) -> int:

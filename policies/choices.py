@@ -198,7 +198,9 @@ def assign_types(cands: Mapping[str, Mapping[Accelerator, JobChoices]],
     """Outer step for heterogeneous fleets: one accelerator type per job (see module doc).
 
     ``cands[job][type]`` are the job's choices on that type, values on one common scale.
-    Candidates: a greedy by one-GPU value per type, then assignments from GPU prices per type
+    Candidates: a greedy by one-GPU value per type, one that fills each type's free GPUs with
+    the jobs' best sizes in order (:func:`_filled_types`), then assignments from GPU prices per
+    type
     (each job takes the (type, count) with the largest value minus price x GPUs; prices follow
     the excess demand). The best few candidates are scored exactly with the per-type DP.
     """
@@ -206,7 +208,7 @@ def assign_types(cands: Mapping[str, Mapping[Accelerator, JobChoices]],
     types = list(capacity)
     if len(types) == 1:
         return {j: types[0] for j in jobs}
-    candidates = [_greedy_types(cands, capacity, jobs)]
+    candidates = [_greedy_types(cands, capacity, jobs), _filled_types(cands, capacity, jobs)]
     # every (job, type, count) choice as flat arrays, in job order then type order then count
     job_ix, type_ix, gpus, vals = [], [], [], []
     for j_i, j in enumerate(jobs):
@@ -240,7 +242,7 @@ def assign_types(cands: Mapping[str, Mapping[Accelerator, JobChoices]],
         demand = np.bincount(tx[wants], weights=g[wants], minlength=len(types))
         price = np.maximum(0.0, price + step0 / (1 + it / 4) * (demand - caps)
                            / np.maximum(caps, 1))
-    pool = [candidates[0], *candidates[1:][-(evaluate - 1):]]
+    pool = [*candidates[:2], *candidates[2:][-(evaluate - 2):]]
     scores = [_dp_value(cands, capacity, c) for c in pool]
     return pool[int(np.argmax(scores))]
 
@@ -264,6 +266,30 @@ def _greedy_types(cands: Mapping[str, Mapping[Accelerator, JobChoices]],
             free[acc] -= n
     for _, _, _, j, acc, _ in pairs:
         out.setdefault(j, acc)
+    return out
+
+
+def _filled_types(cands: Mapping[str, Mapping[Accelerator, JobChoices]],
+                  capacity: Mapping[Accelerator, int], jobs: list[str]) -> dict[str, Accelerator]:
+    """Jobs in order each take the type where their best size that fits the GPUs still free
+    there is worth most (at equal worth, the type with more left free), and hold that size:
+    where types are alike for the jobs, this spreads them instead of stacking them on one."""
+    free = dict(capacity)
+    out: dict[str, Accelerator] = {}
+    for j in jobs:
+        best: tuple[float, int, Accelerator, int] | None = None
+        for acc, jc in cands[j].items():
+            fit = [c for c in jc.choices if c.gpus <= free.get(acc, 0)]
+            if fit:
+                c = max(fit, key=lambda c: c.value)
+                key = (c.value, free[acc], acc, c.gpus)
+                if best is None or key[:2] > best[:2]:
+                    best = key
+        if best is not None:
+            out[j] = best[2]
+            free[best[2]] -= best[3]
+        elif cands[j]:
+            out[j] = next(iter(cands[j]))
     return out
 
 

@@ -1,0 +1,110 @@
+"""The live round's planning, pure (no Redis): a job that accepts several accelerator types gets
+an idle one, allocation respects what one pool can host and leaves no GPU idle that a waiting
+job could use, and admission drop never suspends a running job for a newcomer."""
+
+from __future__ import annotations
+
+from broker.models import Intent, IntentKind, JobRecord, JobState
+from broker.scheduler import Admission, SchedulerConfig, plan_round
+from broker.store import Snapshot
+from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
+
+NOW = 1_000_000.0
+
+
+def pool(cloud: str, accel: Accelerator, gpus: int, market: Market = Market.ON_DEMAND,
+         price: float = 1.0) -> Pool:
+    return Pool(cloud=cloud, region="r1", accelerator=accel, market=market, nodes=1,
+                gpus_per_node=gpus, price_per_gpu_hour=price)
+
+
+def job(name: str, accels: list[Accelerator], gmin: int = 1, gmax: int = 8,
+        state: JobState = JobState.QUEUED, at: Pool | None = None, gpus: int = 0,
+        priority: int = 0, submitted: float = NOW - 100) -> JobRecord:
+    spec = JobSpec(name=name, run="true", accelerators=accels, gpus=GpuRange(min=gmin, max=gmax),
+                   batch_size=BatchRange(min=32, max=512), work_samples=10**7, priority=priority)
+    running = state is JobState.RUNNING
+    return JobRecord(id=f"{name}-1", spec=spec, team="t", state=state,
+                     pool=at.id if running and at else None, gpus=gpus if running else 0,
+                     batch_size=512 if running else None, attempt=int(running),
+                     launched_at=NOW - 3600 if running else None, submitted_at=submitted)
+
+
+def launches(jobs: list[JobRecord], pools: list[Pool],
+             config: SchedulerConfig | None = None) -> dict[str, tuple[str, int]]:
+    res = plan_round(Snapshot(jobs, pools, []), 1, config or SchedulerConfig(), NOW)
+    return {i["job"]: (i["pool"], int(i["gpus"])) for i in (_intent(x) for x in
+                                                             res.plan.intents_add)
+            if i["kind"] == IntentKind.LAUNCH.value}
+
+
+def _intent(entry: dict[str, str]) -> dict[str, str]:
+    i = Intent.model_validate_json(entry["json"])
+    return {"kind": i.kind.value, "job": i.job_id, "pool": i.pool or "", "gpus": str(i.gpus)}
+
+
+def test_a_job_that_accepts_two_types_takes_the_idle_one() -> None:
+    """A100 is full with a running job; 8 V100 are idle: the A100-or-V100 job runs on V100."""
+    a100, v100 = pool("aws", Accelerator.A100, 8), pool("gcp", Accelerator.V100, 8)
+    busy = job("busy", [Accelerator.A100], gmin=8, state=JobState.RUNNING, at=a100, gpus=8)
+    either = job("either", [Accelerator.A100, Accelerator.V100])
+    got = launches([busy, either], [a100, v100])
+    assert got == {either.id: (v100.id, 8)}
+
+
+def test_two_types_two_jobs_each_get_a_type() -> None:
+    """Two jobs that accept both types and two idle 4-GPU pools of different types: both run."""
+    t4, v100 = pool("aws", Accelerator.T4, 4), pool("gcp", Accelerator.V100, 4)
+    both = [Accelerator.T4, Accelerator.V100]
+    got = launches([job("a", both), job("b", both)], [t4, v100])
+    assert sorted(got.values()) == sorted([(t4.id, 4), (v100.id, 4)])
+
+
+def test_no_count_that_no_single_pool_hosts() -> None:
+    """Two 4-GPU T4 pools in two clouds: a 1-8 GPU job is given 4 (one pool's), not 8 that
+    placement then cuts down; a second such job gets the other pool, none idles."""
+    east, west = pool("aws", Accelerator.T4, 4), pool("gcp", Accelerator.T4, 4, price=1.1)
+    one = launches([job("a", [Accelerator.T4])], [east, west])
+    assert one == {"a-1": (east.id, 4)}
+    two = launches([job("a", [Accelerator.T4]), job("b", [Accelerator.T4])], [east, west])
+    assert sorted(two.values()) == sorted([(east.id, 4), (west.id, 4)])
+
+
+def test_fragmentation_repair_fills_the_room_left() -> None:
+    """Pools of 6 and 2 GPUs, three jobs of 1-4 GPUs: whatever the allocator's first split, the
+    waiting jobs are fitted into the room each pool has left: all 8 GPUs are given out."""
+    big, small = pool("aws", Accelerator.T4, 6), pool("gcp", Accelerator.T4, 2, price=1.1)
+    jobs = [job(n, [Accelerator.T4], gmax=4) for n in "abc"]
+    got = launches(jobs, [big, small])
+    assert len(got) == 3
+    assert sum(g for _, g in got.values()) == 8
+
+
+def test_admission_drop_never_suspends_a_running_job_for_a_newcomer() -> None:
+    """Two jobs run on all 8 GPUs under admission drop. A priority-100 newcomer that needs 8
+    GPUs does not fit beside them: it is dropped and they keep running. One that needs 4 fits
+    beside their smallest sizes: it is admitted, and they shrink (elastic) but are never
+    suspended."""
+    t4 = pool("aws", Accelerator.T4, 8)
+    running = [job(n, [Accelerator.T4], gmax=4, state=JobState.RUNNING, at=t4, gpus=4)
+               for n in ("a", "b")]
+    drop = SchedulerConfig(admission=Admission.DROP)
+    big = job("big", [Accelerator.T4], gmin=8, gmax=8, priority=100)
+    res = plan_round(Snapshot([*running, big], [t4], []), 1, drop, NOW)
+    assert res.dropped == 1 and not res.plan.intents_add
+    vip = job("vip", [Accelerator.T4], gmin=4, gmax=8, priority=100)
+    res = plan_round(Snapshot([*running, vip], [t4], []), 1, drop, NOW)
+    kinds = {_intent(i)["job"]: _intent(i)["kind"] for i in res.plan.intents_add}
+    assert res.dropped == 0
+    assert all(kinds.get(j.id) in (None, "resize") for j in running)
+    assert kinds.get(vip.id) is None  # it launches once the shrinking jobs free their GPUs
+
+
+def test_under_queue_admission_priority_still_preempts() -> None:
+    """Admission queue keeps priority as a weight: the priority-100 job gets GPUs."""
+    t4 = pool("aws", Accelerator.T4, 8)
+    running = [job(n, [Accelerator.T4], gmax=4, state=JobState.RUNNING, at=t4, gpus=4)
+               for n in ("a", "b")]
+    vip = job("vip", [Accelerator.T4], gmin=4, gmax=8, priority=100)
+    res = plan_round(Snapshot([*running, vip], [t4], []), 1, SchedulerConfig(), NOW)
+    assert res.suspends + res.resizes >= 1
