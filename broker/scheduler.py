@@ -174,6 +174,7 @@ def _batches(bmin: int, bmax: int, binit: int, fixed: bool, gpus: int) -> list[i
     return batch_candidates(bmin, bmax, gpus)
 
 
+@functools.lru_cache(maxsize=65_536)
 def _one_gpu(model: JobModel, accelerator: Accelerator, bmin: int, bmax: int, binit: int,
              fixed: bool) -> float:
     return max((model.rate(accelerator, 1, x) for x in _batches(bmin, bmax, binit, fixed, 1)),
@@ -201,14 +202,31 @@ def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, fixed: boo
     return tuple(out)
 
 
-def _offered(job: JobRecord, pools: Iterable[Pool]) -> list[Accelerator]:
+class _Usable:
+    """The pools each set of region filters lets a job use, looked up once per round (many
+    jobs share their filters)."""
+
+    def __init__(self, pools: Sequence[Pool]) -> None:
+        self.pools = pools
+        self._memo: dict[tuple, list[Pool]] = {}
+
+    def __call__(self, spec: JobSpec) -> list[Pool]:
+        """Pools with GPUs in the job's regions, on-demand only for ``spot: never``."""
+        r, never = spec.regions, must_not_preempt(spec.spot)
+        key = (tuple(r.allow), tuple(r.deny), never)
+        if (hit := self._memo.get(key)) is None:
+            hit = self._memo[key] = [
+                p for p in self.pools if p.capacity > 0 and region_allowed(p, r.allow, r.deny)
+                and not (never and p.market is Market.SPOT)]
+        return hit
+
+
+def _offered(job: JobRecord, usable: _Usable) -> list[Accelerator]:
     """The types a job may be given: the one it runs on, else those of its accelerators that
     a pool in its regions offers, in the spec's order."""
     if job.state is JobState.RUNNING and (accel := _pool_accelerator(job.pool)) is not None:
         return [accel]
-    r = job.spec.regions
-    offered = {p.accelerator for p in pools
-               if p.capacity > 0 and region_allowed(p, r.allow, r.deny)}
+    offered = {p.accelerator for p in usable(job.spec)}
     return [a for a in job.spec.accelerators if a in offered]
 
 
@@ -493,6 +511,7 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
     used: dict[str, int] = defaultdict(int)  # GPUs held by jobs this round does not move
     offered: dict[str, list[Accelerator]] = {}
     jobs: list[JobRecord] = []
+    usable = _Usable(snap.pools)
 
     for job in snap.jobs:
         if job.state in (JobState.LAUNCHING, JobState.SUSPENDING):
@@ -503,7 +522,7 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             if job.state is JobState.RUNNING:
                 _stop(res, job, fence, IntentKind.STOP, "cancelled by user")
             continue
-        types = _offered(job, snap.pools)
+        types = _offered(job, usable)
         if not types:
             if job.state is JobState.QUEUED:
                 _no_pool(res, job, _no_region(job, snap.pools), config)
@@ -518,7 +537,7 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
     # Running jobs first so the allocator's tie-break favours keeping them.
     jobs.sort(key=lambda j: (j.state is not JobState.RUNNING, -j.spec.priority, j.submitted_at,
                              j.id))
-    choices = {(j.id, a): _type_choices(j, a, pools_of[a], room, config)
+    choices = {(j.id, a): _type_choices(j, a, usable(j.spec), room, config)
                for j in jobs for a in offered[j.id]}
     by_accel: dict[Accelerator, list[JobRecord]] = defaultdict(list)
     types = _types(jobs, offered, choices, pools_of, room)
@@ -532,15 +551,14 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
 
 def _type_choices(job: JobRecord, accel: Accelerator, pools: Sequence[Pool],
                   room: Mapping[str, int], config: SchedulerConfig) -> list[Choice]:
-    """The job's choices on ``accel``: GPU counts one pool of that type it may use can host
+    """The job's choices on ``accel``: GPU counts one of ``pools`` (those the job may use) of
+    that type can host
     (its room this round, a running job's own GPUs counted free) and launch (a cloud's instance
     sizes: an 8-GPU instance type does not make 2 GPUs launchable), each valued as the speed-up
     over one GPU of the slowest type the job accepts, so values compare across types. Where no
     pool has room for any size, the sizes its pools hold at all (placement then says why the job
     waits)."""
-    r = job.spec.regions
-    mine = [p for p in pools if region_allowed(p, r.allow, r.deny)
-            and not (p.market is Market.SPOT and must_not_preempt(job.spec.spot))]
+    mine = [p for p in pools if p.accelerator is accel]
     top = max((p.capacity for p in mine), default=0)
     if not top:
         return []
@@ -637,9 +655,9 @@ def _repair(res: RoundResult, jobs: list[JobRecord], choices: dict[str, list[Cho
             break
         held = _held(used, placed.where)
         room = {p.id: max(0, p.capacity - held.get(p.id, 0)) for p in pools}
-        again = {j.id: [c for c in choices[j.id]
-                        if any(room[p.id] >= c.gpus and p.launchable(c.gpus) for p in pools)]
-                 for j in left}
+        hosts = functools.cache(lambda g, room=room: any(
+            room[p.id] >= g and p.launchable(g) for p in pools))
+        again = {j.id: [c for c in choices[j.id] if hosts(c.gpus)] for j in left}
         if not any(again.values()):
             break
         more = _allocate_and_place(res, left, again, sum(room.values()), pools, pools_by_id,

@@ -8,6 +8,7 @@ Efficiency model ``none`` is the seed paper's assumption: ``gain = s`` inside th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -46,13 +47,13 @@ class Efficiency:
     def init_batch_size(self) -> int:
         return int(self.table.batch_sizes[0])
 
-    @property
+    @functools.cached_property
     def boundaries(self) -> np.ndarray:
         """Progress at the start of epochs 0..max_epochs (the minimum over the runs, as Pollux)."""
         ends = self.table.progress[:, : self.max_epochs].min(axis=0)
         return np.concatenate([[0.0], ends])
 
-    @property
+    @functools.cached_property
     def target(self) -> float:
         """Progress (M0 iterations) at which the job is complete."""
         return float(self.boundaries[-1])

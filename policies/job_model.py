@@ -22,6 +22,7 @@ measured. Pure: the tables come in as objects.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -78,13 +79,19 @@ class TablePrior:
     def rate(self, accelerator: Accelerator | None, gpus: int, batch: int) -> float:
         if accelerator not in self.app.throughput:
             return self.fallback.rate(accelerator, gpus, batch)
-        per_node = ACCELERATOR_TRACES[accelerator][1]
-        goodput, _ = self.app.rate(accelerator, packed_placement(gpus, per_node), batch,
-                                   self.epoch)
-        return goodput * self.app.init_batch_size if goodput > 0 else 0.0
+        return _table_rate(self, accelerator, gpus, batch)
 
     def measured_on(self, accelerator: Accelerator | None) -> bool:
         return accelerator in self.app.throughput
+
+
+@functools.lru_cache(maxsize=262_144)
+def _table_rate(prior: TablePrior, accelerator: Accelerator, gpus: int, batch: int) -> float:
+    """A table's goodput in samples at the initial batch per second (the tables interpolate,
+    so every configuration is looked up once)."""
+    per_node = ACCELERATOR_TRACES[accelerator][1]
+    goodput, _ = prior.app.rate(accelerator, packed_placement(gpus, per_node), batch, prior.epoch)
+    return goodput * prior.app.init_batch_size if goodput > 0 else 0.0
 
 
 Prior = GenericPrior | TablePrior

@@ -5,6 +5,7 @@ Every package may import this module; it holds types only, no I/O.
 
 from __future__ import annotations
 
+import functools
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -90,6 +91,7 @@ class Offer(BaseModel):
         return self.spot_price if market is Market.SPOT else self.price
 
 
+@functools.lru_cache(maxsize=65_536)
 def pool_id(cloud: str, region: str, market: Market, accelerator: Accelerator,
             zone: str | None = None) -> str:
     """A pool's id, ``cloud:region[/zone]:market:accelerator`` (``Pool.id``), for code that

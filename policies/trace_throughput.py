@@ -9,6 +9,7 @@ gradient accumulation: ``a`` extra micro-steps cost ``a x (step_time - sync_time
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -60,11 +61,11 @@ class ThroughputModel:
         default_factory=dict, init=False, repr=False
     )
 
-    @property
+    @functools.cached_property
     def min_local_bsz(self) -> int:
         return int(min(rows[0, 0] for rows in self.table.placements.values()))
 
-    @property
+    @functools.cached_property
     def max_local_bsz(self) -> int:
         measured = int(max(rows[-1, 0] for rows in self.table.placements.values()))
         override = self.table.max_local_bsz_override

@@ -1,6 +1,6 @@
 """Control-plane speed against a real redis-server (AOF everysec): submissions per second into
-the store, and one scheduling round (snapshot, allocation, placement, atomic plan write) with
-10,000 jobs across 20 pools."""
+the store, and one scheduling round (snapshot, fitted job models, type choice, allocation,
+placement, atomic plan write) with 10,000 jobs across 20 pools."""
 
 from __future__ import annotations
 
@@ -33,12 +33,17 @@ def pools(seed: int = 0) -> list[Pool]:
     return out
 
 
+TYPES = ([Accelerator.T4], [Accelerator.A100], [Accelerator.A100, Accelerator.T4])
+MODELS = (None, "cifar10", "imagenet", "bert")
+
+
 def spec(i: int, rng: random.Random) -> JobSpec:
-    return JobSpec(name=f"job{i}", run="python train.py",
-                   accelerators=[rng.choice([Accelerator.T4, Accelerator.A100])],
+    """A third of the jobs accept either type (the round chooses); three in four name a
+    measured model (their prior is its table), the others start from the generic prior."""
+    return JobSpec(name=f"job{i}", run="python train.py", accelerators=rng.choice(TYPES),
                    gpus=GpuRange(min=1, max=rng.choice([1, 2, 4, 8])),
                    batch_size=BatchRange(min=32, max=rng.choice([256, 1024, 4096])),
-                   work_samples=10**6)
+                   work_samples=10**6, model=rng.choice(MODELS))
 
 
 def bench_submit(url: str, n: int, threads: int) -> float:
