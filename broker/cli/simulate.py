@@ -45,9 +45,11 @@ def simulate(
     migrate: bool = typer.Option(
         False, help="let a running job move to a type where it runs 3x faster (a restart)"),
     spot_policy: str = typer.Option(
-        "auto", help="ondemand | skypilot-failover | skypilot-eager | fleet: how spot markets "
-        "and regions are used; auto: fleet when the cluster has spot or trace pools, else the "
-        "classic simulation (no markets, no costs)"),
+        "auto", help="fleet: the live broker's scheduling round decides (GPUs, batch, markets, "
+        "regions, deadlines), with the broker's own settings, so --value, --fairness, "
+        "--restart-horizon, --accumulation and --migrate do not apply to it; ondemand | "
+        "skypilot-failover | skypilot-eager: baselines for comparison; auto: fleet when the "
+        "cluster has spot or trace pools, else the classic simulation (no markets, no costs)"),
     checkpoint_interval: float = typer.Option(
         100.0, help="spot simulation: seconds of progress between checkpoints (a preemption "
         "loses the work since the last one); 100 is the job spec's default"),

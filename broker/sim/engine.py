@@ -158,12 +158,7 @@ def advance(job: SimJob, start: float, seconds: float, cache: dict[tuple, float]
     bounds = eff.boundaries
     while elapsed < seconds:
         epoch = eff.epoch(s.progress)
-        key = (s.app.name, eff.model, a, epoch)
-        rate = cache.get(key)
-        if rate is None:
-            rate, _ = s.app.rate(a.accelerator, a.placement, a.batch_size, epoch)
-            cache[key] = rate
-        rate /= s.slowdown
+        rate = goodput(s, a, epoch, cache)
         if not rate > 0:
             raise SimulationError(f"job {s.id}: {s.app.name} cannot run with {a} (no measurements)")
         nxt = bounds[epoch + 1]
@@ -178,6 +173,17 @@ def advance(job: SimJob, start: float, seconds: float, cache: dict[tuple, float]
             rec.gpu_seconds -= (seconds - elapsed) * a.gpus
             s.current = None
             return
+
+
+def goodput(state: JobState, a: Assignment, epoch: int, cache: dict[tuple, float]) -> float:
+    """M0-iterations per second of ``state``'s job on ``a`` during ``epoch``, its slowdown
+    applied (NaN where the measurements cannot run it). ``cache`` keeps the tables' answers."""
+    key = (state.app.name, state.app.efficiency.model, a, epoch)
+    rate = cache.get(key)
+    if rate is None:
+        rate, _ = state.app.rate(a.accelerator, a.placement, a.batch_size, epoch)
+        cache[key] = rate
+    return rate / state.slowdown
 
 
 def _apply(active: list[SimJob], plan: dict[str, Assignment | None], cfg: SimConfig) -> None:
