@@ -164,12 +164,6 @@ def test_fleet_moving_a_running_job_to_another_region_counts_as_a_migration(
 # every round, a restart each time (16 for the job of the second test, which ends 733 s late);
 # the first test's job then asks for 8 GPUs at batch 64, below the smallest per-GPU batch the
 # tables measured for deepspeech2, where the simulated job fails.
-LIVE_ROUND_MISSES = pytest.mark.xfail(
-    strict=True, reason="the live round's generic throughput model rescales the job nearly "
-    "every round (see LIVE_ROUND_MISSES)")
-
-
-@LIVE_ROUND_MISSES
 def test_fleet_falls_back_to_on_demand_to_meet_a_deadline(tmp_path: Path) -> None:
     name = _trace(tmp_path / "t.json", [0])  # no spot at all
     pools = _cluster(tmp_path, _v100("us-east-1", "spot", 0.3, extra=f", trace: {name}"),
@@ -188,7 +182,6 @@ def test_fleet_prefers_spot_when_the_deadline_allows(tmp_path: Path) -> None:
     assert fleet.ondemand_gpu_h == 0 and fleet.spot_gpu_h > 0 and fleet.deadline_misses == 0
 
 
-@LIVE_ROUND_MISSES
 def test_fleet_meets_a_deadline_with_little_slack_on_spot(tmp_path: Path) -> None:
     pools = _cluster(tmp_path, _v100("us-east-1", "spot", 0.3),
                      _v100("us-east-1", "on-demand", 3.0))
