@@ -79,6 +79,11 @@ class SchedulerConfig(BaseModel):
         default=6.0, ge=0, description="from a preemption to the broker's relaunch decision (a "
         "heartbeat, 5 s, and a loop tick, 1 s, by default): the deadline rule counts it with "
         "restart_s and a checkpoint interval in what one preemption can cost")
+    checkpoint_on_notice: bool = Field(
+        default=False, description="jobs checkpoint on the preemption notice (FleetBroker's "
+        "agent does: AWS warns 2 min ahead, GCP and Azure 30 s), so a preemption loses no work "
+        "since the last checkpoint; placement and the deadline rule then price a preemption as "
+        "its reaction and restart only")
     move_margin: Stickiness = Field(
         default_factory=Stickiness, description="the saving a running job's move to a cheaper "
         "pool must beat (its restart counted): max(min_saving_usd, min_saving_fraction x cost)")
@@ -283,6 +288,15 @@ def checkpoint_interval_s(spec: JobSpec, batch: int, samples_per_s: float) -> fl
     return every * batch / samples_per_s if in_steps else every
 
 
+def lost_work_h(spec: JobSpec, batch: int, samples_per_s: float,
+                config: SchedulerConfig) -> float:
+    """Hours of work a preemption can lose: none when the agents checkpoint on the notice
+    (``config.checkpoint_on_notice``), else up to a checkpoint interval."""
+    if config.checkpoint_on_notice:
+        return 0.0
+    return checkpoint_interval_s(spec, batch, samples_per_s) / 3600
+
+
 def _location(pool_id: str, pools_by_id: Mapping[str, Pool]) -> tuple[str, str]:
     """(cloud, region) of a pool id (``cloud:region[/zone]:market:accelerator``), also of a
     pool the fleet no longer has."""
@@ -334,9 +348,10 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
     bucket = _bucket(spec)
     return PlacementRequest(
         job.id, choice.gpus, fallbacks, job.pool if job.state is JobState.RUNNING else None,
-        spec.spot, spec.regions.allow, spec.regions.deny, marks.blocked, frozenset(marks.refused),
+        job.gpus if job.state is JobState.RUNNING else 0, spec.spot, spec.regions.allow,
+        spec.regions.deny, marks.blocked, frozenset(marks.refused),
         remaining_h=left / rate / 3600, restart_h=config.restart_s / 3600,
-        checkpoint_interval_h=checkpoint_interval_s(spec, choice.batch_size, rate) / 3600,
+        checkpoint_interval_h=lost_work_h(spec, choice.batch_size, rate, config),
         checkpoint_gb=checkpoint_gb(job, config) if where[0] or bucket[0] else 0.0,
         checkpoint_cloud=where[0], checkpoint_region=where[1],
         bucket_cloud=bucket[0], bucket_region=bucket[1])
@@ -352,9 +367,8 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
     the scheduler's throughput estimate there (the agent's measurement where it has one, else the
     calibrated model): the total is ``work_samples`` at that rate, the progress the samples done
     at that rate (so the fraction done is exact; the hours are as good as the rate estimate).
-    One preemption costs
-    ``reaction_s``, ``restart_s`` and up to a checkpoint interval of work (a preemption notice
-    may come too late to checkpoint). ``spot: never`` is ``must_not_preempt``."""
+    One preemption costs ``reaction_s``, ``restart_s`` and the work it loses
+    (:func:`lost_work_h`). ``spot: never`` is ``must_not_preempt``."""
     spec = job.spec
     rate = samples_per_sec(job, choice.gpus, choice.batch_size, accelerator)
     total_h = spec.work_samples / rate / 3600
@@ -364,7 +378,7 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
         total_h=total_h, progress_h=progress_h, elapsed_h=max(0.0, now - job.submitted_at) / 3600,
         deadline_h=None if spec.deadline_s is None else spec.deadline_s / 3600,
         restart_h=preemption_h(config.reaction_s / 3600, config.restart_s / 3600,
-                               checkpoint_interval_s(spec, choice.batch_size, rate) / 3600,
+                               lost_work_h(spec, choice.batch_size, rate, config),
                                total_h - progress_h),
         switch_h=config.restart_s / 3600, must_not_preempt=must_not_preempt(spec.spot),
         current=None if pool is None else pool.market)
@@ -723,11 +737,13 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
 def requested_choice(job: JobRecord, opts: Sequence[Choice], pools: Sequence[Pool],
                      marks: Marks, market: Market | None = None,
                      room: Mapping[str, int] | None = None) -> Choice | None:
-    """The job's requested size: its largest configuration (``opts``, at most ``gpus.max``) that
-    one pool it may use (markets, regions, no refusal mark unless it runs there, as placement
-    lets it stay; only ``market``'s when given) holds (its capacity, or its ``room`` this round
-    when given: pool id -> GPUs) and can launch."""
+    """The job's requested size: its largest configuration (``opts``) up to ``gpus.default``
+    (the size it asks for; none: ``gpus.max``) that one pool it may use (markets, regions, no
+    refusal mark unless it runs there, as placement lets it stay; only ``market``'s when given)
+    holds (its capacity, or its ``room`` this round when given: pool id -> GPUs) and can
+    launch."""
     spec = job.spec
+    opts = [c for c in opts if c.gpus <= spec.gpus.requested]
     current = job.pool if job.state is JobState.RUNNING else None
     probe = PlacementRequest(job.id, 0, current_pool=current, spot=spec.spot,
                              allow=spec.regions.allow, deny=spec.regions.deny,
@@ -742,13 +758,13 @@ def requested_choice(job: JobRecord, opts: Sequence[Choice], pools: Sequence[Poo
 def on_demand_choices(job: JobRecord, opts: Sequence[Choice], requested: Choice,
                       pools: Sequence[Pool], marks: Marks, room: Mapping[str, int],
                       accelerator: Accelerator | None = None) -> list[Choice]:
-    """The sizes a deadline job takes on on-demand, largest first. Those that keep its pace (as
-    fast as at ``requested``, the size its pace is judged at), from the largest that fits an
-    on-demand pool's ``room`` this round (pool id -> GPUs not held by jobs the round does not
-    move) down to the smallest; where none fits, every size from the largest one on-demand pool
-    it may use holds (:func:`requested_choice` on that market) down to its smallest: running
-    beats idling behind pace. The simulator's fleet policy sizes its on-demand fallback the same
-    way: at the job's pace, else what the largest free on-demand pool holds."""
+    """The sizes a deadline job takes on on-demand, largest first: the smallest that keeps its
+    pace (as fast as at ``requested``, the size its pace is judged at) and fits an on-demand
+    pool's ``room`` this round (pool id -> GPUs not held by jobs the round does not move): on
+    on-demand a job buys its pace and no more, which costs fewer on-demand hours and banks no
+    slack that would send it back to spot at once; where none fits, every size from the largest
+    one on-demand pool it may use holds (:func:`requested_choice` on that market) down to its
+    smallest: running beats idling behind pace."""
     top = requested_choice(job, opts, pools, marks, Market.ON_DEMAND)
     if top is None:
         return []
@@ -757,7 +773,7 @@ def on_demand_choices(job: JobRecord, opts: Sequence[Choice], requested: Choice,
     on_pace = [c for c in sizes
                if samples_per_sec(job, c.gpus, c.batch_size, accelerator) >= pace]
     fits = requested_choice(job, on_pace, pools, marks, Market.ON_DEMAND, room)
-    return [c for c in on_pace if c.gpus <= fits.gpus] if fits else sizes
+    return [min(on_pace, key=lambda c: c.gpus)] if fits else sizes
 
 
 def _paced_choices(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]],

@@ -272,16 +272,23 @@ def _int(p: _Problems, field: str, value: Any) -> int | None:
 
 
 def _parse_range(p: _Problems, field: str, value: Any) -> dict[str, int] | None:
-    """``4``, ``"2:8"`` or ``{min: 2, max: 8}``."""
+    """``4``, ``"2:8"`` or ``{min: 2, max: 8, default: 4}`` (``default``: the size the job
+    asks for, where its deadline's pace is judged)."""
     if isinstance(value, Mapping):
-        unknown = set(value) - {"min", "max"}
+        unknown = set(value) - {"min", "max", "default"}
         if unknown:
             p.add(f"{field}.{sorted(map(str, unknown))[0]}", None,
-                  f"unknown key; {field} takes min and max", show=False)
+                  f"unknown key; {field} takes min, max and default", show=False)
             return None
         lo = _int(p, f"{field}.min", value.get("min", 1))
         hi = _int(p, f"{field}.max", value.get("max", value.get("min", 1)))
-        return None if lo is None or hi is None else {"min": lo, "max": hi}
+        out = None if lo is None or hi is None else {"min": lo, "max": hi}
+        if out is not None and "default" in value:
+            default = _int(p, f"{field}.default", value["default"])
+            if default is None:
+                return None
+            out["default"] = default
+        return out
     if isinstance(value, str) and ":" in value:
         lo_s, _, hi_s = value.partition(":")
         if lo_s.strip().isdigit() and hi_s.strip().isdigit():

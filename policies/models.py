@@ -191,16 +191,26 @@ def check_name(value: str, field: str = "name") -> str:
 
 
 class GpuRange(BaseModel):
+    """GPU counts the job accepts; ``default`` is the size it asks for (a deadline's pace is
+    judged at it; none: ``max``)."""
+
     model_config = ConfigDict(extra="forbid")
 
     min: int = Field(default=1, ge=1, le=4096)
     max: int = Field(default=1, ge=1, le=4096)
+    default: int | None = Field(default=None, ge=1, le=4096)
 
     @model_validator(mode="after")
     def _ordered(self) -> GpuRange:
         if self.min > self.max:
             raise ValueError(f"gpus.min ({self.min}) must not exceed gpus.max ({self.max})")
+        if self.default is not None and not self.min <= self.default <= self.max:
+            raise ValueError(f"gpus.default ({self.default}) must lie in [{self.min}, {self.max}]")
         return self
+
+    @property
+    def requested(self) -> int:
+        return self.max if self.default is None else self.default
 
 
 class BatchRange(BaseModel):

@@ -56,6 +56,7 @@ class PlacementRequest:
     gpus: int
     fallbacks: Sequence[int] = ()
     current_pool: str | None = None
+    current_gpus: int = 0  # what it holds in current_pool now
     spot: SpotPolicy = SpotPolicy.ALLOWED
     allow: Sequence[str] = ("*",)
     deny: Sequence[str] = ()
@@ -138,12 +139,15 @@ def place(requests: Sequence[PlacementRequest], pools: Sequence[Pool],
     ``risk`` what is known of each pool's preemptions (by pool id), ``egress`` the transfer
     prices of a checkpoint, ``stickiness`` the saving a running job's move must beat.
 
-    Order: jobs staying in their current pool first, then larger jobs first (first-fit
-    decreasing keeps big gangs placeable); then running jobs move where that pays (``_move``).
+    Order: running jobs first, those that keep their size before those that grow or shrink
+    (a growing job must not push one that stays out of its pool), then larger jobs first
+    (first-fit decreasing keeps big gangs placeable); then running jobs move where that pays
+    (``_move``).
     """
     risk, used, egress = risk or {}, used or {}, egress or Egress()
     free = {p.id: _free(p, used.get(p.id, 0), risk.get(p.id, PoolRisk())) for p in pools}
-    order = sorted(requests, key=lambda r: (r.current_pool not in free, -r.gpus, r.job_id))
+    order = sorted(requests, key=lambda r: (r.current_pool not in free,
+                                            r.gpus != r.current_gpus, -r.gpus, r.job_id))
     out: dict[str, PlacementResult | None] = {}
     for req in order:
         out[req.job_id] = None

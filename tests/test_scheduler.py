@@ -168,10 +168,13 @@ def test_placement_request_and_pool_risk_from_the_job_and_the_counts() -> None:
     assert samples_per_sec(job, 2, 64) == 1000.0
     assert checkpoint_interval_s(steps, 64, 1000.0) == pytest.approx(32.0)
     assert checkpoint_interval_s(spec("t"), 64, 1000.0) == 100.0  # the spec's default, 100s
-    config = SchedulerConfig(restart_s=120, checkpoint_gb=5)
+    config = SchedulerConfig(restart_s=120, checkpoint_gb=5, checkpoint_on_notice=False)
     req = placement_request(job, Choice(2, 64, 1.0), [1], Marks(), {}, config)
     assert req.remaining_h == pytest.approx(0.5) and req.restart_h == pytest.approx(120 / 3600)
     assert req.checkpoint_interval_h == pytest.approx(32 / 3600)
+    on_notice = config.model_copy(update={"checkpoint_on_notice": True})
+    assert placement_request(job, Choice(2, 64, 1.0), [1], Marks(), {},
+                             on_notice).checkpoint_interval_h == 0  # a preemption loses none
     assert (req.checkpoint_cloud, req.checkpoint_region, req.checkpoint_gb) == ("gcp", "west", 5)
     assert req.current_pool is None  # suspended: it is placed again, not kept
     fresh = placement_request(job.model_copy(update={"attempt": 0, "pool": None}),

@@ -188,11 +188,11 @@ def test_a_denied_region_is_never_used(tmp_path: Path) -> None:
 
 
 def test_the_round_runs_with_the_products_defaults_but_restart_and_reaction() -> None:
-    cfg = scheduler_config(SimConfig(interval=60, restart_penalty=25))
-    assert cfg.restart_s == 25 and cfg.reaction_s == 60
+    cfg = scheduler_config(SimConfig(interval=60, restart_penalty=25), checkpoint_on_notice=False)
+    assert cfg.restart_s == 25 and cfg.reaction_s == 60 and not cfg.checkpoint_on_notice
     default = type(cfg)()
     for field in type(cfg).model_fields:
-        if field not in ("restart_s", "reaction_s"):
+        if field not in ("restart_s", "reaction_s", "checkpoint_on_notice"):
             assert getattr(cfg, field) == getattr(default, field), field
 
 

@@ -70,13 +70,14 @@ TEAM = "sim"
 MAX_PASSES = 8
 
 
-def scheduler_config(cfg: SimConfig) -> SchedulerConfig:
+def scheduler_config(cfg: SimConfig, checkpoint_on_notice: bool = True) -> SchedulerConfig:
     """The live round's settings for a simulation: the product's defaults, but for what the
     simulation fixes itself. A relaunch costs the simulation's restart penalty (per model: the
-    product's default, as the round has one figure for every job), and the broker reacts to a
-    preemption at the next round."""
+    product's default, as the round has one figure for every job), the broker reacts to a
+    preemption at the next round, and the simulated agents checkpoint on the notice or not."""
     policy = Policy.FIXED_BATCH if cfg.policy is PolicyName.FIXED_BATCH else Policy.ELASTIC
-    config = SchedulerConfig(policy=policy, reaction_s=cfg.interval)
+    config = SchedulerConfig(policy=policy, reaction_s=cfg.interval,
+                             checkpoint_on_notice=checkpoint_on_notice)
     if cfg.restart_penalty is not None:
         config.restart_s = cfg.restart_penalty
     return config
@@ -86,13 +87,15 @@ def job_spec(w: WorkloadJob, work_samples: int, m0: int, max_batch: int,
              accelerators: Sequence[Accelerator], max_gpus: int, checkpoint_s: float) -> JobSpec:
     """A workload row as a user would submit it: ``work_samples`` of work, elastic from one GPU
     to ``max_gpus`` (the largest pool of its types) and from batch M0 to the model's largest,
-    starting at the row's batch; spot allowed; its deadline; the simulation's checkpoint
-    interval. ``model`` names the application (a prior may use its measured tables); the run
-    command is a placeholder, never run."""
+    asking for the row's GPUs and batch (its deadline's pace is judged there); spot allowed; its
+    deadline; the simulation's checkpoint interval. ``model`` names the application (a prior
+    may use its measured tables); the run command is a placeholder, never run."""
     default = min(max(w.batch_size, m0), max_batch)
     return JobSpec(
         name=_spec_name(w.name), run=f"# simulated {w.application}: never runs",
-        accelerators=list(accelerators), gpus=GpuRange(min=1, max=max(1, min(max_gpus, 4096))),
+        accelerators=list(accelerators),
+        gpus=GpuRange(min=1, max=(top := max(1, min(max_gpus, 4096))),
+                      default=min(w.num_replicas, top)),
         batch_size=BatchRange(min=m0, max=max_batch, default=default),
         batch_mode=BatchMode.ELASTIC, work_samples=work_samples, spot=SpotPolicy.ALLOWED,
         checkpoint=CheckpointSpec(interval=f"{max(1, int(checkpoint_s))}s"), team=TEAM,
@@ -121,7 +124,7 @@ class LiveRoundDriver(SpotRounds):
         self.types = [t.accelerator for t in fleet_capacity([p.pool for p in pools])]
         self.records: dict[str, JobRecord] = {}
         super().__init__(workload, pools, cfg, spot, set(Market))
-        self.config = config or scheduler_config(cfg)
+        self.config = config or scheduler_config(cfg, spot.checkpoint_on_notice)
         self.by_id = {p.pool.id: p for p in self.pools}
         self.priors = {p.pool.id: p.prior for p in self.pools}
         spots = [k for p in self.pools if p.pool.market is Market.SPOT
