@@ -283,7 +283,7 @@ def _parse_range(p: _Problems, field: str, value: Any) -> dict[str, int] | None:
         lo = _int(p, f"{field}.min", value.get("min", 1))
         hi = _int(p, f"{field}.max", value.get("max", value.get("min", 1)))
         out = None if lo is None or hi is None else {"min": lo, "max": hi}
-        if out is not None and "default" in value:
+        if out is not None and value.get("default") is not None:
             default = _int(p, f"{field}.default", value["default"])
             if default is None:
                 return None

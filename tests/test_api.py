@@ -204,7 +204,7 @@ def test_request_limits_and_bad_parameters(server: ApiServer, store: Store) -> N
 
 def test_overrides_json_skypilot_and_idempotency(server: ApiServer, store: Store) -> None:
     r = submit(server, "ml", params={"gpus": "2:4", "spot": "never"})
-    assert r.json()["job"]["spec"]["gpus"] == {"min": 2, "max": 4}
+    assert r.json()["job"]["spec"]["gpus"] == {"min": 2, "max": 4, "default": None}
     with client(server, "ml") as c:
         as_json = c.post("/v1/jobs", json={"name": "j", "run": "x", "batch_size": 8,
                                            "work": {"samples": 80}})
@@ -216,7 +216,7 @@ def test_overrides_json_skypilot_and_idempotency(server: ApiServer, store: Store
         assert keyed[0].json()["job"]["id"] == keyed[1].json()["job"]["id"]
     sky = submit(server, "ml", (EXAMPLES / "skypilot-task.yaml").read_text()).json()
     assert sky["format"] == "skypilot" and sky["warnings"]
-    assert sky["job"]["spec"]["gpus"] == {"min": 2, "max": 2}
+    assert sky["job"]["spec"]["gpus"] == {"min": 2, "max": 2, "default": None}
     assert len(store.list_jobs()) == 4
 
 

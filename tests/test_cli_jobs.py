@@ -58,7 +58,7 @@ def test_launch_list_show_cancel(store: Store, env: dict[str, str]) -> None:
     code, out, _ = fleet(env, "launch", str(EXAMPLE), "--gpus", "2:3", "--json")
     assert code == 0
     job = json.loads(out)
-    assert job["spec"]["gpus"] == {"min": 2, "max": 3} and job["team"] == "ml"
+    assert job["spec"]["gpus"] == {"min": 2, "max": 3, "default": None} and job["team"] == "ml"
     assert store.get_job(job["id"]) is not None
     code, out, _ = fleet(env, "launch", str(EXAMPLE), "--spot", "never")
     assert code == 0 and "submitted digits-elastic-" in out

@@ -106,6 +106,15 @@ def test_gpu_and_batch_shorthands() -> None:
     assert (s.batch_size.min, s.batch_size.max, s.batch_size.default) == (96, 96, 96)
 
 
+def test_gpus_default_is_the_size_the_job_asks_for() -> None:
+    """``gpus.default``: the size a deadline's pace is judged at; none: ``max``."""
+    s = parse_spec_text(BASE + "gpus: {min: 1, max: 8, default: 4}\n").spec
+    assert (s.gpus.min, s.gpus.max, s.gpus.default, s.gpus.requested) == (1, 8, 4, 4)
+    assert parse_spec_text(BASE + "gpus: 2:6\n").spec.gpus.requested == 6
+    assert any("gpus.default" in p and "[1, 8]" in p
+               for p in problems(BASE + "gpus: {min: 1, max: 8, default: 9}\n"))
+
+
 def test_examples_all_parse() -> None:
     files = sorted(EXAMPLES.glob("*.yaml"))
     formats = {load_spec_file(f).format for f in files}
