@@ -707,11 +707,12 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
     waiting: set[str] = set()
     missed: dict[str, PlacementRequest] = {}  # gave their share back: what they asked for
     notes: dict[str, str] = {}
+    spot_room = sum(room[p.id] for p in pools if p.market is Market.SPOT)
     for last in (False, True):
-        allowed, required = _paced_choices(jobs, choices, paced, pools_by_id, accel)
         active = [j for j in jobs if j.id not in waiting and j.id not in missed]
         t0 = time.perf_counter()
-        chosen = _allocate(active, allowed, capacity, pools_by_id, config, now, required)
+        chosen = _allocate_spot_first(active, choices, capacity, spot_room, paced, waiting,
+                                      pools_by_id, config, now, accel)
         res.solve_s += time.perf_counter() - t0
         requests = []
         for job in active:
@@ -732,6 +733,45 @@ def _allocate_and_place(res: RoundResult, jobs: list[JobRecord],
     asked = [*requests, *(r for k, r in missed.items() if k not in placed.where)]
     placed.notes = notes | _refusal_notes(asked, placed, pools, used, risk, marks, config)
     return placed
+
+
+def _allocate_spot_first(jobs: list[JobRecord], choices: dict[str, list[Choice]],
+                         capacity: int, spot_room: int, paced: dict[str, Paced],
+                         waiting: set[str], pools_by_id: dict[str, Pool],
+                         config: SchedulerConfig, now: float,
+                         accel: Accelerator | None) -> dict[str, Choice | None]:
+    """The allocation as Can't Be Late has it. The deadline jobs the pace rule sends to spot
+    share the spot pools' room (``spot_room``) first: spot is "available" to a job when the
+    allocator finds it spot GPUs. One that gets none takes its second market
+    (:func:`_second_market`): on-demand when behind its pace (``paced`` is updated), else it
+    waits for spot (added to ``waiting``, it holds nothing). Then every other job shares what
+    is left, each deadline job at the sizes its market allows (:func:`_paced_choices`).
+    Allocated over every pool of the type at once, spot jobs would be sized for GPUs only
+    on-demand has, and the overflow would land there."""
+    on_spot = [j for j in jobs if (p := paced.get(j.id)) is not None and p.market is Market.SPOT]
+    chosen: dict[str, Choice | None] = {}
+    if on_spot:
+        # the others' running spot jobs keep their GPUs: they are not the spot jobs' to share
+        kept = sum(j.gpus for j in jobs if j not in on_spot and j.state is JobState.RUNNING
+                   and (p := pools_by_id.get(j.pool or "")) is not None
+                   and p.market is Market.SPOT)
+        allowed, required = _paced_choices(on_spot, choices, paced, pools_by_id, accel)
+        chosen = _allocate(on_spot, allowed, max(0, min(capacity, spot_room - kept)),
+                           pools_by_id, config, now, required)
+        for job in on_spot:
+            if chosen.get(job.id) is not None:
+                continue
+            market = _second_market(Market.SPOT, paced[job.id].view)
+            if market is None:
+                waiting.add(job.id)
+            else:
+                paced[job.id] = replace(paced[job.id], market=market)
+    taken = sum(c.gpus for c in chosen.values() if c is not None)
+    rest = [j for j in jobs if chosen.get(j.id) is None and j.id not in waiting]
+    allowed, required = _paced_choices(rest, choices, paced, pools_by_id, accel)
+    chosen.update(_allocate(rest, allowed, max(0, capacity - taken), pools_by_id, config, now,
+                            required))
+    return chosen
 
 
 def requested_choice(job: JobRecord, opts: Sequence[Choice], pools: Sequence[Pool],
