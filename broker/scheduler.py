@@ -425,7 +425,7 @@ def place_by_deadline(requests: Sequence[PlacementRequest], paced: Mapping[str, 
     """Placement with each job in ``paced`` (the jobs with a deadline) on its market while spot
     is there; one that finds no pool with room there is asked again (:func:`_second_market`):
     sent to spot, on-demand when behind its pace (:func:`_retry`), else it waits this round
-    (holds no GPUs), as the simulator's fleet policy does; sent to on-demand, spot (progress beats
+    (holds no GPUs); sent to on-demand, spot (progress beats
     waiting; a running job keeps its spot pool), unless it must not be preempted: that one waits
     for on-demand room and says so. On the round's last try (``below_pace``) on-demand also
     takes the smaller sizes the job accepts: running beats idling behind pace. A job sent to
@@ -821,12 +821,12 @@ def _paced_choices(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]
                    accelerator: Accelerator | None = None,
                    ) -> tuple[dict[str, list[Choice]], set[str]]:
     """The configurations the allocator may give each job, and the jobs that must get one of
-    theirs (while all such pins can be honoured), as the simulator's fleet policy does: a
+    theirs (while all such pins can be honoured): a
     deadline job the pace rule sends to on-demand runs at one of its ``Paced.on_demand`` sizes
     (running, or its current one) and comes first; one sent to spot that ``holds_pace``,
     running on spot at a configuration at least as fast as its pace, keeps it (a rescale's
     restart would cost the slack it lacks). Shrinking such a job below pace is the allocator's
-    call, as in the simulator: the safety net sends it to on-demand if it falls behind."""
+    call: the safety net sends it to on-demand if it falls behind."""
     allowed, required = dict(choices), set()
     for job in jobs:
         p = paced.get(job.id)

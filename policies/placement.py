@@ -6,7 +6,7 @@ others go to the eligible pool with the lowest expected cost to finish their wor
 checkpoint egress), spot first for ``preferred``, on-demand only for a job that must not be
 preempted (``spot: never``, ``policies.spot.must_not_preempt``) and only the ``markets`` the
 request allows (the deadline rule's choice); at equal cost the cheaper price, then the lower risk
-(on-demand before spot). Then, as in the simulator, a running job moves into the room left in
+(on-demand before spot). Then a running job moves into the room left in
 another pool only when that saves more than the stickiness margin
 (``policies.region_score.Stickiness``) with the move's restart counted; no job is displaced, and
 a job that must not be preempted never moves. With no risk or job details every
@@ -179,7 +179,7 @@ def _move(req: PlacementRequest, gpus: int, free: dict[str, _Free], egress: Egre
           stickiness: Stickiness) -> str:
     """Where a running job placed in its own pool ends up: the best pool with room now when
     moving there saves more than the stickiness margin over its remaining work (the move's
-    restart and egress counted, as ``region_score.choose`` does in the simulator), else its
+    restart and egress counted), else its
     own pool. Its own GPUs count as room where it is; the other jobs keep theirs."""
     cur = free[req.current_pool or ""]
     cur.free += gpus

@@ -498,8 +498,7 @@ def test_on_demand_for_pace_takes_the_largest_size_an_on_demand_pool_holds(store
     a job accepting 1-8 GPUs,
     behind its pace, judged at 8 (the spot pool's size). Sent to spot first (3 h deadline) or to
     on-demand first (2.55 h: at the net), it runs on on-demand at 4, the most an on-demand pool
-    holds, instead of idling at 8 (the simulator's fleet policy caps its on-demand fallback at
-    the largest on-demand pool the same way)."""
+    holds, instead of idling at 8."""
     spot8 = SPOT_T4.model_copy(update={"gpus_per_node": 8})
     for deadline_h, first in ((3.0, Market.SPOT), (2.55, Market.ON_DEMAND)):
         store.r.flushdb()
