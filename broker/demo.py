@@ -181,7 +181,10 @@ def run_demo(config: DemoConfig, console: Console | None = None,
             before = {j.name: j.gpus for j in jobs_of([n for n, _, _ in first])}
             mark_id = store.last_event_id()
             store.submit(demo_spec("digits-d", config.steps, 2, BatchMode.ELASTIC), team="demo")
-            title = "2. a new job arrives: running jobs shrink to make room"
+            # Each job's model is fitted from what its agent measures: where more worker
+            # processes do not train faster (a CPU-bound machine), jobs have shrunk already and
+            # the newcomer takes the GPUs they gave back.
+            title = "2. a new job arrives: it takes free GPUs, or running jobs shrink for it"
             note(f"digits-d arrives; GPUs before: {before}")
             wait(lambda: running_with_progress(["digits-d"]), live, budget / 3)
             after = {j.name: j.gpus for j in store.list_jobs() if j.state is JobState.RUNNING}

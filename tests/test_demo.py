@@ -24,7 +24,9 @@ def test_demo_flow(tmp_path: Path) -> None:
     summary = run_demo(DemoConfig(steps=200, fleet=DEMO_FLEET, state_dir=tmp_path / "state",
                                   live=False, timeout_s=240), console, on_done=inspect)
     assert summary.finished == summary.jobs == 4, console.export_text()
-    assert summary.made_room, console.export_text()  # running jobs shrank for the newcomer
+    # Elastic: jobs were resized from their measured throughput (for the newcomer, or before it
+    # where more worker processes did not train faster), and the newcomer ran.
+    assert summary.rescales >= 1, console.export_text()
     assert summary.preemptions >= 1 and summary.migrations >= 1  # the reclaimed region's jobs
     assert 0 < summary.cost < summary.on_demand_cost
     # A preempted job resumed from its checkpoint, not from step 0.
