@@ -19,7 +19,10 @@ tuning side) do not use, re-sampled and scaled:
 ``probe-16node-raw`` is the issue's own probe, not re-sampled: the three 16-node zones as recorded,
 each a pool of 4 nodes holding ``min(4, v)`` (the simulator's reading). Its traces also feed the
 tuning side (``spot-v100.yaml``, ``spot-v100-zones.yaml``), so it is reported apart from the
-held-out clusters. The other clusters' traces are used nowhere else.
+held-out clusters. ``aws-16node-west-scaled`` replays us-west-2a and us-west-2c, which
+``spot-v100-zones.yaml`` replays as recorded (2-node pools holding ``min(2, v)``, and us-west-2c
+for its Azure pool): held out as re-sampled and scaled, not as data never seen. The other three
+clusters' traces are used nowhere else.
 
 Deterministic. Run from the repository root: ``python -m examples.clusters.heldout.make_clusters``.
 """

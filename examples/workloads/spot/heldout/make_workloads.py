@@ -28,15 +28,21 @@ LOOSE = (2.0, 3.0, 5.0)
 DAY_S = 24 * 3600.0
 
 
-def main() -> None:
-    for n, kind, factors in ((5, "tight", TIGHT), (6, "tight", TIGHT), (7, "loose", LOOSE),
-                             (8, "loose", LOOSE)):
-        write_rows(HERE / f"pollux-w{n}-{kind}.csv",
-                   deadline_rows(POLLUX / "workloads" / f"workload-{n}.csv", factors))
+def workloads() -> dict[Path, list[list]]:
+    """Every held-out workload file's rows, by path."""
+    out = {HERE / f"pollux-w{n}-{kind}.csv":
+           deadline_rows(POLLUX / "workloads" / f"workload-{n}.csv", factors)
+           for n, kind, factors in ((5, "tight", TIGHT), (6, "tight", TIGHT),
+                                    (7, "loose", LOOSE), (8, "loose", LOOSE))}
     for n in (1, 2):
-        write_rows(HERE / f"pollux-0.5-w{n}-24h.csv",
-                   deadline_rows(POLLUX / "workloads-0.5" / f"workload-{n}.csv", fixed_s=DAY_S))
+        out[HERE / f"pollux-0.5-w{n}-24h.csv"] = deadline_rows(
+            POLLUX / "workloads-0.5" / f"workload-{n}.csv", fixed_s=DAY_S)
+    return out
 
+
+def main() -> None:
+    for path, rows in workloads().items():
+        write_rows(path, rows)
 
 if __name__ == "__main__":
     main()
