@@ -22,27 +22,14 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from broker.sim.cluster import read_pool_specs
-from broker.sim.engine import SimConfig
 from broker.sim.report import spot_summary
-from broker.sim.spot import MarketPolicy, SpotConfig, SpotResult, sim_pools, simulate_spot
-from broker.sim.workload import read_workload
+from tests.bench.spot_common import FLEET_ROWS, VARIANTS, goal, simulate, table
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = sorted((ROOT / "examples" / "workloads" / "spot").glob("pollux-w*-deadlines.csv"))
 CLUSTERS = [ROOT / "examples" / "clusters" / n for n in ("spot-v100.yaml", "spot-v100-zones.yaml")]
 CHECKPOINTS = (100.0, 600.0)
 RESULTS = ROOT / "examples" / "results"
-NOTICE = "fleet + checkpoint on notice"  # FleetBroker's agent; SkyPilot polls (FACTS.md 4)
-VARIANTS = [(m.value, m, False) for m in MarketPolicy] + [(NOTICE, MarketPolicy.FLEET, True)]
-SKY = [m.value for m in (MarketPolicy.FAILOVER, MarketPolicy.EAGER)]
-
-
-def _simulate(cluster: Path, workload: Path, market: MarketPolicy, checkpoint_s: float,
-              notice: bool) -> SpotResult:
-    pools = sim_pools(read_pool_specs(str(cluster)))
-    return simulate_spot(read_workload(workload), pools, SimConfig(),
-                         SpotConfig(market, checkpoint_s, notice))
 
 
 def run(cluster: Path, checkpoint_s: float, pool: ProcessPoolExecutor) -> dict[str, dict]:
@@ -50,7 +37,7 @@ def run(cluster: Path, checkpoint_s: float, pool: ProcessPoolExecutor) -> dict[s
     out = {}
     for label, market, notice in VARIANTS:
         t0 = time.perf_counter()
-        results = list(pool.map(_simulate, [cluster] * len(WORKLOADS), WORKLOADS,
+        results = list(pool.map(simulate, [cluster] * len(WORKLOADS), WORKLOADS,
                                 [market] * len(WORKLOADS), [checkpoint_s] * len(WORKLOADS),
                                 [notice] * len(WORKLOADS)))
         row = spot_summary([(w.name, r) for w, r in zip(WORKLOADS, results, strict=True)],
@@ -59,43 +46,6 @@ def run(cluster: Path, checkpoint_s: float, pool: ProcessPoolExecutor) -> dict[s
         row["wall_s"] = round(time.perf_counter() - t0, 2)
         out[label] = row
     return out
-
-
-def _checks(fleet: dict[str, Any], od: dict[str, Any], sky: list[dict[str, Any]],
-            ) -> dict[str, bool]:
-    return {
-        "saving >= 60%": fleet["cost_usd"] <= 0.4 * od["cost_usd"],
-        "no deadline missed": fleet["deadline_misses"] == 0,
-        "cheaper than both SkyPilot-like": all(fleet["cost_usd"] < s["cost_usd"] for s in sky),
-        "JCT equal or better than both": all(fleet["avg_jct_h"] <= s["avg_jct_h"] for s in sky),
-    }
-
-
-def goal(rows: dict[str, dict[str, Any]], fleet_row: str) -> str:
-    """The goal on the totals, and in how many workloads each part holds on its own."""
-    per = {k: r["per_workload"] for k, r in rows.items()}
-    overall = _checks(rows[fleet_row], rows["ondemand"], [rows[s] for s in SKY])
-    counts = {k: 0 for k in overall}
-    for i in range(len(WORKLOADS)):
-        one = _checks(per[fleet_row][i], per["ondemand"][i], [per[s][i] for s in SKY])
-        for k, ok in one.items():
-            counts[k] += ok
-    verdict = "holds" if all(overall.values()) else "does NOT hold"
-    return f"{fleet_row}: goal {verdict} over the {len(WORKLOADS)} workloads: " + "; ".join(
-        f"{k} {'ok' if ok else 'FAILS'} ({counts[k]}/{len(WORKLOADS)} workloads)"
-        for k, ok in overall.items())
-
-
-def table(rows: dict[str, dict[str, Any]]) -> None:
-    od = rows["ondemand"]["cost_usd"]
-    print("| policy | avg JCT h | cost $ | saving vs ondemand % | deadline misses | migrations | "
-          "preemptions | lost GPU-h | on-demand GPU-h |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, r in rows.items():
-        print(f"| {name} | {r['avg_jct_h']:.4f} | {r['cost_usd']:.0f} | "
-              f"{100 * (1 - r['cost_usd'] / od):.1f} | {r['deadline_misses']} | "
-              f"{r['migrations']} | {r['preemptions']} | {r['lost_work_gpu_h']:.1f} | "
-              f"{r['ondemand_gpu_h']:.1f} |")
 
 
 def main() -> None:
@@ -110,7 +60,7 @@ def main() -> None:
                       f"{len(WORKLOADS)} workloads\n")
                 table(rows)
                 print()
-                for fleet_row in ("fleet", NOTICE):
+                for fleet_row in FLEET_ROWS:
                     print(f"- {goal(rows, fleet_row)}", flush=True)
     (RESULTS / "spot.json").write_text(json.dumps(out, indent=1) + "\n")
 

@@ -3,7 +3,8 @@
 Each job's deadline is ``K[i % 3]`` times its isolated run time: the job alone, at its requested
 GPUs and batch, on the V100 nodes of ``examples/clusters/spot-v100.yaml`` (on-demand, never
 preempted), plus one restart. Run from the repository root:
-``python -m examples.workloads.spot.make_workload``.
+``python -m examples.workloads.spot.make_workload``. ``deadline_rows`` takes other factors or one
+fixed deadline (the held-out workloads of ``examples/workloads/spot/heldout/``).
 """
 
 from __future__ import annotations
@@ -47,22 +48,37 @@ def isolated_s(state: JobState, types: Sequence[TypeCapacity]) -> float:
     return best
 
 
-def main() -> None:
+def deadline_rows(source: Path, factors: Sequence[float] = K,
+                  fixed_s: float | None = None) -> list[list]:
+    """The rows of ``source`` with a ``deadline`` column: ``fixed_s`` seconds for every job when
+    given, else ``factors[i % len(factors)]`` times job i's isolated run time plus one restart."""
     cfg = SimConfig()
     types = fleet_capacity(parse_cluster("v100:4x8"))
-    for n in WORKLOADS:
-        rows = []
-        for i, w in enumerate(read_workload(SOURCES / f"workload-{n}.csv")):
+    rows = []
+    for i, w in enumerate(read_workload(source)):
+        if fixed_s is None:
             state = make_job(w, cfg).state
-            alone_s = isolated_s(state, types) + state.restart_s
-            rows.append([w.name, int(w.time), w.application, w.num_replicas, w.batch_size,
-                         round(K[i % len(K)] * alone_s)])
-        out_path = Path(__file__).with_name(f"pollux-w{n}-deadlines.csv")
-        with out_path.open("w", newline="") as f:
-            out = csv.writer(f, lineterminator="\n")
-            out.writerow(["name", "time", "application", "num_replicas", "batch_size", "deadline"])
-            out.writerows(rows)
-        print(f"wrote {out_path} ({len(rows)} jobs)")
+            deadline = round(factors[i % len(factors)] * (isolated_s(state, types)
+                                                          + state.restart_s))
+        else:
+            deadline = round(fixed_s)
+        rows.append([w.name, int(w.time), w.application, w.num_replicas, w.batch_size, deadline])
+    return rows
+
+
+def write_rows(path: Path, rows: Sequence[Sequence]) -> None:
+    """A workload CSV with the ``deadline`` column."""
+    with path.open("w", newline="") as f:
+        out = csv.writer(f, lineterminator="\n")
+        out.writerow(["name", "time", "application", "num_replicas", "batch_size", "deadline"])
+        out.writerows(rows)
+    print(f"wrote {path} ({len(rows)} jobs)")
+
+
+def main() -> None:
+    for n in WORKLOADS:
+        write_rows(Path(__file__).with_name(f"pollux-w{n}-deadlines.csv"),
+                   deadline_rows(SOURCES / f"workload-{n}.csv"))
 
 
 if __name__ == "__main__":
