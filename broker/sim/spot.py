@@ -119,7 +119,8 @@ def has_spot(specs: Sequence[PoolSpec]) -> bool:
 
 @dataclass(frozen=True)
 class SpotConfig:
-    """The spot simulation's own settings (the allocator's are ``SimConfig``)."""
+    """The rounds' settings beside ``SimConfig``: the market policy (``fleet`` is the live round),
+    checkpoints, the blocklist's decay."""
 
     market: MarketPolicy = MarketPolicy.FLEET
     checkpoint_s: float = DEFAULT_CHECKPOINT_S
@@ -136,7 +137,7 @@ class SpotConfig:
 
 @dataclass
 class SpotResult:
-    """The classic result plus costs (USD), GPU-hours by market and the spot counters."""
+    """The per-job result plus costs (USD), GPU-hours by market and the spot counters."""
 
     result: SimResult
     cost_usd: float = 0.0
@@ -151,7 +152,7 @@ class SpotResult:
 
 @dataclass
 class SpotJob:
-    """One job of a spot simulation: the classic job (progress, restart countdown, record), its
+    """One job of a simulation: its physics, restart countdown and record (``SimJob``), its
     deadline, the pool it runs in, and its last checkpoint."""
 
     sim: SimJob
