@@ -1,60 +1,27 @@
-"""Turns jobs and the throughput model into the allocator's choices, one set per accelerator type.
+"""The live round's type choice for heterogeneous fleets, and the small types it shares.
 
-For every allowed GPU count (1, 2, 4 on one node, or whole nodes) the best global batch inside
-the job's range is found first (the batch dimension folds into the value before the DP); the
-value of a count is the job's goodput speed-up over one GPU by default. Other value functions:
-
-- ``remaining``: speed-up weighted by 1 / (remaining work at one GPU), i.e. the fraction of the
-  job's remaining work done per second; it favours jobs near completion (SRPT-like).
-- ``fair``: speed-up to the power ``p`` (0 < p <= 1), Pollux-style fairness: concave values
-  spread GPUs over more jobs.
-
-A running job's choices that change its configuration are discounted by the restart penalty
-(``1 - restart_s / horizon``), so the DP only rescales when the gain pays for the lost time.
-
-Heterogeneous fleets: the exact joint problem (each job picks one type and one count) is a
-multi-dimensional knapsack, not one DP. ``assign_types`` is the outer step, a Lagrangian
-decomposition: every type gets a price per GPU; each job independently takes the (type, count)
-with the largest value minus price x GPUs, and prices rise on over-demanded types and fall on
-idle ones (subgradient steps). The type assignments met on the way, plus a greedy one (jobs to
-the type where one GPU is worth most, while GPUs last), are scored exactly by running the DP
-once per type, and the best is kept. Values of moves carry the restart discount, so running
-jobs migrate only when it pays. ``tests/test_choices.py`` measures the loss of this
-decomposition against the joint MILP (scipy HiGHS) on small random cases.
+The exact joint problem (each job picks one type and one count) is a multi-dimensional knapsack,
+not one DP. ``assign_types`` is the outer step, a Lagrangian decomposition: every type gets a
+price per GPU; each job independently takes the (type, count) with the largest value minus
+price x GPUs, and prices rise on over-demanded types and fall on idle ones (subgradient steps).
+The type assignments met on the way, plus a greedy one (jobs to the type where one GPU is worth
+most, while GPUs last) and one that fills each type's free GPUs in order, are scored exactly by
+running the DP once per type, and the best is kept. ``broker.scheduler`` feeds it each job's
+choices per type (values on one scale: the speed-up over one GPU of the job's slowest type);
+``tests/test_choices.py`` measures the loss of this decomposition against the joint MILP (scipy
+HiGHS) on small random cases.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 
 import numpy as np
 
-from policies.apps import Application
-from policies.elastic_dp import Choice, JobChoices, allocate
+from policies.elastic_dp import JobChoices, allocate
 from policies.models import Accelerator
 from policies.trace_throughput import Placement, packed_placement
-
-
-class ValueFunction(StrEnum):
-    SPEEDUP = "speedup"
-    REMAINING = "remaining"
-    FAIR = "fair"
-
-
-@dataclass(frozen=True)
-class ValueConfig:
-    function: ValueFunction = ValueFunction.SPEEDUP
-    fairness_p: float = 0.5
-    restart_horizon_s: float = 1800.0  # the time a rescale must pay back its restart within
-
-    def __post_init__(self) -> None:
-        if not 0 < self.fairness_p <= 1:
-            raise ValueError(f"fairness p must be in (0, 1], got {self.fairness_p}")
-        if self.restart_horizon_s <= 0:
-            raise ValueError(f"restart horizon must be positive, got {self.restart_horizon_s}")
 
 
 @dataclass(frozen=True)
@@ -70,126 +37,8 @@ class TypeCapacity:
         return self.nodes * self.gpus_per_node
 
 
-def allowed_gpu_counts(gpus_per_node: int, nodes: int) -> tuple[int, ...]:
-    """1, 2, 4 GPUs inside one node, or whole nodes (Sia's placement rule)."""
-    small = {n for n in (1, 2, 4) if n <= gpus_per_node}
-    whole = {k * gpus_per_node for k in range(1, nodes + 1)}
-    return tuple(sorted(small | whole))
-
-
 def placement_for(gpus: int, gpus_per_node: int) -> Placement:
     return packed_placement(gpus, gpus_per_node)
-
-
-@dataclass(frozen=True)
-class ConfigTable:
-    """Per allowed GPU count: the best batch and its goodput (M0 iterations/s, NaN if none)."""
-
-    gpus: np.ndarray
-    batch: np.ndarray
-    rate: np.ndarray
-
-    def at(self, gpus: int) -> tuple[int, float]:
-        i = int(np.searchsorted(self.gpus, gpus))
-        if i < len(self.gpus) and self.gpus[i] == gpus:
-            return int(self.batch[i]), float(self.rate[i])
-        return 0, math.nan
-
-
-def batch_grid(app: Application, points: int = 24) -> np.ndarray:
-    """Candidate global batches: a geometric grid over [M0, max] plus the measured sizes."""
-    lo, hi = app.init_batch_size, app.spec.max_batch_size
-    grid = np.unique(np.round(np.geomspace(lo, hi, points)).astype(int))
-    return np.union1d(grid, app.efficiency.table.batch_sizes.astype(int))
-
-
-class ChoiceTables:
-    """Caches goodput-vs-GPU-count tables per (model, type, batch rule, epoch).
-
-    Step times do not depend on the epoch, so they are computed once per (model, type, batch
-    rule); only the statistical gain is re-evaluated per epoch, vectorised over the grid.
-    """
-
-    def __init__(self) -> None:
-        self._times: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._tables: dict[tuple, ConfigTable] = {}
-
-    def table(self, app: Application, cap: TypeCapacity, epoch: int,
-              fixed_batch: int | None = None, accumulation: bool = True) -> ConfigTable:
-        """Best batch and goodput per allowed GPU count; ``accumulation=False`` keeps only
-        configurations whose per-GPU batch fits in memory (no gradient accumulation)."""
-        key = (app.name, app.efficiency.model, cap, fixed_batch, accumulation, epoch)
-        hit = self._tables.get(key)
-        if hit is not None:
-            return hit
-        counts, seconds, effective = self._step_times(app, cap, fixed_batch, accumulation)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            gain = app.efficiency.gain(np.where(effective > 0, effective, 1), epoch)
-            rate = np.where(np.isfinite(seconds) & (seconds > 0), gain / seconds, np.nan)
-        filled = np.where(np.isnan(rate), -np.inf, rate)
-        best = filled.argmax(axis=1)
-        rows = np.arange(len(counts))
-        best_rate = rate[rows, best]
-        out = ConfigTable(counts, effective[rows, best].astype(int), best_rate)
-        self._tables[key] = out
-        return out
-
-    def _step_times(self, app: Application, cap: TypeCapacity, fixed_batch: int | None,
-                    accumulation: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        key = (app.name, cap, fixed_batch, accumulation)
-        hit = self._times.get(key)
-        if hit is not None:
-            return hit
-        model = app.on(cap.accelerator)
-        grid = np.array([fixed_batch]) if fixed_batch else batch_grid(app)
-        counts = np.array(allowed_gpu_counts(cap.gpus_per_node, cap.nodes))
-        seconds = np.full((len(counts), len(grid)), np.nan)
-        effective = np.zeros((len(counts), len(grid)), dtype=int)
-        for i, n in enumerate(counts):
-            placement = placement_for(int(n), cap.gpus_per_node)
-            for j, b in enumerate(grid):
-                if b < n * model.min_local_bsz:
-                    continue
-                t, atomic, accum = model.iteration(placement, int(b), app.spec.max_batch_size)
-                if accum and not accumulation:
-                    continue
-                seconds[i, j] = t
-                effective[i, j] = n * atomic * (accum + 1)
-        out = (counts, seconds, effective)
-        self._times[key] = out
-        return out
-
-
-def values(table: ConfigTable, ref_rate: float, remaining: float, cfg: ValueConfig,
-           slowdown: float = 1.0) -> np.ndarray:
-    """Value of each GPU count of a table (NaN where the count cannot run)."""
-    speedup = table.rate / ref_rate
-    if cfg.function is ValueFunction.SPEEDUP:
-        return speedup
-    if cfg.function is ValueFunction.FAIR:
-        return np.power(speedup, cfg.fairness_p)
-    # remaining: fraction of the remaining work done per hour, at this count
-    return table.rate / slowdown * 3600.0 / max(remaining, 1e-9)
-
-
-def job_choices(job_id: str, table: ConfigTable, vals: np.ndarray, *,
-                current_gpus: int | None = None, restart_s: float = 0.0,
-                cfg: ValueConfig = ValueConfig(), required: bool = False,
-                max_gpus: int | None = None) -> JobChoices:
-    """The allocator's input for one job on one type, with the restart discount applied.
-
-    ``current_gpus``: the job's GPU count on this type if it runs here, 0 if it runs on another
-    type (every choice is then a move), None if it does not run.
-    """
-    discount = max(0.0, 1.0 - restart_s / cfg.restart_horizon_s)
-    out = []
-    for n, b, v in zip(table.gpus.tolist(), table.batch.tolist(), vals.tolist(), strict=True):
-        if not v > 0 or (max_gpus is not None and n > max_gpus):
-            continue
-        if current_gpus is not None and n != current_gpus:
-            v *= discount
-        out.append(Choice(gpus=int(n), batch_size=int(b), value=float(v)))
-    return JobChoices(job_id=job_id, choices=out, required=required)
 
 
 def assign_types(cands: Mapping[str, Mapping[Accelerator, JobChoices]],

@@ -1,24 +1,28 @@
-"""Choice tables, value functions, and the heterogeneous outer step against a joint MILP."""
+"""The live round's type choice (``policies.choices.assign_types``) against a joint MILP, and the
+spot baselines' choice tables (``broker.sim.baselines``)."""
 
+import math
 import random
 
 import numpy as np
 import pytest
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from policies.choices import (
+from broker.models import JobRecord
+from broker.scheduler import Policy, job_choices, one_gpu_rate
+from broker.sim.baselines import (
+    BaselineAllocator,
     ChoiceTables,
-    TypeCapacity,
-    ValueConfig,
-    ValueFunction,
+    _FreeGpus,
     allowed_gpu_counts,
     batch_grid,
-    job_choices,
-    placement_for,
-    values,
 )
+from broker.sim.driver import job_spec
+from broker.sim.engine import Assignment, SimState
+from broker.sim.workload import WorkloadJob
+from policies.choices import TypeCapacity, assign_types, placement_for
+from policies.elastic_dp import Choice, JobChoices, allocate
 from policies.models import Accelerator
-from policies.schedulers import ElasticPolicy, JobState
 from providers.measurements import load_application
 
 T4 = TypeCapacity(Accelerator.T4, 16, 4)
@@ -52,103 +56,81 @@ def test_fixed_batch_table_keeps_the_batch() -> None:
     assert table.gpus[runnable].max() <= 320 // app.on(Accelerator.T4).min_local_bsz
 
 
-def test_value_functions_and_restart_discount() -> None:
-    app = load_application("imagenet")
-    table = ChoiceTables().table(app, T4, epoch=5)
-    ref = table.at(1)[1]
-    speed = values(table, ref, 1e5, ValueConfig())
-    assert speed[0] == pytest.approx(1.0)
-    fair = values(table, ref, 1e5, ValueConfig(ValueFunction.FAIR, 0.5))
-    assert np.allclose(fair[speed > 0], np.sqrt(speed[speed > 0]))
-    near = values(table, ref, 1e3, ValueConfig(ValueFunction.REMAINING))
-    far = values(table, ref, 1e5, ValueConfig(ValueFunction.REMAINING))
-    assert np.all(near[near > 0] > far[far > 0])  # closer to the end, worth more
-    cfg = ValueConfig(restart_horizon_s=300)
-    jc = job_choices("j", table, speed, current_gpus=4, restart_s=30, cfg=cfg)
-    by_gpus = {c.gpus: c.value for c in jc.choices}
-    assert by_gpus[4] == pytest.approx(table.at(4)[1] / ref)
-    assert by_gpus[8] == pytest.approx(0.9 * table.at(8)[1] / ref)
+def test_a_baseline_job_keeps_its_type_while_it_runs() -> None:
+    """The spot baselines' allocator never moves a running job to another type, even one where
+    it would run far faster, alone on the fleet."""
+    fleet = [_FreeGpus(Accelerator.T4, 1, 4, 4), _FreeGpus(Accelerator.A100, 1, 8, 8)]
+    job = SimState("c", load_application("cifar10"), 0.0, 1, 128, progress=1000.0,
+                   current=Assignment(Accelerator.T4, 1, 128, (1,)))
+    new = BaselineAllocator(fleet, {Accelerator.T4: 4, Accelerator.A100: 8}, False,
+                            ChoiceTables()).schedule([job])["c"]
+    assert new is not None and new.accelerator is Accelerator.T4
 
 
-def test_bad_value_settings_are_refused() -> None:
-    with pytest.raises(ValueError, match="fairness p"):
-        ValueConfig(ValueFunction.FAIR, 1.5)
+FLEET = {Accelerator.T4: 8, Accelerator.RTX2080TI: 8, Accelerator.A100: 8}
 
 
-def _joint_milp(jobs: list[JobState], policy: ElasticPolicy) -> float:
-    """max sum of speed-ups with each job on at most one (type, count): the exact joint problem."""
-    cols, owner, gpus, acc_of, vals = [], [], [], [], []
-    for j_idx, j in enumerate(jobs):
-        tables = {a: policy._table(j, a) for a in policy.runnable_types(j)}
-        ref = min(t.rate[0] for t in tables.values())
-        for a, t in tables.items():
-            for n, r in zip(t.gpus.tolist(), t.rate.tolist(), strict=True):
-                if r > 0:
-                    cols.append((j_idx, a, n))
-                    owner.append(j_idx)
-                    gpus.append(n)
-                    acc_of.append(a)
-                    vals.append(r / ref)
-    rows = []
-    for j_idx in range(len(jobs)):
-        rows.append([1.0 if o == j_idx else 0.0 for o in owner])
-    ub = [1.0] * len(jobs)
-    for a, cap in policy.fleet.items():
+def _record(name: str, app_name: str, done: float) -> JobRecord:
+    """A job as the simulator submits it (``broker.sim.driver.job_spec``), ``done`` of its work
+    behind it."""
+    app = load_application(app_name)
+    m0 = app.init_batch_size
+    work = math.ceil(app.efficiency.target * m0)
+    spec = job_spec(WorkloadJob(name, 0.0, app_name, 1, m0), work, m0, app.spec.max_batch_size,
+                    list(FLEET), 8, 100.0)
+    return JobRecord(id=name, spec=spec, team="t", samples_done=int(done * work))
+
+
+def _live_choices(jobs: list[JobRecord]) -> dict[str, dict[Accelerator, JobChoices]]:
+    """Each job's choices per type as the live round values them: speed-up over one GPU of the
+    job's slowest type (``broker.scheduler``)."""
+    out = {}
+    for j in jobs:
+        base = min(r for a in FLEET if (r := one_gpu_rate(j, a)) > 0)
+        out[j.id] = {a: JobChoices(j.id, job_choices(j, Policy.ELASTIC, cap, a, base))
+                     for a, cap in FLEET.items()}
+    return out
+
+
+def _joint_milp(cands: dict[str, dict[Accelerator, JobChoices]]) -> float:
+    """max sum of values with each job on at most one (type, count): the exact joint problem."""
+    owner, gpus, acc_of, vals = [], [], [], []
+    for j_idx, per_type in enumerate(cands.values()):
+        for a, jc in per_type.items():
+            for c in jc.choices:
+                owner.append(j_idx)
+                gpus.append(c.gpus)
+                acc_of.append(a)
+                vals.append(c.value)
+    rows = [[1.0 if o == j_idx else 0.0 for o in owner] for j_idx in range(len(cands))]
+    ub = [1.0] * len(cands)
+    for a, cap in FLEET.items():
         rows.append([float(g) if x is a else 0.0 for g, x in zip(gpus, acc_of, strict=True)])
-        ub.append(cap.gpus)
+        ub.append(cap)
     res = milp(-np.array(vals), integrality=np.ones(len(vals)), bounds=Bounds(0, 1),
                constraints=LinearConstraint(np.array(rows), -np.inf, np.array(ub)))
     return -res.fun
 
 
-def test_per_type_dp_is_close_to_the_joint_milp_on_small_fleets() -> None:
+def test_type_choice_is_close_to_the_joint_milp_on_small_fleets() -> None:
     rng = random.Random(7)
-    fleet = [TypeCapacity(Accelerator.T4, 2, 4), TypeCapacity(Accelerator.RTX2080TI, 1, 8),
-             TypeCapacity(Accelerator.A100, 1, 8)]
     apps = ["cifar10", "imagenet", "deepspeech2", "bert", "yolov3"]
     ratios = []
     for case in range(12):
-        policy = ElasticPolicy(fleet)
-        jobs = []
-        for i in range(rng.randint(3, 14)):
-            app = load_application(rng.choice(apps))
-            jobs.append(JobState(f"j{case}-{i}", app, submitted=i, workload_gpus=1,
-                                 workload_batch=app.init_batch_size,
-                                 progress=rng.random() * app.efficiency.target * 0.9))
-        plan = policy.schedule(jobs, now=0.0)
-        got = 0.0
-        for j in jobs:
-            a = plan[j.id]
-            if a is not None:
-                ref = min(policy._table(j, t).rate[0] for t in policy.runnable_types(j))
-                got += policy._table(j, a.accelerator).at(a.gpus)[1] / ref
-        used = {acc: sum(a.gpus for a in plan.values() if a and a.accelerator is acc)
-                for acc in policy.fleet}
-        assert all(used[acc] <= cap.gpus for acc, cap in policy.fleet.items())
-        best = _joint_milp(jobs, policy)
-        assert got <= best + 1e-6
-        ratios.append(got / best)
-    print(f"per-type DP / joint MILP: mean {np.mean(ratios):.3f}, min {min(ratios):.3f}")
+        jobs = [_record(f"j{case}-{i}", rng.choice(apps), rng.random() * 0.9)
+                for i in range(rng.randint(3, 14))]
+        cands = _live_choices(jobs)
+        types = assign_types(cands, FLEET)
+        got: dict[str, Choice | None] = {}
+        for acc, cap in FLEET.items():
+            got.update(allocate([cands[j][acc] for j, a in types.items() if a is acc], cap))
+        used = {acc: sum(c.gpus for j, c in got.items() if c and types[j] is acc)
+                for acc in FLEET}
+        assert all(used[acc] <= cap for acc, cap in FLEET.items())
+        best = _joint_milp(cands)
+        value = sum(c.value for c in got.values() if c is not None)
+        assert value <= best + 1e-6
+        ratios.append(value / best)
+    print(f"type choice + per-type DP / joint MILP: mean {np.mean(ratios):.3f}, "
+          f"min {min(ratios):.3f}")
     assert np.mean(ratios) >= 0.9
-
-
-def test_without_accumulation_a_fixed_batch_needs_enough_gpus_to_hold_it() -> None:
-    app = load_application("cifar10")
-    limit = app.on(Accelerator.T4).max_local_bsz
-    with_acc = ChoiceTables().table(app, T4, epoch=0, fixed_batch=4096)
-    without = ChoiceTables().table(app, T4, epoch=0, fixed_batch=4096, accumulation=False)
-    assert with_acc.rate[0] > 0  # one GPU accumulates 4 micro-batches
-    runnable = without.gpus[without.rate > 0]
-    assert runnable.min() == 4096 // limit
-
-
-def test_running_jobs_keep_their_type_unless_migration_is_allowed() -> None:
-    from policies.schedulers import Assignment
-
-    fleet = [TypeCapacity(Accelerator.T4, 1, 4), TypeCapacity(Accelerator.A100, 1, 8)]
-    app = load_application("cifar10")
-    job = JobState("c", app, 0.0, 1, 128, progress=1000.0,
-                   current=Assignment(Accelerator.T4, 1, 128, (1,)))
-    assert ElasticPolicy(fleet).schedule([job], 60.0)["c"].accelerator is Accelerator.T4
-    moved = ElasticPolicy(fleet, migrate=True).schedule([job], 60.0)["c"]
-    assert moved.accelerator is Accelerator.A100  # alone, the A100s are worth the restart

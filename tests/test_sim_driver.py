@@ -13,7 +13,7 @@ import pytest
 import broker.sim.driver as driver
 from broker.models import JobState
 from broker.sim.driver import LiveRoundDriver, scheduler_config
-from broker.sim.engine import SimConfig
+from broker.sim.engine import Assignment, SimConfig
 from broker.sim.spot import (
     MarketPolicy,
     SimPool,
@@ -24,7 +24,6 @@ from broker.sim.spot import (
 )
 from broker.sim.workload import WorkloadJob
 from policies.models import Market, Regions
-from policies.schedulers import Assignment
 from tests.test_spot_sim import _cluster, _trace, _v100
 
 CFG = SimConfig(max_hours=4)

@@ -1,4 +1,5 @@
-"""The simulator on small slices: exact physics of one job, determinism, admission, the CLI."""
+"""The classic simulator on small slices: exact physics of one job, determinism, admission, the
+Tiresias baseline, the CLI. That its policies are the live round's: ``test_classic_live.py``."""
 
 import json
 import subprocess
@@ -7,26 +8,29 @@ from pathlib import Path
 
 import pytest
 
-from broker.sim.cluster import ClusterError, fleet_capacity, parse_cluster
-from broker.sim.engine import SimConfig, SimulationError, simulate
+from broker.scheduler import Admission, Policy
+from broker.sim.baselines import TiresiasPolicy
+from broker.sim.cluster import ClusterError, fleet_capacity, parse_cluster, read_pool_specs
+from broker.sim.engine import Baseline, SimConfig, SimState, SimulationError
+from broker.sim.spot import SimPool, classic_pools, simulate
 from broker.sim.workload import WorkloadError, WorkloadJob, read_workload
+from policies.choices import TypeCapacity
 from policies.goodput import EfficiencyModel
 from policies.models import Accelerator
-from policies.schedulers import Admission, PolicyName
 from providers.measurements import load_application
 
 ROOT = Path(__file__).resolve().parents[1]
 POLLUX = ROOT / "examples" / "workloads" / "pollux-osdi21" / "workloads"
 
 
-def _t4(nodes: int = 2) -> list:
-    return fleet_capacity(parse_cluster(f"t4:{nodes}x4"))
+def _t4(nodes: int = 2) -> list[SimPool]:
+    return classic_pools(read_pool_specs(f"t4:{nodes}x4"))
 
 
 def test_one_job_alone_finishes_when_its_epochs_add_up() -> None:
     """Static policy, one ncf job on 1 GPU: JCT = wait for the round + restart + sum of epochs."""
     job = WorkloadJob("ncf-0", 0.0, "ncf", 1, 256)
-    res = simulate([job], _t4(1), SimConfig(policy=PolicyName.STATIC, interval=60,
+    res = simulate([job], _t4(1), SimConfig(policy=Policy.STATIC, interval=60,
                                             restart_penalty=30))
     app = load_application("ncf")
     eff, b = app.efficiency, app.efficiency.boundaries
@@ -38,15 +42,15 @@ def test_one_job_alone_finishes_when_its_epochs_add_up() -> None:
 
 def test_restart_penalty_delays_completion_by_exactly_its_length() -> None:
     job = [WorkloadJob("c", 0.0, "cifar10", 4, 512)]
-    slow = simulate(job, _t4(1), SimConfig(policy=PolicyName.STATIC, restart_penalty=90))
-    fast = simulate(job, _t4(1), SimConfig(policy=PolicyName.STATIC, restart_penalty=0))
+    slow = simulate(job, _t4(1), SimConfig(policy=Policy.STATIC, restart_penalty=90))
+    fast = simulate(job, _t4(1), SimConfig(policy=Policy.STATIC, restart_penalty=0))
     assert slow.records[0].jct - fast.records[0].jct == pytest.approx(90)
 
 
 def test_no_statistical_loss_is_faster_at_large_batch() -> None:
     job = [WorkloadJob("c", 0.0, "cifar10", 4, 2048)]
-    gns = simulate(job, _t4(1), SimConfig(policy=PolicyName.STATIC))
-    none = simulate(job, _t4(1), SimConfig(policy=PolicyName.STATIC,
+    gns = simulate(job, _t4(1), SimConfig(policy=Policy.STATIC))
+    none = simulate(job, _t4(1), SimConfig(policy=Policy.STATIC,
                                            efficiency=EfficiencyModel.NONE))
     assert none.records[0].jct < gns.records[0].jct
 
@@ -55,8 +59,8 @@ def _slice(n: int = 12) -> list[WorkloadJob]:
     return read_workload(POLLUX / "workload-3.csv")[:n]
 
 
-@pytest.mark.parametrize("policy", list(PolicyName))
-def test_every_policy_completes_a_slice_deterministically(policy: PolicyName) -> None:
+@pytest.mark.parametrize("policy", [*Policy, *Baseline])
+def test_every_policy_completes_a_slice_deterministically(policy: Policy | Baseline) -> None:
     cfg = SimConfig(policy=policy)
     a = simulate(_slice(), _t4(4), cfg)
     b = simulate(_slice(), _t4(4), cfg)
@@ -67,32 +71,32 @@ def test_every_policy_completes_a_slice_deterministically(policy: PolicyName) ->
 
 def test_elastic_beats_static_on_a_slice() -> None:
     jobs = _slice(20)
-    el = simulate(jobs, _t4(4), SimConfig(policy=PolicyName.ELASTIC))
-    st = simulate(jobs, _t4(4), SimConfig(policy=PolicyName.STATIC))
+    el = simulate(jobs, _t4(4), SimConfig(policy=Policy.ELASTIC))
+    st = simulate(jobs, _t4(4), SimConfig(policy=Policy.STATIC))
     mean = lambda r: sum(x.jct for x in r.records) / len(r.records)  # noqa: E731
     assert mean(el) < mean(st)
 
 
 def test_drop_admission_drops_what_does_not_fit_on_arrival() -> None:
     jobs = [WorkloadJob(f"n{i}", 0.0, "ncf", 1, 256) for i in range(6)]
-    res = simulate(jobs, _t4(1), SimConfig(policy=PolicyName.STATIC, admission=Admission.DROP))
+    res = simulate(jobs, _t4(1), SimConfig(policy=Policy.STATIC, admission=Admission.DROP))
     assert sum(r.dropped for r in res.records) == 2
     assert sum(r.completed is not None for r in res.records) == 4
-    el = simulate(jobs, _t4(1), SimConfig(policy=PolicyName.ELASTIC, admission=Admission.DROP))
+    el = simulate(jobs, _t4(1), SimConfig(policy=Policy.ELASTIC, admission=Admission.DROP))
     assert sum(r.dropped for r in el.records) == 2
     assert all(r.restarts == 0 or not r.dropped for r in el.records)
 
 
 def test_heterogeneous_fleet_runs_every_job_once_per_type_rules() -> None:
-    fleet = fleet_capacity(parse_cluster("t4:1x4,2080ti:1x8,a100:1x8"))
-    res = simulate(_slice(10), fleet, SimConfig(restart_penalty=None, sia_slowdown=True))
+    pools = classic_pools(read_pool_specs("t4:1x4,2080ti:1x8,a100:1x8"))
+    res = simulate(_slice(10), pools, SimConfig(restart_penalty=None, sia_slowdown=True))
     assert res.unfinished == 0
 
 
 def test_rigid_job_larger_than_the_cluster_is_refused() -> None:
     with pytest.raises(SimulationError, match="needs 48 GPUs"):
         simulate([WorkloadJob("i", 0, "imagenet", 48, 6400)], _t4(2),
-                 SimConfig(policy=PolicyName.TIRESIAS))
+                 SimConfig(policy=Baseline.TIRESIAS))
 
 
 def test_cluster_specs_and_their_errors(tmp_path: Path) -> None:
@@ -168,16 +172,12 @@ def test_cli_malformed_workload_exits_2(tmp_path: Path) -> None:
     assert "line 2, column 'num_replicas'" in p.stderr
 
 
-def _state(name: str, app: str, gpus: int, batch: int, t: float = 0.0):
-    from policies.schedulers import JobState
-
-    return JobState(name, load_application(app), t, gpus, batch)
+def _state(name: str, app: str, gpus: int, batch: int, t: float = 0.0) -> SimState:
+    return SimState(name, load_application(app), t, gpus, batch)
 
 
 def test_tiresias_demotes_after_its_threshold_and_lets_the_next_job_run() -> None:
-    from policies.schedulers import TiresiasPolicy
-
-    pol = TiresiasPolicy(_t4(1), threshold_gpu_s=4 * 120)
+    pol = TiresiasPolicy([TypeCapacity(Accelerator.T4, 1, 4)], threshold_gpu_s=4 * 120)
     a, b = _state("a", "cifar10", 4, 512, 0), _state("b", "cifar10", 4, 512, 1)
     plan = pol.schedule([a, b], now=60)
     assert plan["a"] is not None and plan["b"] is None  # first come, first served in Q0
@@ -187,14 +187,10 @@ def test_tiresias_demotes_after_its_threshold_and_lets_the_next_job_run() -> Non
     assert plan["a"] is None and plan["b"] is not None  # a used 4 GPUs x 120 s: demoted
 
 
-def test_static_is_strict_fcfs_and_tiresias_skips_ahead() -> None:
-    from policies.schedulers import StaticPolicy, TiresiasPolicy
-
+def test_tiresias_skips_ahead_to_a_job_that_fits() -> None:
+    pol = TiresiasPolicy([TypeCapacity(Accelerator.T4, 2, 4)])
     big, small = _state("big", "cifar10", 8, 2048, 0), _state("small", "ncf", 1, 256, 1)
     running = _state("run", "ncf", 1, 256, -1)
-    for pol, want in ((StaticPolicy(_t4(2)), None), (TiresiasPolicy(_t4(2)), "small")):
-        plan = pol.schedule([running], now=0)
-        running.current = plan["run"]
-        plan = pol.schedule([running, big, small], now=60)
-        assert plan["big"] is None
-        assert (plan["small"] is not None) == (want == "small")
+    running.current = pol.schedule([running], now=0)["run"]
+    plan = pol.schedule([running, big, small], now=60)
+    assert plan["big"] is None and plan["small"] is not None

@@ -10,22 +10,16 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from broker.cli.app import app
+from broker.scheduler import Policy
+from broker.sim.baselines import MarketBaseline
 from broker.sim.cluster import ClusterError, fleet_capacity, read_pool_specs
-from broker.sim.engine import SimConfig, make_job
-from broker.sim.spot import (
-    MarketPolicy,
-    SimPool,
-    SpotConfig,
-    _SpotSim,
-    sim_pools,
-    simulate_spot,
-)
+from broker.sim.engine import Assignment, SimConfig, make_job
+from broker.sim.spot import MarketPolicy, SimPool, SpotConfig, sim_pools, simulate_spot
 from broker.sim.traces import TraceError, read_trace
 from broker.sim.workload import WorkloadError, WorkloadJob, read_workload
 from examples.workloads.spot.make_workload import isolated_s
-from policies.choices import ChoiceTables, placement_for
+from policies.choices import placement_for
 from policies.models import Accelerator
-from policies.schedulers import Assignment, PolicyName
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "clusters" / "spot-v100.yaml"
@@ -110,7 +104,7 @@ def test_a_preemption_evicts_and_loses_the_work_since_the_checkpoint(tmp_path: P
     name = _trace(tmp_path / "t.json", [1, 0] + [1] * 50, gap=600)
     od = _v100("us-east-1", "on-demand", 2.0)
     pools = _cluster(tmp_path, _v100("us-east-1", "spot", 0.5, extra=f", trace: {name}"), od)
-    cfg = SimConfig(policy=PolicyName.FIXED_BATCH, max_hours=4)
+    cfg = SimConfig(policy=Policy.FIXED_BATCH, max_hours=4)
     hit = simulate_spot([_job()], pools, cfg, SpotConfig(MarketPolicy.FAILOVER, 300))
     calm = simulate_spot([_job()], _cluster(tmp_path, _v100("us-east-1", "spot", 0.5), od),
                          cfg, SpotConfig(MarketPolicy.FAILOVER, 300))
@@ -301,8 +295,8 @@ def test_a_running_job_whose_growth_fits_nowhere_keeps_its_seat(tmp_path: Path) 
                      _v100("us-west-2", "spot", 0.5, nodes=2),
                      _v100("eu-west-1", "spot", 0.6, nodes=4))
     cheap, dear, big = pools
-    sim = _SpotSim([_job("a"), _job("b"), _job("c")], pools, CFG,
-                   SpotConfig(MarketPolicy.FAILOVER), ChoiceTables())
+    sim = MarketBaseline([_job("a"), _job("b"), _job("c")], pools, CFG,
+                         SpotConfig(MarketPolicy.FAILOVER))
     a, b, c = sim.jobs
 
     def run(job, pool, gpus: int) -> Assignment:

@@ -1,4 +1,8 @@
-"""``fleet simulate``: replay workload traces on a simulated cluster under one policy."""
+"""``fleet simulate``: replay workload traces on a simulated cluster under one policy.
+
+``elastic``, ``fixed-batch`` and ``static`` are the live broker's policies: the simulation runs
+its scheduling round (``broker.sim.driver``) on every cluster; ``tiresias`` and the spot
+policies other than ``fleet`` are baselines, for comparison only (``broker.sim.baselines``)."""
 
 from __future__ import annotations
 
@@ -30,26 +34,29 @@ def _expand(paths: list[Path]) -> list[Path]:
 def simulate(
     workloads: list[Path] = typer.Argument(..., help="workload CSV files or folders of them"),
     cluster: str = typer.Option("t4:16x4", help="TYPE:NODESxGPUS[,...] or a YAML file of pools"),
-    policy: str = typer.Option("elastic", help="elastic | fixed-batch | static | tiresias"),
-    admission: str = typer.Option("queue", help="queue (jobs wait) | drop (no GPU on arrival)"),
+    policy: str = typer.Option(
+        "elastic", help="the live round's policy: elastic (GPUs and batch chosen) | fixed-batch "
+        "(GPUs chosen, the row's batch) | static (the row's GPUs and batch, never rescaled); or "
+        "tiresias: a baseline, for comparison only (classic clusters)"),
+    admission: str = typer.Option(
+        "queue", help="the live round's admission: queue (jobs wait) | drop (a job that gets no "
+        "GPUs in the round it arrives is dropped; a running job is never suspended for it)"),
     interval: float = typer.Option(60.0, help="seconds between scheduling rounds"),
     restart_penalty: str = typer.Option("30", help="seconds per restart, or per-model (Sia)"),
     efficiency: str = typer.Option("gns", help="gns (gradient noise scale) | none (gain = s)"),
     slowdown: str = typer.Option("none", help="none | sia (Sia's per-model calibration)"),
-    value: str = typer.Option("speedup", help="DP value: speedup | remaining | fair"),
-    fairness: float = typer.Option(0.5, help="exponent p of the 'fair' value, in (0, 1]"),
-    restart_horizon: float = typer.Option(
-        1800.0, help="seconds a rescale must repay its restart in (discounts changes)"),
-    accumulation: bool = typer.Option(
-        True, help="let elastic/fixed-batch jobs accumulate gradients past the per-GPU limit"),
-    migrate: bool = typer.Option(
-        False, help="let a running job move to a type where it runs 3x faster (a restart)"),
+    value: str | None = typer.Option(None, hidden=True),
+    fairness: float | None = typer.Option(None, hidden=True),
+    restart_horizon: float | None = typer.Option(None, hidden=True),
+    accumulation: bool | None = typer.Option(None, "--accumulation/--no-accumulation",
+                                             hidden=True),
+    migrate: bool | None = typer.Option(None, "--migrate/--no-migrate", hidden=True),
     spot_policy: str = typer.Option(
         "auto", help="fleet: the live broker's scheduling round decides (GPUs, batch, markets, "
-        "regions, deadlines), with the broker's own settings, so --value, --fairness, "
-        "--restart-horizon, --accumulation and --migrate do not apply to it; ondemand | "
-        "skypilot-failover | skypilot-eager: baselines for comparison; auto: fleet when the "
-        "cluster has spot or trace pools, else the classic simulation (no markets, no costs)"),
+        "regions, deadlines), with the broker's own settings; ondemand | skypilot-failover | "
+        "skypilot-eager: baselines for comparison; auto: fleet when the cluster has spot or "
+        "trace pools, else the classic simulation (one on-demand pool per type, no costs), "
+        "which runs the live round too"),
     checkpoint_interval: float = typer.Option(
         100.0, help="spot simulation: seconds of progress between checkpoints (a preemption "
         "loses the work since the last one); 100 is the job spec's default"),
@@ -63,25 +70,42 @@ def simulate(
     jobs_out: Path | None = typer.Option(None, help="write one CSV row per job here"),
 ) -> None:
     """Simulate WORKLOAD.csv files on CLUSTER with POLICY and report job completion times."""
+    from broker.scheduler import Admission, Policy
     from broker.sim.cluster import ClusterError, fleet_capacity, read_pool_specs
-    from broker.sim.engine import SimConfig, SimulationError
+    from broker.sim.engine import Baseline, SimConfig, SimulationError
     from broker.sim.report import spot_summary, summary, write_jobs
-    from broker.sim.spot import MarketPolicy, SpotConfig, has_spot, sim_pools, simulate_spot
+    from broker.sim.spot import (
+        MarketPolicy,
+        SpotConfig,
+        classic_pools,
+        has_spot,
+        sim_pools,
+        simulate_spot,
+    )
     from broker.sim.workload import WorkloadError, read_workload
-    from policies.choices import ValueConfig, ValueFunction
     from policies.goodput import EfficiencyModel
-    from policies.schedulers import Admission, PolicyName
 
-    def choice(name: str, raw: str, enum: Any) -> Any:
-        try:
-            return enum(raw)
-        except ValueError:
-            fail(f"--{name} {raw!r} is not one of: {', '.join(e.value for e in enum)}")
+    gone = [f"--{name.replace('_', '-')}" for name, given in (
+        ("value", value), ("fairness", fairness), ("restart_horizon", restart_horizon),
+        ("accumulation", accumulation), ("migrate", migrate)) if given is not None]
+    if gone:
+        fail(f"{', '.join(gone)}: settings of the classic simulation's own allocator, which is "
+             "gone: every policy but tiresias now runs the live broker's round with the broker's "
+             "own settings (speed-up value, no restart discount, accumulation always allowed, a "
+             "running job keeps its accelerator type); leave them out")
 
-    pol = choice("policy", policy, PolicyName)
+    def choice(name: str, raw: str, *enums: Any) -> Any:
+        for enum in enums:
+            try:
+                return enum(raw)
+            except ValueError:
+                pass
+        fail(f"--{name} {raw!r} is not one of: "
+             f"{', '.join(e.value for enum in enums for e in enum)}")
+
+    pol = choice("policy", policy, Policy, Baseline)
     adm = choice("admission", admission, Admission)
     eff = choice("efficiency", efficiency, EfficiencyModel)
-    val = choice("value", value, ValueFunction)
     if slowdown not in ("none", "sia"):
         fail(f"--slowdown {slowdown!r} is not one of: none, sia")
     penalty: float | None
@@ -98,24 +122,22 @@ def simulate(
     if spot_policy != "auto":
         market = choice("spot-policy", spot_policy, MarketPolicy)
     try:
-        cfg = SimConfig(pol, adm, interval, penalty, eff, slowdown == "sia",
-                        ValueConfig(val, fairness, restart_horizon), accumulation=accumulation,
-                        migrate=migrate)
+        cfg = SimConfig(pol, adm, interval, penalty, eff, slowdown == "sia")
         specs = read_pool_specs(cluster)
-        fleet = fleet_capacity([s.pool for s in specs])
+        fleet_capacity([s.pool for s in specs])  # every type measured, nodes of measured size
         if market is None and has_spot(specs):
             market = MarketPolicy.FLEET
         if market is not None:
             pools = sim_pools(specs)
             spot = SpotConfig(market, checkpoint_interval, checkpoint_on_notice)
+        else:
+            pools = classic_pools(specs)
     except (ValueError, ClusterError) as e:
         fail(str(e))
     paths = _expand(workloads)
     settings = {"policy": pol.value, "cluster": cluster, "admission": adm.value,
                 "interval": interval, "restart_penalty": restart_penalty,
-                "efficiency": eff.value, "slowdown": slowdown, "value": val.value,
-                "fairness": fairness, "restart_horizon": restart_horizon,
-                "accumulation": accumulation, "migrate": migrate, "seed": seed}
+                "efficiency": eff.value, "slowdown": slowdown, "seed": seed}
     try:
         loaded = [read_workload(p) for p in paths]  # validate every file before simulating
         if market is not None:
@@ -127,7 +149,7 @@ def simulate(
             out = spot_summary(spot_results, settings)
         else:
             show = not json_out and sys.stderr.isatty()
-            results = _simulate_all(paths, fleet, cfg, workers, show)
+            results = _simulate_all(paths, pools, cfg, workers, show)
             out = summary(results, settings)
     except (WorkloadError, SimulationError) as e:
         fail(str(e))
@@ -139,7 +161,7 @@ def simulate(
     _print_table(out)
 
 
-def _simulate_all(paths: list[Path], fleet: Any, cfg: Any, workers: int,
+def _simulate_all(paths: list[Path], pools: Any, cfg: Any, workers: int,
                   show: bool) -> list[tuple[str, Any]]:
     from rich.progress import Progress
 
@@ -148,8 +170,8 @@ def _simulate_all(paths: list[Path], fleet: Any, cfg: Any, workers: int,
     if workers > 1 or not show:
         from broker.sim.batch import run_files
 
-        return run_files(paths, fleet, cfg, workers)
-    from broker.sim.engine import simulate as run
+        return run_files(paths, pools, cfg, workers)
+    from broker.sim.spot import simulate as run
     from broker.sim.workload import read_workload
 
     results = []
@@ -157,7 +179,7 @@ def _simulate_all(paths: list[Path], fleet: Any, cfg: Any, workers: int,
         for path in paths:
             jobs = read_workload(path)
             task = progress.add_task(f"{path.name}", total=len(jobs))
-            res = run(jobs, fleet, cfg,
+            res = run(jobs, pools, cfg,
                       on_round=lambda _t, done, task=task: progress.update(task, completed=done))
             results.append((str(path), res))
     return results

@@ -1,9 +1,10 @@
-"""Trace-driven, deterministic cluster simulator.
+"""Trace-driven, deterministic cluster simulator: a driver of the live broker's round.
 
-Two parts. The classic simulation (``engine.py``) replays Pollux/Sia workloads under the
-allocation policies of ``policies.schedulers`` (elastic, fixed-batch, static, Tiresias) on one pool
-per accelerator type. The spot simulation (``spot.py``) adds markets, regions, traces and cost:
-its ``fleet`` policy is a driver of the live broker's scheduling round (``driver.py`` runs
-``broker.scheduler.plan_round`` on a virtual clock); its other policies (on-demand only and the
-SkyPilot-like ones) are baselines, for comparison only.
+One loop (``spot.SpotRounds``) on a virtual clock, the jobs' physics from the measured tables
+(``engine.py``). The decisions are the live broker's: ``driver.py`` runs
+``broker.scheduler.plan_round`` every round and carries out its plans, on classic clusters (one
+on-demand pool per accelerator type: ``elastic``, ``fixed-batch``, ``static``) and on spot
+clusters (markets, regions, traces, cost: ``fleet``). The other policies are baselines, for
+comparison only (``baselines.py``): Tiresias on classic clusters, on-demand only and the
+SkyPilot-like ones on spot clusters.
 """

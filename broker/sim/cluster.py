@@ -10,7 +10,7 @@ optional ``trace:`` per pool, a spot availability file (path relative to the YAM
          market: spot, trace: traces/us-east-2a_v100_1.json}
 
 ``price_per_gpu_hour`` left out means the catalog's price (``catalog_price``) in the spot
-simulation, and 0 in the classic one (which never looks at prices).
+simulation, and 0 in the classic one (whose report has no costs).
 """
 
 from __future__ import annotations

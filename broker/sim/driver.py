@@ -1,4 +1,6 @@
-"""The simulator's ``fleet`` policy: a driver of the live broker's scheduling round.
+"""A driver of the live broker's scheduling round: the simulator's ``fleet`` policy on spot
+clusters, and its ``elastic``, ``fixed-batch`` and ``static`` policies on classic ones (a classic
+cluster is plain on-demand pools: ``broker.sim.spot.classic_pools``).
 
 No scheduling decision is made here. On a virtual clock, with Pollux's rounds (the loop, progress,
 cost and evictions of ``broker.sim.spot.SpotRounds``), each round:
@@ -17,9 +19,9 @@ cost and evictions of ``broker.sim.spot.SpotRounds``), each round:
    lost: the broker asked) and settles it as suspended. Live, that settle wakes the scheduler,
    whose next round relaunches a moved or resized job; here the round runs again at once.
 
-The round runs with the broker's own settings (``scheduler_config``): the simulation's allocator
-settings (``SimConfig.value``, ``accumulation``, ``migrate``) belong to the classic simulation and
-the baselines. The physics are the simulation's: restarts, the tables' throughput and efficiency.
+The round runs with the broker's own settings (``scheduler_config``): the simulation chooses the
+live ``Policy`` and ``Admission`` (``--policy``, ``--admission``), nothing else of the allocator.
+The physics are the simulation's: restarts, the tables' throughput and efficiency.
 
 The broker counts work in samples; the tables count progress in M0-iterations (iterations at the
 job's initial batch M0). The driver gives each job ``ceil(target x M0)`` samples of work, reports
@@ -35,7 +37,7 @@ from collections.abc import Sequence
 from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.scheduler import Policy, SchedulerConfig, plan_round
 from broker.sim.cluster import fleet_capacity
-from broker.sim.engine import SimConfig, SimulationError, goodput
+from broker.sim.engine import Assignment, Baseline, SimConfig, SimulationError, goodput
 from broker.sim.spot import SimPool, SpotConfig, SpotJob, SpotRounds
 from broker.sim.workload import WorkloadJob
 from broker.store import PoolStats, Snapshot
@@ -60,7 +62,6 @@ from policies.models import (
     Pool,
     SpotPolicy,
 )
-from policies.schedulers import Assignment, PolicyName
 
 FENCE = 1  # the driver is the broker's only leader
 UNMEASURED = "the measurements cannot run"
@@ -70,13 +71,15 @@ TEAM = "sim"
 MAX_PASSES = 8
 
 
-def scheduler_config(cfg: SimConfig, checkpoint_on_notice: bool = True) -> SchedulerConfig:
+def scheduler_config(cfg: SimConfig, checkpoint_on_notice: bool = False) -> SchedulerConfig:
     """The live round's settings for a simulation: the product's defaults, but for what the
-    simulation fixes itself. A relaunch costs the simulation's restart penalty (per model: the
-    product's default, as the round has one figure for every job), the broker reacts to a
-    preemption at the next round, and the simulated agents checkpoint on the notice or not."""
-    policy = Policy.FIXED_BATCH if cfg.policy is PolicyName.FIXED_BATCH else Policy.ELASTIC
-    config = SchedulerConfig(policy=policy, reaction_s=cfg.interval,
+    simulation fixes itself: its policy and admission; a relaunch costs the simulation's restart
+    penalty (per model: the product's default, as the round has one figure for every job), the
+    broker reacts to a preemption at the next round, and the simulated agents checkpoint on the
+    notice or not."""
+    if isinstance(cfg.policy, Baseline):
+        raise SimulationError(f"{cfg.policy.value} is a baseline, not the live round's policy")
+    config = SchedulerConfig(policy=cfg.policy, admission=cfg.admission, reaction_s=cfg.interval,
                              checkpoint_on_notice=checkpoint_on_notice)
     if cfg.restart_penalty is not None:
         config.restart_s = cfg.restart_penalty
@@ -141,9 +144,18 @@ class LiveRoundDriver(SpotRounds):
             raise SimulationError(f"job {w.name}: {app.name} has no measurements on any type "
                                   "of this cluster")
         m0 = app.init_batch_size
+        largest = max(p.pool.capacity for p in self.pools if p.pool.accelerator in accels)
         spec = job_spec(w, math.ceil(app.efficiency.target * m0), m0, app.spec.max_batch_size,
-                        accels, max(p.pool.capacity for p in self.pools
-                                    if p.pool.accelerator in accels), self.spot.checkpoint_s)
+                        accels, largest, self.spot.checkpoint_s)
+        if self.cfg.policy is Policy.STATIC:
+            # The live static policy runs gpus.min at the initial batch and never rescales: a
+            # user of such a broker asks for the row's GPU count (Pollux's static baseline).
+            if w.num_replicas > largest:
+                raise SimulationError(
+                    f"job {w.name} needs {w.num_replicas} GPUs but the largest pool of its types "
+                    f"has {largest}; use a bigger cluster or policy elastic")
+            spec = spec.model_copy(update={"gpus": GpuRange(min=w.num_replicas,
+                                                            max=w.num_replicas)})
         self.records[w.name] = JobRecord(id=w.name, spec=spec, team=TEAM, submitted_at=w.time,
                                          updated_at=w.time)
         return job
@@ -188,9 +200,12 @@ class LiveRoundDriver(SpotRounds):
             old = self.records[entry["job"]]
             new = JobRecord.model_validate_json(entry["fields"]["doc"])
             state = JobState(entry.get("state", old.state))
-            if state not in (JobState.LAUNCHING, JobState.SUSPENDING, old.state):
+            if state not in (JobState.LAUNCHING, JobState.SUSPENDING, JobState.DROPPED,
+                             old.state):
                 raise SimulationError(f"job {old.id}: the round moved it to {state.value}, "
                                       "which the simulation does not carry out")
+            if state is JobState.DROPPED:  # admission drop: it leaves the simulation
+                jobs[old.id].sim.record.dropped = True
             self._put(old, state=state, **{k: getattr(new, k) for k in new.model_fields_set})
         stopped = False
         for raw in intents:

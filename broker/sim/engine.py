@@ -1,24 +1,25 @@
-"""The simulation loop: a virtual clock, rounds every ``interval``, restarts, progress, completion.
+"""The simulation's physics: a job's progress on the measured tables, restarts, completion.
 
-Conventions of Pollux's simulator (FACTS.md section 3): every round advances every running job,
-then the policy re-solves and every job whose GPUs (type, count or placement) changed starts a
-restart countdown during which it holds its GPUs and makes no progress; the first start pays it
-too. A batch-size change alone needs no restart (AdaptDL rescales the batch in place). Progress is
-counted in iterations at the job's initial batch; the gain per iteration is the statistical
-efficiency; a job completes at the exact moment its progress reaches the model's target.
+Conventions of Pollux's simulator (FACTS.md section 3): every round advances every running job on
+its current assignment; a job that (re)starts holds its GPUs for its restart penalty before it
+makes progress (the first start pays it too). Progress is counted in iterations at the job's
+initial batch; the gain per iteration is the statistical efficiency; a job completes at the exact
+moment its progress reaches the model's target. Who decides the assignments is not here: the
+rounds (``broker.sim.spot.SpotRounds``) run the live broker's round (``broker.sim.driver``) or a
+baseline (``broker.sim.baselines``).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
+from broker.scheduler import Admission, Policy
 from broker.sim.workload import WorkloadJob
-from policies.apps import APP_SPECS
-from policies.choices import ChoiceTables, TypeCapacity, ValueConfig
+from policies.apps import APP_SPECS, Application
 from policies.goodput import EfficiencyModel
-from policies.schedulers import Admission, Assignment, JobState, PolicyName, make_policy
+from policies.models import Accelerator
+from policies.trace_throughput import Placement
 from providers.measurements import load_application
 
 
@@ -26,17 +27,21 @@ class SimulationError(ValueError):
     """The workload cannot run on this cluster at all (says which job and why)."""
 
 
+class Baseline(StrEnum):
+    """Classic-simulation policies that exist for comparison only (``broker.sim.baselines``);
+    the others (``broker.scheduler.Policy``) are the live round's."""
+
+    TIRESIAS = "tiresias"
+
+
 @dataclass(frozen=True)
 class SimConfig:
-    policy: PolicyName = PolicyName.ELASTIC
+    policy: Policy | Baseline = Policy.ELASTIC
     admission: Admission = Admission.QUEUE
     interval: float = 60.0
     restart_penalty: float | None = 30.0  # None: per model (Sia)
     efficiency: EfficiencyModel = EfficiencyModel.GNS
     sia_slowdown: bool = False
-    value: ValueConfig = field(default_factory=ValueConfig)
-    accumulation: bool = True  # elastic policies may use gradient accumulation
-    migrate: bool = False  # running jobs may move to another accelerator type
     max_hours: float = 24 * 60  # safety stop for workloads that never drain
 
     def __post_init__(self) -> None:
@@ -46,14 +51,46 @@ class SimConfig:
             raise ValueError(f"restart penalty must be >= 0, got {self.restart_penalty}")
 
 
+@dataclass(frozen=True)
+class Assignment:
+    """Where and how a job runs: accelerator type, GPUs, global batch, GPUs per node."""
+
+    accelerator: Accelerator
+    gpus: int
+    batch_size: int
+    placement: Placement
+
+
 @dataclass
-class JobRecord:
+class SimState:
+    """A simulated job's physics: its model's tables, the workload row's request, its progress
+    and what it runs on now."""
+
+    id: str
+    app: Application
+    submitted: float
+    workload_gpus: int
+    workload_batch: int
+    progress: float = 0.0
+    current: Assignment | None = None
+    restart_s: float = 30.0
+    slowdown: float = 1.0
+
+    @property
+    def epoch(self) -> int:
+        return self.app.efficiency.epoch(self.progress)
+
+
+@dataclass
+class SimRecord:
+    """What the simulation reports of one job (``broker.sim.report``)."""
+
     name: str
     application: str
     submitted: float
     completed: float | None = None
     dropped: bool = False
-    restarts: int = 0  # rescales and migrations after the first start
+    restarts: int = 0  # relaunches after the first start (rescales, moves, preemptions)
     gpu_seconds: float = 0.0  # GPU time held (restarts included)
 
     @property
@@ -63,60 +100,21 @@ class JobRecord:
 
 @dataclass
 class SimJob:
-    """One job in a simulation: the policy's view of it, its record, its restart countdown."""
+    """One job in a simulation: its physics, its record, its restart countdown."""
 
-    state: JobState
-    record: JobRecord
+    state: SimState
+    record: SimRecord
     restart_left: float = 0.0
     started: bool = False
 
 
 @dataclass
 class SimResult:
-    records: list[JobRecord]
+    records: list[SimRecord]
     end_time: float
     rounds: int
     unfinished: int = 0
     solve_seconds: list[float] = field(default_factory=list)
-
-
-def simulate(workload: Sequence[WorkloadJob], fleet: Sequence[TypeCapacity],
-             cfg: SimConfig = SimConfig(), tables: ChoiceTables | None = None,
-             on_round: Callable[[float, int], None] | None = None) -> SimResult:
-    """Run one workload to completion (or ``cfg.max_hours``) and return per-job records."""
-    import time
-
-    policy = make_policy(cfg.policy, fleet, cfg.admission, cfg.value, tables, cfg.accumulation,
-                         cfg.migrate)
-    jobs = [make_job(w, cfg) for w in sorted(workload, key=lambda w: (w.time, w.name))]
-    _check_runnable(jobs, fleet, cfg.policy)
-    rate_cache: dict[tuple, float] = {}
-    now, rounds, nxt = 0.0, 0, 0
-    active: list[SimJob] = []
-    solve_s: list[float] = []
-    limit = cfg.max_hours * 3600
-    while (nxt < len(jobs) or active) and now < limit:
-        for job in active:
-            advance(job, now, cfg.interval, rate_cache)
-        now += cfg.interval
-        rounds += 1
-        active = [j for j in active if j.record.completed is None]
-        if not active and nxt < len(jobs) and jobs[nxt].record.submitted > now:
-            # idle cluster: jump to the first round at or after the next arrival
-            now = math.ceil(jobs[nxt].record.submitted / cfg.interval) * cfg.interval
-        while nxt < len(jobs) and jobs[nxt].record.submitted <= now:
-            active.append(jobs[nxt])
-            nxt += 1
-        if active:
-            t0 = time.perf_counter()
-            plan = policy.schedule([j.state for j in active], now)
-            solve_s.append(time.perf_counter() - t0)
-            _apply(active, plan, cfg)
-            active = [j for j in active if not j.record.dropped]
-        if on_round:
-            on_round(now, sum(j.record.completed is not None or j.record.dropped for j in jobs))
-    unfinished = sum(j.record.completed is None and not j.record.dropped for j in jobs)
-    return SimResult([j.record for j in jobs], now, rounds, unfinished, solve_s)
 
 
 def make_job(w: WorkloadJob, cfg: SimConfig) -> SimJob:
@@ -124,25 +122,9 @@ def make_job(w: WorkloadJob, cfg: SimConfig) -> SimJob:
     app = load_application(w.application, cfg.efficiency)
     spec = APP_SPECS[w.application]
     restart = spec.restart_s if cfg.restart_penalty is None else cfg.restart_penalty
-    state = JobState(w.name, app, w.time, w.num_replicas, w.batch_size, restart_s=restart,
+    state = SimState(w.name, app, w.time, w.num_replicas, w.batch_size, restart_s=restart,
                      slowdown=spec.sia_slowdown if cfg.sia_slowdown else 1.0)
-    return SimJob(state, JobRecord(w.name, w.application, w.time))
-
-
-def _check_runnable(jobs: list[SimJob], fleet: Sequence[TypeCapacity],
-                    policy: PolicyName) -> None:
-    rigid = policy in (PolicyName.STATIC, PolicyName.TIRESIAS)
-    for j in jobs:
-        s = j.state
-        types = [c for c in fleet if c.accelerator in s.app.throughput]
-        if not types:
-            raise SimulationError(f"job {s.id}: {s.app.name} has no measurements on any type "
-                                  "of this cluster")
-        if rigid and max(c.gpus for c in types) < s.workload_gpus:
-            raise SimulationError(
-                f"job {s.id} needs {s.workload_gpus} GPUs but the largest type of this cluster "
-                f"has {max(c.gpus for c in types)}; use a bigger cluster or policy elastic"
-            )
+    return SimJob(state, SimRecord(w.name, w.application, w.time))
 
 
 def advance(job: SimJob, start: float, seconds: float, cache: dict[tuple, float]) -> None:
@@ -175,7 +157,7 @@ def advance(job: SimJob, start: float, seconds: float, cache: dict[tuple, float]
             return
 
 
-def goodput(state: JobState, a: Assignment, epoch: int, cache: dict[tuple, float]) -> float:
+def goodput(state: SimState, a: Assignment, epoch: int, cache: dict[tuple, float]) -> float:
     """M0-iterations per second of ``state``'s job on ``a`` during ``epoch``, its slowdown
     applied (NaN where the measurements cannot run it). ``cache`` keeps the tables' answers."""
     key = (state.app.name, state.app.efficiency.model, a, epoch)
@@ -184,25 +166,3 @@ def goodput(state: JobState, a: Assignment, epoch: int, cache: dict[tuple, float
         rate, _ = state.app.rate(a.accelerator, a.placement, a.batch_size, epoch)
         cache[key] = rate
     return rate / state.slowdown
-
-
-def _apply(active: list[SimJob], plan: dict[str, Assignment | None], cfg: SimConfig) -> None:
-    for job in active:
-        s = job.state
-        new = plan.get(s.id)
-        if s.new and new is None and cfg.admission is Admission.DROP:
-            job.record.dropped = True
-        s.new = False
-        old = s.current
-        if new is None:
-            s.current = None
-            job.restart_left = 0.0
-            continue
-        moved = old is None or (old.accelerator, old.gpus, old.placement) != (
-            new.accelerator, new.gpus, new.placement)
-        if moved:
-            job.restart_left = s.restart_s
-            if job.started:
-                job.record.restarts += 1
-            job.started = True
-        s.current = new

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.sim.engine import JobRecord, SimResult
+from broker.sim.engine import SimRecord, SimResult
 from broker.sim.spot import SpotResult
 
 
@@ -103,7 +103,7 @@ def write_jobs(path: Path, results: Sequence[tuple[str, SimResult]]) -> None:
                 w.writerow(_row(name, r))
 
 
-def _row(workload: str, r: JobRecord) -> list[Any]:
+def _row(workload: str, r: SimRecord) -> list[Any]:
     return [workload, r.name, r.application, r.submitted,
             "" if r.completed is None else round(r.completed, 3),
             "" if r.jct is None else round(r.jct, 3), int(r.dropped), r.restarts,

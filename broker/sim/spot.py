@@ -1,25 +1,20 @@
-"""Multi-region spot simulation: spot and on-demand pools, availability traces, preemptions, cost.
+"""The simulation's rounds on pools: spot and on-demand pools, availability traces, preemptions,
+cost; a classic cluster (``t4:16x4``: one on-demand pool per type, no trace, price 0) is one more
+case of the same loop.
 
-Every round (Pollux's conventions, as ``engine.py``): running jobs advance and pay for the GPUs they
-hold; then pools whose trace dropped below what runs there evict jobs (the most recently placed
-first); then the market policy decides. What every policy shares is :class:`SpotRounds`: the
+Every round (Pollux's conventions, physics in ``engine.py``): running jobs advance and pay for the
+GPUs they hold; then pools whose trace dropped below what runs there evict jobs (the most recently
+placed first); then the policy decides. What every policy shares is :class:`SpotRounds`: the
 virtual clock, progress and cost, periodic checkpoints, evictions, starts and stops.
 
 - ``fleet`` is FleetBroker itself: ``broker.sim.driver`` runs the live broker's scheduling round
   (``broker.scheduler.plan_round``) on the virtual clock and carries out its plans as the
-  actuator and reconciler do; no scheduling decision is made here.
+  actuator and reconciler do; no scheduling decision is made here. The classic simulation's
+  ``elastic``, ``fixed-batch`` and ``static`` policies are the live round's
+  (``broker.scheduler.Policy``), run the same way on the classic cluster's pools.
 
-The others are baselines, for comparison only. The same elastic allocator as the classic
-simulation (``policies.schedulers``, each count capped at the largest pool's free GPUs) shares the
-market's available GPUs, and a placement step puts each job's whole gang in ONE pool (one region);
-jobs that fragmentation leaves out are re-allocated over what is left. Running jobs keep their
-pool while it holds their new size; the others are placed, largest gang first:
-
-- ``ondemand``: on-demand pools only, cheapest first.
-- ``skypilot-failover``: spot only, cheapest first; a preempted job is relaunched in the region it
-  was preempted from first, then anywhere, cheapest first (SkyPilot's FAILOVER).
-- ``skypilot-eager``: spot only; a preempted job tries the other regions first in price order and
-  its own region last (SkyPilot's EAGER_NEXT_REGION). Neither looks at deadlines.
+The others are baselines, for comparison only (``broker.sim.baselines``): on spot clusters
+``ondemand``, ``skypilot-failover`` and ``skypilot-eager``; on classic clusters Tiresias.
 
 A job checkpoints every ``checkpoint_s`` seconds of progress, and before every move the broker makes
 itself (rescale, market switch, suspension, move to another pool), so only preemptions lose work:
@@ -35,31 +30,28 @@ from __future__ import annotations
 import abc
 import math
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 from broker.costs import ondemand_reference
-from broker.sim.cluster import (
-    ClusterError,
-    PoolSpec,
-    catalog_price,
-    catalog_prior,
-    fleet_capacity,
+from broker.scheduler import Admission, Policy
+from broker.sim.cluster import ClusterError, PoolSpec, catalog_price, catalog_prior
+from broker.sim.engine import (
+    Assignment,
+    Baseline,
+    SimConfig,
+    SimJob,
+    SimResult,
+    SimState,
+    SimulationError,
+    advance,
+    make_job,
 )
-from broker.sim.engine import SimConfig, SimJob, SimResult, SimulationError, advance, make_job
 from broker.sim.traces import SpotTrace
 from broker.sim.workload import WorkloadJob
-from policies.choices import ChoiceTables, ConfigTable, TypeCapacity
 from policies.migration import DEFAULT_DECAY_S
-from policies.models import Accelerator, Market, Pool
-from policies.schedulers import (
-    Admission,
-    Assignment,
-    ElasticPolicy,
-    JobState,
-    PolicyName,
-)
+from policies.models import Market, Pool
 from providers.catalog import UNKNOWN_RATE
 
 DEFAULT_CHECKPOINT_S = 100.0  # the job spec's default (policies.models.CheckpointSpec)
@@ -127,7 +119,8 @@ def has_spot(specs: Sequence[PoolSpec]) -> bool:
 
 @dataclass(frozen=True)
 class SpotConfig:
-    """The spot simulation's own settings (the allocator's are ``SimConfig``)."""
+    """The rounds' settings beside ``SimConfig``: the market policy (``fleet`` is the live round),
+    checkpoints, the blocklist's decay."""
 
     market: MarketPolicy = MarketPolicy.FLEET
     checkpoint_s: float = DEFAULT_CHECKPOINT_S
@@ -144,7 +137,7 @@ class SpotConfig:
 
 @dataclass
 class SpotResult:
-    """The classic result plus costs (USD), GPU-hours by market and the spot counters."""
+    """The per-job result plus costs (USD), GPU-hours by market and the spot counters."""
 
     result: SimResult
     cost_usd: float = 0.0
@@ -159,7 +152,7 @@ class SpotResult:
 
 @dataclass
 class SpotJob:
-    """One job of a spot simulation: the classic job (progress, restart countdown, record), its
+    """One job of a simulation: its physics, restart countdown and record (``SimJob``), its
     deadline, the pool it runs in, and its last checkpoint."""
 
     sim: SimJob
@@ -172,14 +165,15 @@ class SpotJob:
     preempted_from: str | None = None  # region of the last preemption, until relaunched
 
     @property
-    def state(self) -> JobState:
+    def state(self) -> SimState:
         return self.sim.state
 
 
 class SpotRounds(abc.ABC):
-    """The part of the spot simulation every market policy shares: the virtual clock, running jobs
-    advanced and paid for, periodic checkpoints, evictions where a trace drops, starts and stops.
-    A subclass decides, once per round, in :meth:`_schedule`, using only ``markets``' pools."""
+    """The loop every simulation shares, classic or spot, live round or baseline: the virtual
+    clock, running jobs advanced and paid for, periodic checkpoints, evictions where a trace
+    drops, starts and stops. A subclass decides, once per round, in :meth:`_schedule`, using only
+    ``markets``' pools."""
 
     def __init__(self, workload: Sequence[WorkloadJob], pools: Sequence[SimPool],
                  cfg: SimConfig, spot: SpotConfig, markets: Collection[Market]):
@@ -201,7 +195,9 @@ class SpotRounds(abc.ABC):
     def _schedule(self, active: list[SpotJob], now: float) -> None:
         """One round's decisions for the jobs submitted and not completed by ``now``."""
 
-    def run(self) -> SpotResult:
+    def run(self, on_round: Callable[[float, int], None] | None = None) -> SpotResult:
+        """Run to the end (or ``cfg.max_hours``); ``on_round(now, jobs done or dropped)`` after
+        every round."""
         cfg, jobs = self.cfg, self.jobs
         now, rounds, nxt = 0.0, 0, 0
         active: list[SpotJob] = []
@@ -221,17 +217,21 @@ class SpotRounds(abc.ABC):
                 t0 = time.perf_counter()
                 self._schedule(active, now)
                 self.out.result.solve_seconds.append(time.perf_counter() - t0)
+            if on_round:
+                on_round(now, sum(j.sim.record.completed is not None or j.sim.record.dropped
+                                  for j in jobs))
         res = self.out
         res.result.end_time, res.result.rounds = now, rounds
-        res.result.unfinished = sum(j.sim.record.completed is None for j in jobs)
+        res.result.unfinished = sum(j.sim.record.completed is None and not j.sim.record.dropped
+                                    for j in jobs)
         res.deadline_misses = sum(
             int(j.deadline is not None and (j.sim.record.jct is None
                                             or j.sim.record.jct > j.deadline)) for j in jobs)
         return res
 
     def _gone(self, job: SpotJob) -> bool:
-        """Has the job left the simulation (completed)?"""
-        return job.sim.record.completed is not None
+        """Has the job left the simulation (completed or dropped)?"""
+        return job.sim.record.completed is not None or job.sim.record.dropped
 
     def _advance(self, job: SpotJob, now: float) -> None:
         """Run the job for one round from ``now`` where it runs (restart first) and pay for the
@@ -302,181 +302,58 @@ class SpotRounds(abc.ABC):
         job.state.current, job.pool, job.placed_at = a, pool, now
 
 
-@dataclass(frozen=True)
-class _FreeGpus(TypeCapacity):
-    """A type's capacity for the allocator: the free GPUs of its pools (not always whole nodes)."""
-
-    free: int = 0
-
-    @property
-    def gpus(self) -> int:
-        return self.free
-
-
-class _CappedPolicy(ElasticPolicy):
-    """The elastic allocator, each job's GPU count capped at the largest pool's free GPUs (a gang
-    runs in one pool)."""
-
-    def __init__(self, fleet: Sequence[_FreeGpus], largest: dict[Accelerator, int],
-                 cfg: SimConfig, tables: ChoiceTables):
-        super().__init__(fleet, Admission.QUEUE, cfg.value, tables, cfg.accumulation)
-        self.fixed_batch = cfg.policy is PolicyName.FIXED_BATCH
-        self.largest = largest
-
-    def _table(self, job: JobState, acc: Accelerator) -> ConfigTable:
-        cap, top = self.fleet[acc], self.largest[acc]
-        whole = TypeCapacity(acc, max(1, math.ceil(top / cap.gpus_per_node)), cap.gpus_per_node)
-        fixed = job.workload_batch if self.fixed_batch else None
-        table = self.tables.table(job.app, whole, job.epoch, fixed, self.accumulation)
-        keep = table.gpus <= top
-        return ConfigTable(table.gpus[keep], table.batch[keep], table.rate[keep])
+def classic_pools(specs: Sequence[PoolSpec]) -> list[SimPool]:
+    """A classic cluster's pools (no spot, no trace: ``has_spot`` is False): on-demand, at the
+    price the cluster file gives, else 0 (the classic simulation reports no costs). Items that
+    share a pool id (``t4:2x4,t4:3x4``: cloud and region ``sim``) are one pool of their nodes
+    together, as one type's capacity."""
+    pools: list[Pool] = []
+    for s in specs:
+        i = next((i for i, p in enumerate(pools) if p.id == s.pool.id
+                  and p.gpus_per_node == s.pool.gpus_per_node), None)
+        if i is None:
+            pools.append(s.pool)
+        else:
+            pools[i] = pools[i].model_copy(update={"nodes": pools[i].nodes + s.pool.nodes})
+    return [SimPool(p) for p in pools]
 
 
-def _restarts(job: SpotJob, a: Assignment) -> bool:
-    """Does running ``job`` with ``a`` (re)start it: it is not running, or its type, GPU count
-    or placement changes (a batch change alone needs no restart)?"""
-    c = job.state.current
-    return c is None or (c.accelerator, c.gpus, c.placement) != (a.accelerator, a.gpus,
-                                                                  a.placement)
+def simulate(workload: Sequence[WorkloadJob], pools: Sequence[SimPool],
+             cfg: SimConfig = SimConfig(),
+             on_round: Callable[[float, int], None] | None = None) -> SimResult:
+    """The classic simulation of one workload on ``pools`` (``classic_pools``); deterministic.
+    ``elastic``, ``fixed-batch`` and ``static`` run the live round (``broker.sim.driver``, as
+    ``fleet`` on spot clusters); ``tiresias`` is a baseline (``broker.sim.baselines``)."""
+    # both modules build on this one
+    from broker.sim.baselines import TiresiasRounds
+    from broker.sim.driver import LiveRoundDriver
+
+    rounds: SpotRounds
+    if cfg.policy is Baseline.TIRESIAS:
+        rounds = TiresiasRounds(workload, pools, cfg, SpotConfig(MarketPolicy.ONDEMAND))
+    else:
+        rounds = LiveRoundDriver(workload, pools, cfg, SpotConfig(MarketPolicy.FLEET))
+    return rounds.run(on_round).result
 
 
 def simulate_spot(workload: Sequence[WorkloadJob], pools: Sequence[SimPool],
-                  cfg: SimConfig = SimConfig(), spot: SpotConfig = SpotConfig(),
-                  tables: ChoiceTables | None = None) -> SpotResult:
+                  cfg: SimConfig = SimConfig(), spot: SpotConfig = SpotConfig()) -> SpotResult:
     """Run one workload on spot/on-demand pools under ``spot.market``; deterministic. ``fleet``
-    runs the live broker's round (``broker.sim.driver``); ``tables`` serve the baselines'
-    allocator."""
-    if cfg.policy not in (PolicyName.ELASTIC, PolicyName.FIXED_BATCH):
-        raise SimulationError(f"the spot simulation runs the elastic allocators (elastic, "
+    runs the live broker's round (``broker.sim.driver``) under any of its policies and
+    admissions; the baselines (``broker.sim.baselines``) run the elastic allocators with jobs
+    queued."""
+    from broker.sim.baselines import MarketBaseline  # both modules build on this one
+    from broker.sim.driver import LiveRoundDriver
+
+    if spot.market is MarketPolicy.FLEET:
+        if cfg.policy is Baseline.TIRESIAS:
+            raise SimulationError("the spot simulation runs the live round's policies (elastic, "
+                                  "fixed-batch, static) or its baselines, not tiresias")
+        return LiveRoundDriver(workload, pools, cfg, spot).run()
+    if cfg.policy not in (Policy.ELASTIC, Policy.FIXED_BATCH):
+        raise SimulationError(f"the spot baselines run the elastic allocators (elastic, "
                               f"fixed-batch), not {cfg.policy.value}")
     if cfg.admission is not Admission.QUEUE:
-        raise SimulationError("the spot simulation queues jobs (admission queue): preempted "
-                              "jobs must be able to wait for capacity")
-    if spot.market is MarketPolicy.FLEET:
-        from broker.sim.driver import LiveRoundDriver  # the driver builds on this module
-
-        return LiveRoundDriver(workload, pools, cfg, spot).run()
-    return _SpotSim(workload, pools, cfg, spot, tables or ChoiceTables()).run()
-
-
-class _SpotSim(SpotRounds):
-    """The baselines: on-demand only, and the SkyPilot-like spot policies."""
-
-    def __init__(self, workload: Sequence[WorkloadJob], pools: Sequence[SimPool],
-                 cfg: SimConfig, spot: SpotConfig, tables: ChoiceTables):
-        if spot.market is MarketPolicy.FLEET:
-            raise ValueError("fleet runs the live round: broker.sim.driver")
-        self.market = Market.ON_DEMAND if spot.market is MarketPolicy.ONDEMAND else Market.SPOT
-        super().__init__(workload, pools, cfg, spot, {self.market})
-        self.types = fleet_capacity([p.pool for p in pools])
-        self.tables = tables
-
-    def _schedule(self, active: list[SpotJob], now: float) -> None:
-        plan: dict[str, tuple[Assignment, SimPool] | None] = {j.state.id: None for j in active}
-        plan.update(self._allocate(active, now))
-        for job in active:
-            self._apply(job, plan[job.state.id], now)
-            job.state.new = False
-
-    def _allocate(self, group: list[SpotJob], now: float,
-                  ) -> dict[str, tuple[Assignment, SimPool]]:
-        """The elastic allocator over the market's available GPUs, then one pool per gang; jobs
-        the placement cannot fit are re-allocated over what is left (fragmentation repair)."""
-        pools = self.pools
-        free = {p.pool.id: p.gpus_at(now) for p in pools}
-        out: dict[str, tuple[Assignment, SimPool]] = {}
-        todo = sorted(group, key=lambda j: (j.state.submitted, j.state.id))
-        for _ in range(4):
-            assigned = self._dp(todo, pools, free)
-            if not assigned:
-                break
-            placed = self._place(todo, assigned, pools, free)
-            out.update(placed)
-            todo = [j for j in todo if j.state.id not in placed]
-            if not todo or not placed:
-                break
-        return out
-
-    def _dp(self, jobs: list[SpotJob], pools: list[SimPool], free: dict[str, int],
-            ) -> dict[str, Assignment]:
-        caps, largest = [], {}
-        for cap in self.types:
-            mine = [free[p.pool.id] for p in pools if p.pool.accelerator is cap.accelerator]
-            if sum(mine) >= 1:
-                caps.append(_FreeGpus(cap.accelerator, cap.nodes, cap.gpus_per_node, sum(mine)))
-                largest[cap.accelerator] = max(mine)
-        # a job running on a type with nothing free left waits for the next round
-        states = [j.state for j in jobs
-                  if j.state.current is None or j.state.current.accelerator in largest]
-        if not caps or not states:
-            return {}
-        plan = _CappedPolicy(caps, largest, self.cfg, self.tables).schedule(states, 0.0)
-        return {k: v for k, v in plan.items() if v is not None}
-
-    def _place(self, jobs: list[SpotJob], assigned: dict[str, Assignment], pools: list[SimPool],
-               free: dict[str, int]) -> dict[str, tuple[Assignment, SimPool]]:
-        """One pool per gang. A running job holds its GPUs where it runs until it is placed
-        anew (one whose new size fits nowhere gets them back for the next allocation, not
-        someone else). Running jobs keep their pool while it holds their new size, those that
-        keep their configuration first (a rescale must not push a job that would not restart
-        out of its pool); the others go, largest gang first, where the spot policy says."""
-        out: dict[str, tuple[Assignment, SimPool]] = {}
-        todo = sorted((j for j in jobs if j.state.id in assigned),
-                      key=lambda j: (-assigned[j.state.id].gpus, j.state.submitted, j.state.id))
-        held: dict[str, int] = {}
-        for j in todo:
-            if j.state.current is not None and j.pool is not None and j.pool.pool.id in free:
-                held[j.state.id] = j.state.current.gpus
-                free[j.pool.pool.id] -= j.state.current.gpus
-        for j in sorted(todo, key=lambda j: _restarts(j, assigned[j.state.id])):
-            a = assigned[j.state.id]
-            if j.state.id in held and j.pool is not None and \
-                    j.pool.pool.accelerator is a.accelerator and \
-                    free[j.pool.pool.id] + held[j.state.id] >= a.gpus:
-                free[j.pool.pool.id] += held.pop(j.state.id) - a.gpus
-                out[j.state.id] = (a, j.pool)
-        for j in todo:
-            a = assigned[j.state.id]
-            if j.state.id in out:
-                continue
-            if j.state.id in held:
-                free[j.pool.pool.id] += held[j.state.id]
-            fits = [p for p in pools if p.pool.accelerator is a.accelerator
-                    and free[p.pool.id] >= a.gpus]
-            pool = self._pick(j, fits)
-            if pool is not None:
-                free[pool.pool.id] -= a.gpus
-                out[j.state.id] = (a, pool)
-                held.pop(j.state.id, None)
-            elif j.state.id in held:
-                free[j.pool.pool.id] -= held[j.state.id]  # still holds them this pass
-        for jid, gpus in held.items():  # back to the next allocation, its own seat included
-            free[next(j for j in todo if j.state.id == jid).pool.pool.id] += gpus
-        return out
-
-    def _pick(self, job: SpotJob, fits: list[SimPool]) -> SimPool | None:
-        """The pool for a job among those with room (``fits``, cheapest first)."""
-        if not fits:
-            return None
-        policy, origin = self.spot.market, job.preempted_from
-        if job.pool in fits:
-            return job.pool  # SkyPilot and on-demand never move a running job
-        if policy is MarketPolicy.FAILOVER and origin:
-            return min(fits, key=lambda p: p.region != origin)  # cheapest of its region
-        if policy is MarketPolicy.EAGER and origin:
-            return min(fits, key=lambda p: p.region == origin)  # its own region last
-        return fits[0]
-
-    def _apply(self, job: SpotJob, new: tuple[Assignment, SimPool] | None, now: float) -> None:
-        s = job.state
-        if new is None:
-            if s.current is not None:
-                self._stop(job)  # suspended by the allocator
-            return
-        a, pool = new
-        if s.current is not None and job.pool is pool and not _restarts(job, a):
-            s.current = a  # a batch change alone needs no restart
-            return
-        if s.current is not None:
-            self._stop(job)  # rescale or move: checkpoint first
-        self._launch(job, a, pool, now)
+        raise SimulationError("the spot baselines queue jobs (admission queue): preempted jobs "
+                              "must be able to wait for capacity")
+    return MarketBaseline(workload, pools, cfg, spot).run()

@@ -1,6 +1,9 @@
-"""Simulator tables: every policy across loads on 64 T4, with the JCT-vs-load plot.
+"""Simulator tables: the live round's policies and the Tiresias baseline across loads on 64 T4,
+with the JCT-vs-load plot.
 
-Writes ``examples/results/``; the seed paper's claim is ``bench_seed_claim``, the heterogeneous
+Every policy but Tiresias is the live broker's scheduling round (``broker.sim.driver``) with the
+broker's default settings; Tiresias is a baseline, for comparison only. Writes
+``examples/results/``; the seed paper's claim is ``bench_seed_claim``, the heterogeneous
 comparison ``bench_hetero``.
 
 Run: ``python -m tests.bench simulator`` (``BENCH_WORKERS`` processes, default 2).
@@ -13,27 +16,23 @@ import os
 import time
 from pathlib import Path
 
+from broker.scheduler import Policy
 from broker.sim.batch import run_files
-from broker.sim.cluster import fleet_capacity, parse_cluster
-from broker.sim.engine import SimConfig
+from broker.sim.cluster import read_pool_specs
+from broker.sim.engine import Baseline, SimConfig
 from broker.sim.report import summary
-from policies.choices import ValueConfig, ValueFunction
-from policies.schedulers import PolicyName
+from broker.sim.spot import classic_pools
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = ROOT / "examples" / "workloads"
 RESULTS = ROOT / "examples" / "results"
 LOADS = {0.5: "workloads-0.5", 1.0: "workloads", 1.5: "workloads-1.5", 2.0: "workloads-2.0"}
-FAIR = ValueConfig(ValueFunction.FAIR, 0.25)  # the value function that wins on JCT
-SPEEDUP = ValueConfig()
-# (label, policy, value function); labels are the rows of the tables and the plot's lines
+# (label, policy); labels are the rows of the tables and the plot's lines
 VARIANTS = [
-    ("elastic", PolicyName.ELASTIC, FAIR),
-    ("elastic, speedup value", PolicyName.ELASTIC, SPEEDUP),
-    ("elastic, remaining value", PolicyName.ELASTIC, ValueConfig(ValueFunction.REMAINING)),
-    ("fixed-batch", PolicyName.FIXED_BATCH, FAIR),
-    ("tiresias", PolicyName.TIRESIAS, SPEEDUP),
-    ("static", PolicyName.STATIC, SPEEDUP),
+    ("elastic", Policy.ELASTIC),
+    ("fixed-batch", Policy.FIXED_BATCH),
+    ("static", Policy.STATIC),
+    ("tiresias (baseline)", Baseline.TIRESIAS),
 ]
 PUBLISHED = {  # FACTS.md section 2: Pollux simulator, 64 T4
     "Pollux (published)": {0.5: 0.43, 1.0: 0.764, 1.5: 1.02, 2.0: 1.47},
@@ -45,10 +44,10 @@ WORKERS = int(os.environ.get("BENCH_WORKERS", "2"))
 def _run(folder: Path, cluster: str, cfg: SimConfig) -> dict:
     t0 = time.perf_counter()
     paths = sorted(folder.glob("*.csv"))
-    out = summary(run_files(paths, fleet_capacity(parse_cluster(cluster)), cfg, WORKERS),
+    pools = classic_pools(read_pool_specs(cluster))
+    out = summary(run_files(paths, pools, cfg, WORKERS),
                   {"policy": cfg.policy.value, "cluster": cluster,
-                   "admission": cfg.admission.value, "value": cfg.value.function.value,
-                   "fairness": cfg.value.fairness_p,
+                   "admission": cfg.admission.value,
                    "restart_penalty": cfg.restart_penalty or "per-model",
                    "slowdown": "sia" if cfg.sia_slowdown else "none"})
     out["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -56,13 +55,14 @@ def _run(folder: Path, cluster: str, cfg: SimConfig) -> dict:
 
 
 def _loads(results: dict) -> None:
-    print("| policy | " + " | ".join(f"{x}x" for x in LOADS) + " |")
-    print("|---|" + "---|" * len(LOADS))
+    print("| policy | " + " | ".join(f"{x}x" for x in LOADS) + " | wall |")
+    print("|---|" + "---|" * (len(LOADS) + 1))
     for label in results:
         row = [f"{results[label][str(x)]['avg_jct_h']:.3f} h" for x in LOADS]
-        print(f"| {label} | " + " | ".join(row) + " |")
+        wall = sum(results[label][str(x)]["wall_s"] for x in LOADS)
+        print(f"| {label} | " + " | ".join(row) + f" | {wall:.0f} s |")
     for name, ref in PUBLISHED.items():
-        print(f"| {name} | " + " | ".join(f"{ref[x]} h" for x in LOADS) + " |")
+        print(f"| {name} | " + " | ".join(f"{ref[x]} h" for x in LOADS) + " | |")
 
 
 def _plot(results: dict, path: Path) -> None:
@@ -90,10 +90,9 @@ def _plot(results: dict, path: Path) -> None:
 def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out: dict = {"loads": {}}
-    for label, pol, value in VARIANTS:
+    for label, pol in VARIANTS:
         out["loads"][label] = {
-            str(x): _run(WORKLOADS / "pollux-osdi21" / d, "t4:16x4",
-                         SimConfig(policy=pol, value=value))
+            str(x): _run(WORKLOADS / "pollux-osdi21" / d, "t4:16x4", SimConfig(policy=pol))
             for x, d in LOADS.items()
         }
     _loads(out["loads"])

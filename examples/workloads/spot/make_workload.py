@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from broker.sim.cluster import fleet_capacity, parse_cluster
-from broker.sim.engine import SimConfig, SimulationError, make_job
+from broker.sim.engine import SimConfig, SimState, SimulationError, make_job
 from broker.sim.workload import read_workload
 from policies.choices import TypeCapacity, placement_for
-from policies.schedulers import JobState
 
 ROOT = Path(__file__).resolve().parents[3]
 SOURCES = ROOT / "examples" / "workloads" / "pollux-osdi21" / "workloads"
@@ -26,7 +25,7 @@ WORKLOADS = range(1, 9)
 K = (1.5, 2.0, 3.0)  # tight, medium, loose
 
 
-def isolated_s(state: JobState, types: Sequence[TypeCapacity]) -> float:
+def isolated_s(state: SimState, types: Sequence[TypeCapacity]) -> float:
     """Seconds of work of the job alone at its requested GPUs (capped at the type's) and batch,
     on its fastest type of the cluster."""
     eff = state.app.efficiency
