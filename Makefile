@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # generated tasks with SkyPilot's own parser there, without it in the broker's environment.
 SKYPILOT := skypilot==0.14.1
 
-.PHONY: setup test lint bench demo clean
+.PHONY: setup test lint bench demo chaos clean
 
 setup: $(STAMP)
 
@@ -25,7 +25,11 @@ lint: setup
 	$(VENV)/bin/ruff check broker policies providers tests examples
 
 test: setup lint
-	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/bench
+	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/bench -m 'not chaos'
+
+# The long fault-and-attack cases (tests/chaos); their fast cases already run in `make test`.
+chaos: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/chaos -m chaos
 
 bench: setup
 	$(PY) -m tests.bench
