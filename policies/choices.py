@@ -75,25 +75,30 @@ def assign_types(cands: Mapping[str, Mapping[Accelerator, JobChoices]],
     starts = np.flatnonzero(np.r_[True, jx[1:] != jx[:-1]])
     owners = jx[starts]
     step0 = float(np.median(v / g))
+    owner_of = np.searchsorted(starts, np.arange(len(v)), side="right") - 1
     price = np.zeros(len(types))
+    picks: list[np.ndarray] = []  # each a type index per job, in order of first appearance
+    seen: set[bytes] = set()
     for it in range(iterations):
         score = v - price[tx] * g
         best = np.maximum.reduceat(score, starts)
         # first choice reaching its job's best score (deterministic ties, as the order above)
-        hit = np.flatnonzero(score == best[np.searchsorted(starts, np.arange(len(v)),
-                                                           side="right") - 1])
+        hit = np.flatnonzero(score == best[owner_of])
         first = hit[np.r_[True, jx[hit][1:] != jx[hit][:-1]]]
-        pick = {jobs[o]: types[t] for o, t in zip(owners.tolist(), tx[first].tolist(),
-                                                   strict=True)}
-        if pick not in candidates:
-            candidates.append(pick)
+        if (key := tx[first].tobytes()) not in seen:
+            seen.add(key)
+            picks.append(tx[first])
         wants = first[score[first] > 0]
         demand = np.bincount(tx[wants], weights=g[wants], minlength=len(types))
         price = np.maximum(0.0, price + step0 / (1 + it / 4) * (demand - caps)
                            / np.maximum(caps, 1))
-    pool = [*candidates[:2], *candidates[2:][-(evaluate - 2):]]
-    scores = [_dp_value(cands, capacity, c) for c in pool]
-    return pool[int(np.argmax(scores))]
+    names = [jobs[o] for o in owners.tolist()]
+    for pick in picks[-(evaluate - 2):]:
+        got = dict(zip(names, (types[t] for t in pick.tolist()), strict=True))
+        if got not in candidates:
+            candidates.append(got)
+    scores = [_dp_value(cands, capacity, c) for c in candidates]
+    return candidates[int(np.argmax(scores))]
 
 
 def _greedy_types(cands: Mapping[str, Mapping[Accelerator, JobChoices]],
