@@ -29,7 +29,7 @@ from broker.costs import cost_report, job_cost
 from broker.models import JobRecord, JobState
 from broker.spec import Problem, SpecError, apply_overrides, parse_spec_text
 from broker.store import CHECKPOINT_EXIT, JobNotFound, Store
-from policies.models import JobSpec, Market
+from policies.models import Accelerator, JobSpec, Market
 
 JOB_ID = r"^[a-z0-9][a-z0-9_.-]{0,80}$"
 # A node's idempotency key (FLEET_LAUNCH_KEY): "<job>:<fence>:<attempt>", a stand-in's with
@@ -81,12 +81,19 @@ class Heartbeat(BaseModel):
         default=None, ge=0, le=10**16, strict=True,
         description="size in bytes of the checkpoint of checkpoint_step: every rank's files and "
                     "the manifest (placement prices its egress on a move)")
+    grad_noise_scale: float | None = Field(
+        default=None, ge=0, le=1e15, description="the gradient noise scale in samples, as the "
+        "runtime measures it (per-replica and all-reduced gradients): the batch beyond which a "
+        "larger one buys little progress per sample")
+    accelerator: Accelerator | None = Field(
+        default=None, description="the node's accelerator type (FLEET_ACCELERATOR): the "
+        "throughput measured is kept per type")
     exit_code: int | None = Field(default=None, ge=-255, le=255,
                                   description="the command's exit code, in the last report")
     notice: str | None = Field(default=None, max_length=500,
                                description="the node's preemption notice, once it came")
 
-    @field_validator("samples_per_sec")
+    @field_validator("samples_per_sec", "grad_noise_scale")
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and not math.isfinite(v):

@@ -114,8 +114,10 @@ class JobRecord(BaseModel):
     samples_per_sec: float | None = None  # last measured throughput (agent heartbeats)
     measured_gpus: int | None = None  # configuration the measurement was taken at
     measured_batch_size: int | None = None
-    # Samples/s measured at each configuration the job ran in, keyed "<gpus>x<global batch>".
+    # Samples/s measured at each configuration the job ran in, keyed
+    # "<accelerator>:<gpus>x<global batch>" (``policies.job_model.measurements``).
     measured: dict[str, float] = Field(default_factory=dict)
+    grad_noise_scale: float | None = None  # in samples, as its agent last measured it
     checkpoint_step: int | None = None
     checkpoint_bytes: int | None = None  # that checkpoint's size, as its agent measured it
     failures: int = 0

@@ -25,14 +25,15 @@ from broker.models import (
     Placement,
     check_transition,
 )
+from policies.job_model import measurement_key
 from policies.migration import Blocklist
-from policies.models import JobSpec, Pool
+from policies.models import Accelerator, JobSpec, Pool
 
 log = logging.getLogger(__name__)
 
 _PROGRESS_FIELDS = (
     "samples_done", "samples_per_sec", "measured_gpus", "measured_batch_size", "checkpoint_step",
-    "checkpoint_bytes",
+    "checkpoint_bytes", "grad_noise_scale",
 )
 ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
 CHECKPOINT_EXIT = "checkpoint-exit"
@@ -332,6 +333,8 @@ class Store:
                          samples_per_sec: float | None = None, world_size: int | None = None,
                          global_batch_size: int | None = None,
                          checkpoint_step: int | None = None, checkpoint_bytes: int | None = None,
+                         grad_noise_scale: float | None = None,
+                         accelerator: Accelerator | None = None,
                          exit_code: int | None = None, notice: str | None = None,
                          **_: Any) -> Directive:
         """Record an agent's report: progress from node rank 0 of the job's current round (the node
@@ -343,12 +346,16 @@ class Store:
         its step (unknown when the report has none), so a size never describes another checkpoint
         than the one recorded. Returns the action for the agent (``continue``, or
         ``checkpoint-exit`` for a stale attempt, a replaced node, a requested cancel or a job being
-        stopped) and the job's current round."""
+        stopped) and the job's current round. Throughput is kept per configuration on the
+        node's ``accelerator`` (the scheduler's job model is fitted to it), with the gradient
+        noise scale the runtime measured."""
         progress = _progress_values(samples_done, samples_per_sec, world_size,
                                     global_batch_size, checkpoint_step, checkpoint_bytes)
-        if samples_per_sec and world_size and global_batch_size:
-            # per-configuration history: the scheduler's throughput curve uses it
-            progress[f"m:{int(world_size)}x{int(global_batch_size)}"] = float(samples_per_sec)
+        if grad_noise_scale is not None:
+            progress["grad_noise_scale"] = float(grad_noise_scale)
+        if samples_per_sec and world_size and global_batch_size and accelerator is not None:
+            key = measurement_key(accelerator, int(world_size), int(global_batch_size))
+            progress[f"m:{key}"] = float(samples_per_sec)
         report: dict[str, Any] = {}
         if exit_code is not None:
             report[report_field("exit", attempt, round, node_rank)] = int(exit_code)

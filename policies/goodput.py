@@ -9,6 +9,7 @@ Efficiency model ``none`` is the seed paper's assumption: ``gain = s`` inside th
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -62,6 +63,15 @@ class Efficiency:
         """The epoch a job at ``progress`` is in (0-based, capped at the last epoch)."""
         e = int(np.searchsorted(self.boundaries, progress, side="right")) - 1
         return min(max(e, 0), self.max_epochs - 1)
+
+    def noise_scale(self, batch_size: float, epoch: int) -> float:
+        """The gradient noise scale in samples at ``batch_size`` during ``epoch``, what a job's
+        runtime would measure: the table's gradient variance over its squared norm (in initial
+        batches) times the initial batch."""
+        xs = self.table.batch_sizes.astype(float)
+        sqr = float(np.interp(batch_size, xs, self.table.grad_sqr[:, epoch]))
+        var = float(np.interp(batch_size, xs, self.table.grad_var[:, epoch]))
+        return var / sqr * self.init_batch_size if sqr > 0 else math.inf
 
     def gain(self, batch_size: np.ndarray | float, epoch: int) -> np.ndarray:
         """M0-iterations of progress per iteration at ``batch_size`` during ``epoch``."""

@@ -12,12 +12,13 @@ Prior, before the job reports anything:
   (overhead per micro-step + compute per sample + all-reduce x log2 GPUs).
 
 Fit, from what the job's agent measured (useful samples/s per configuration, on the accelerator
-the job ran on): a generic prior's three step-time constants and its gradient noise scale are
-refitted (:func:`refit`: non-negative least squares, held towards the prior by a ridge term so
-that one measurement moves them only a little and many pin them down, as Pollux fits its
-throughput and efficiency models from the job's own reports); every prior is then rescaled by the
-geometric mean of measured / predicted; and a configuration that was measured is predicted as
-measured. Pure: the tables come in as objects.
+the job ran on, and the gradient noise scale the runtime measures from its replicas' gradients):
+a generic prior takes the measured noise scale, and its three step-time constants (and, while no
+noise scale was measured, the noise scale itself) are refitted (:func:`refit`: non-negative
+least squares, held towards the prior by a ridge term so that one measurement moves them only a
+little and many pin them down, as Pollux fits its throughput and efficiency models from the
+job's own reports); every prior is then rescaled by the geometric mean of measured / predicted;
+and a configuration that was measured is predicted as measured. Pure: the tables come in as objects.
 """
 
 from __future__ import annotations
@@ -116,13 +117,14 @@ class JobModel:
 
 
 def fit(prior: Prior, measured: Sequence[Measurement],
-        accelerator: Accelerator | None = None) -> JobModel:
-    """The job's model from its prior and what it measured on ``accelerator``."""
+        accelerator: Accelerator | None = None, noise_known: bool = False) -> JobModel:
+    """The job's model from its prior and what it measured on ``accelerator`` (``noise_known``:
+    the generic prior's noise scale was measured, not assumed)."""
     obs = tuple(sorted((g, b, y) for g, b, y in measured if g > 0 and b > 0 and y > 0))
     if not obs:
         return JobModel(prior, 1.0, accelerator)
     if isinstance(prior, GenericPrior):
-        prior = refit(prior, obs)
+        prior = refit(prior, obs, noise_known)
     ratios = [y / p for g, b, y in obs if (p := prior.rate(accelerator, g, b)) > 0]
     scale = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 1.0
     return JobModel(prior, min(MAX_SCALE, max(MIN_SCALE, scale)), accelerator, obs)
@@ -132,18 +134,20 @@ def fit(prior: Prior, measured: Sequence[Measurement],
 NOISE_GRID = (math.inf, *np.geomspace(0.05, 2000, 28).tolist())
 
 
-def refit(prior: GenericPrior, obs: Sequence[Measurement]) -> GenericPrior:
+def refit(prior: GenericPrior, obs: Sequence[Measurement],
+          noise_known: bool = False) -> GenericPrior:
     """The step-time constants (overhead per micro-step, compute per sample, all-reduce per
     log2 GPU) and the gradient noise scale that best explain the measured samples/s. For each
     noise scale of ``NOISE_GRID`` the step time is linear in the constants, fitted by
     non-negative least squares in relative error with each constant held towards the prior's by
     ``RIDGE``; the noise scale with the smallest residual wins (only batches that differ tell
-    it: with one batch size the prior's stays)."""
+    it: with one batch size, or ``noise_known``, measured, the prior's stays)."""
     model = prior.model
     base = np.array([model.step_overhead_s, model.sample_time_s, model.sync_s])
     ref = np.where(base > 0, base, 1.0)
     ridge_a, ridge_b = RIDGE * np.diag(1 / ref), RIDGE * base / ref
-    grid = NOISE_GRID if len({b for _, b, _ in obs}) > 1 else (prior.noise,)
+    searched = not noise_known and len({b for _, b, _ in obs}) > 1
+    grid = NOISE_GRID if searched else (prior.noise,)
     best: tuple[float, np.ndarray, float] | None = None
     for noise in grid:
         eff = replace(prior, noise=noise)
@@ -165,11 +169,20 @@ def refit(prior: GenericPrior, obs: Sequence[Measurement]) -> GenericPrior:
                                          sync_s=float(x[2])))
 
 
-def measurements(measured: Mapping[str, float]) -> tuple[Measurement, ...]:
-    """The agent-reported ``"<gpus>x<batch>" -> samples/s`` map as measurements."""
+def measurement_key(accelerator: Accelerator, gpus: int, batch: int) -> str:
+    """How a measured configuration is keyed in a job's record: ``"T4:2x64"``."""
+    return f"{accelerator.value}:{gpus}x{batch}"
+
+
+def measurements(measured: Mapping[str, float],
+                 accelerator: Accelerator) -> tuple[Measurement, ...]:
+    """The measurements on ``accelerator`` of an agent-reported ``measurement_key -> samples/s``
+    map."""
     out = []
+    prefix = f"{accelerator.value}:"
     for key, y in measured.items():
-        g, _, b = key.partition("x")
-        if g.isdigit() and b.isdigit():
-            out.append((int(g), int(b), float(y)))
+        if key.startswith(prefix):
+            g, _, b = key[len(prefix):].partition("x")
+            if g.isdigit() and b.isdigit():
+                out.append((int(g), int(b), float(y)))
     return tuple(sorted(out))

@@ -83,14 +83,16 @@ def test_the_round_gets_the_simulations_policy_and_admission_and_the_products_re
     config = scheduler_config(SimConfig(Policy.FIXED_BATCH, Admission.DROP))
     assert (config.policy, config.admission) == (Policy.FIXED_BATCH, Admission.DROP)
     default = SchedulerConfig()
-    for name in ("stickiness", "min_rescale_interval_s", "max_failures", "move_margin"):
+    for name in ("speedup_exponent", "restart_horizon_s", "min_rescale_interval_s", "max_failures",
+                 "move_margin"):
         assert getattr(config, name) == getattr(default, name), name
 
 
 def test_admission_drop_never_suspends_a_running_job(monkeypatch: pytest.MonkeyPatch) -> None:
     """Twelve jobs within minutes on four GPUs: under drop, what does not fit on arrival is
     dropped (never started) and every admitted job runs to the end without being suspended for
-    a newcomer; under queue the same jobs all finish, some of them suspended on the way."""
+    a newcomer; under queue the same jobs all finish, running jobs shrunk or suspended on the
+    way to make room for the newcomers."""
     jobs = [WorkloadJob(f"j{i}", 30.0 * i, w.application, w.num_replicas, w.batch_size)
             for i, w in enumerate(_slice(12))]
     rounds = _spied(monkeypatch)
@@ -103,7 +105,7 @@ def test_admission_drop_never_suspends_a_running_job(monkeypatch: pytest.MonkeyP
     rounds.clear()
     queue = simulate(jobs, _t4(1), SimConfig())
     assert queue.unfinished == 0 and not any(r.dropped for r in queue.records)
-    assert any(IntentKind.SUSPEND in kinds for _, kinds in rounds)
+    assert any({IntentKind.SUSPEND, IntentKind.RESIZE} & set(kinds) for _, kinds in rounds)
 
 
 def test_static_runs_each_job_at_its_rows_gpus_and_batch_and_never_rescales() -> None:

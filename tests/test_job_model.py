@@ -75,5 +75,43 @@ def test_the_refit_recovers_other_constants() -> None:
 def test_job_model_uses_the_agent_reports() -> None:
     spec = JobSpec(name="x", run="true", batch_size=BatchRange(min=32, max=512),
                    work_samples=1000)
-    job = JobRecord(id="x-1", spec=spec, team="t", measured={"2x64": 1000.0})
+    job = JobRecord(id="x-1", spec=spec, team="t", measured={"T4:2x64": 1000.0})
     assert job_model(job).rate(T4, 2, 64) == 1000.0
+
+
+def test_measurements_count_only_on_the_type_they_were_taken_on() -> None:
+    """A job that ran on A100 and now runs on T4: the A100 figure says nothing of T4."""
+    spec = JobSpec(name="x", run="true", accelerators=[T4, Accelerator.A100],
+                   batch_size=BatchRange(min=32, max=512), work_samples=1000)
+    ran_a100 = {"A100:2x64": 9000.0}
+    on_t4 = JobRecord(id="x-1", spec=spec, team="t", pool="aws:east:spot:T4", measured=ran_a100)
+    on_a100 = on_t4.model_copy(update={"pool": "aws:east:spot:A100"})
+    assert job_model(on_a100).rate(Accelerator.A100, 2, 64) == 9000.0
+    prior = JobRecord(id="x-2", spec=spec, team="t", pool="aws:east:spot:T4")
+    assert job_model(on_t4).rate(T4, 2, 64) == job_model(prior).rate(T4, 2, 64)
+
+
+def test_a_measured_noise_scale_sets_the_generic_priors_efficiency() -> None:
+    """The runtime's gradient noise scale (in samples) replaces the generic prior's assumption
+    of no statistical loss: with a noise scale of 64 samples, 512-sample batches are worth
+    (64/32 + 1) / (64/32 + 512/32) = 1/6 per sample of what 32-sample batches are, so the
+    best batch on one GPU is a small one; with none measured, the largest."""
+    spec = JobSpec(name="x", run="true", batch_size=BatchRange(min=32, max=512),
+                   work_samples=1000)
+    plain = JobRecord(id="x-1", spec=spec, team="t")
+    noisy = plain.model_copy(update={"grad_noise_scale": 64.0})
+    assert job_model(noisy).prior.noise == pytest.approx(2.0)  # in initial batches (32)
+    eff = job_model(noisy).rate(T4, 1, 512) / job_model(plain).rate(T4, 1, 512)
+    assert eff == pytest.approx(3 / 18)
+    best = {j.id: max((32, 64, 128, 256, 512), key=lambda b: job_model(j).rate(T4, 1, b))
+            for j in (plain, noisy.model_copy(update={"id": "x-2"}))}
+    assert best["x-1"] == 512 and best["x-2"] < 512
+
+
+def test_the_generic_refit_keeps_a_measured_noise_scale() -> None:
+    """Throughput measured at two batch sizes would refit the noise scale; a measured one
+    stays."""
+    seen = [(1, 32, 1000.0), (1, 256, 2000.0)]
+    assert fit(GenericPrior(init_batch=32), seen, T4).prior.noise != 5.0
+    assert fit(GenericPrior(init_batch=32, noise=5.0), seen, T4,
+               noise_known=True).prior.noise == 5.0

@@ -8,6 +8,7 @@ import pytest
 
 from broker.models import JobRecord, JobState
 from broker.store import CHECKPOINT_EXIT, CONTINUE, RENDEZVOUS_TTL_S, JobNotFound, Plan, Store
+from policies.models import Accelerator
 from providers.base import replacement_key
 from tests.test_store import spec
 
@@ -243,7 +244,7 @@ def test_heartbeats_of_a_round_or_rank_the_job_lacks_record_nothing(store: Store
 
     store.record_heartbeat(job.id, 1, node_rank=0, round=1, samples_done=500,
                            samples_per_sec=40.0, world_size=2, global_batch_size=64,
-                           checkpoint_step=7, checkpoint_bytes=1000)
+                           checkpoint_step=7, checkpoint_bytes=1000, accelerator=Accelerator.T4)
     # rank 0 of round 0 (the survivor before it re-forms the group) and rank 1: no progress
     for rank, round_ in ((0, 0), (1, 1)):
         store.record_heartbeat(job.id, 1, node_rank=rank, round=round_, samples_done=20,
@@ -252,7 +253,7 @@ def test_heartbeats_of_a_round_or_rank_the_job_lacks_record_nothing(store: Store
     got = store.get_job(job.id)
     assert got is not None
     assert (got.samples_done, got.samples_per_sec, got.checkpoint_step, got.checkpoint_bytes,
-            got.measured_gpus, got.measured) == (500, 40.0, 7, 1000, 2, {"2x64": 40.0})
+            got.measured_gpus, got.measured) == (500, 40.0, 7, 1000, 2, {"T4:2x64": 40.0})
     # their exit codes count: rank 0's in round 0, rank 1's in the current round
     assert store.r.hget(key, "exit:1") == "75"
     assert store.agent_reports([got])[got.id].exits == {1: 75}

@@ -145,9 +145,9 @@ def test_measured_throughput_replaces_the_model(store: Store) -> None:
     store.apply(plan)
     for gpus, sps in ((1, 100.0), (2, 101.0)):
         store.record_heartbeat(job.id, 1, samples_done=10, samples_per_sec=sps,
-                               world_size=gpus, global_batch_size=32)
+                               world_size=gpus, global_batch_size=32, accelerator=Accelerator.T4)
     got = store.get_job(job.id)
-    assert got is not None and got.measured == {"1x32": 100.0, "2x32": 101.0}
+    assert got is not None and got.measured == {"T4:1x32": 100.0, "T4:2x32": 101.0}
     one, two = job_choices(got, Policy.ELASTIC, 4)
     assert one.value == pytest.approx(1.0) and two.value == pytest.approx(1.01)
     modelled = job_choices(job, Policy.ELASTIC, 4)[1].value
@@ -164,7 +164,7 @@ def test_placement_request_and_pool_risk_from_the_job_and_the_counts() -> None:
                                          "checkpoint": CheckpointSpec(interval="500steps")})
     job = JobRecord(id="s-1", spec=steps, team="t", state=JobState.SUSPENDED, attempt=2,
                     pool="gcp:west/b:spot:T4", samples_done=1_800_000,
-                    measured={"2x64": 1000.0})  # the agent measured 1000 samples/s at 2x64
+                    measured={"T4:2x64": 1000.0})  # the agent measured 1000 samples/s at 2x64
     assert samples_per_sec(job, 2, 64) == 1000.0
     assert checkpoint_interval_s(steps, 64, 1000.0) == pytest.approx(32.0)
     assert checkpoint_interval_s(spec("t"), 64, 1000.0) == 100.0  # the spec's default, 100s

@@ -228,7 +228,13 @@ def test_reports_are_in_samples_at_the_initial_batch(tmp_path: Path) -> None:
     m0 = job.state.app.init_batch_size
     rate, _ = job.state.app.rate(a.accelerator, a.placement, a.batch_size, job.state.epoch)
     assert rec.samples_per_sec == pytest.approx(rate * m0)
-    assert rec.measured[f"{a.gpus}x{a.batch_size}"] == rec.samples_per_sec
+    assert rec.measured[f"V100:{a.gpus}x{a.batch_size}"] == rec.samples_per_sec
+    # the gradient noise scale its runtime would measure, from the same tables
+    eff = job.state.app.efficiency
+    assert rec.grad_noise_scale == pytest.approx(eff.noise_scale(a.batch_size, job.state.epoch))
+    phi = rec.grad_noise_scale / m0
+    assert eff.gain(a.batch_size, job.state.epoch) == pytest.approx(
+        (phi + 1) / (phi * m0 / a.batch_size + 1))
     assert (rec.measured_gpus, rec.measured_batch_size) == (a.gpus, a.batch_size)
     assert rec.samples_done == int(job.state.progress * m0) > 0
     assert json.loads(rec.model_dump_json())["state"] == "running"

@@ -42,7 +42,7 @@ CHECKPOINT_EXIT = "checkpoint-exit"
 # What a heartbeat takes from the progress file, when the file has it (a field the node does not
 # know is left out: the broker keeps what it has).
 PROGRESS_KEYS = ("step", "samples_done", "samples_per_sec", "world_size", "global_batch_size",
-                 "checkpoint_step", "checkpoint_bytes")
+                 "checkpoint_step", "checkpoint_bytes", "grad_noise_scale")
 # Seconds between the tries of the final report (five tries over 15 s): a broker restarting, its
 # Redis away (503), a rate limit (429) or a network blip must not lose how the node ended, which
 # settles a multi-node job's round.
@@ -108,6 +108,7 @@ class AgentConfig:
     rendezvous_timeout: float = RENDEZVOUS_TIMEOUT_S
     rejoin_timeout: float = 120.0
     launch_key: str | None = None  # this node's idempotency key: whose rank it holds
+    accelerator: str | None = None  # the node's type: the broker keys measurements by it
 
     @property
     def rendezvous(self) -> bool:
@@ -190,6 +191,7 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
                                      RENDEZVOUS_TIMEOUT_S),
         rejoin_timeout=env_float(env, "FLEET_REJOIN_TIMEOUT", 120.0),  # type: ignore[arg-type]
         launch_key=env.get("FLEET_LAUNCH_KEY", "").strip() or None,
+        accelerator=env.get("FLEET_ACCELERATOR", "").strip() or None,
     )
     return config, argv[split + 1 :]
 
@@ -348,6 +350,8 @@ class Agent:
             **self._key(),
             **{k: p[k] for k in PROGRESS_KEYS if k in p},
         }
+        if c.accelerator and "samples_per_sec" in p:
+            body["accelerator"] = c.accelerator
         if self.notice:
             body["notice"] = self.notice
         if exit_code is not None:

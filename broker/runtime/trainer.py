@@ -37,6 +37,7 @@ from torch.utils.data._utils.collate import default_collate
 from broker.runtime.assignment import BATCH_MODES, EXIT_STOPPED, Assignment
 from broker.runtime.checkpoint import Checkpointer
 from broker.runtime.data import MicroBatch, step_plan
+from broker.runtime.noise import NoiseScale
 from broker.runtime.scaling import lr_factor
 from broker.runtime.store import open_store
 
@@ -162,6 +163,10 @@ class Trainer:
 
         self._micro: MicroBatch | None = None
         self._next_weight: float | None = None
+        self._local_n = 0  # this rank's samples in the current step
+        self.noise = NoiseScale()  # the gradient noise scale, reported with the progress
+        # this step's squared norms, local and all-reduced, on the gradients' device
+        self._sq: list[torch.Tensor | None] = [None, None]
         self._accumulating = False
         self._factor = (
             1.0
@@ -273,12 +278,34 @@ class Trainer:
 
     def _weighted_allreduce(self, _state, bucket):  # DDP rejects string annotations on hooks
         buf = bucket.buffer()
-        if self._micro is not None:
-            buf.mul_(self._micro.weight)
-        else:  # a backward outside the loop: plain DDP averaging
+        if self._micro is None:  # a backward outside the loop: plain DDP averaging
             buf.div_(self.world_size)
+            fut = dist.all_reduce(buf, async_op=True).get_future()  # type: ignore[union-attr]
+            return fut.then(lambda f: f.value()[0])
+        buf.mul_(self._micro.weight)
+        self._add_sq(0, buf)
         fut = dist.all_reduce(buf, async_op=True).get_future()  # type: ignore[union-attr]
-        return fut.then(lambda f: f.value()[0])
+
+        def reduced(f: Any) -> torch.Tensor:
+            out = f.value()[0]
+            self._add_sq(1, out)
+            return out
+
+        return fut.then(reduced)
+
+    def _add_sq(self, k: int, grads: torch.Tensor) -> None:
+        x = grads.detach().pow(2).sum()
+        self._sq[k] = x if self._sq[k] is None else self._sq[k] + x
+
+    def _measure_noise(self) -> None:
+        """Feed this step's squared norms to the noise scale: this rank's share of the mean
+        gradient (weighted by its ``local_n`` of the global batch's samples) rescaled to the
+        mean over its own samples, and the all-reduced mean."""
+        local, reduced = self._sq
+        self._sq = [None, None]
+        if self._local_n and local is not None and reduced is not None:
+            share = self.global_batch_size / self._local_n
+            self.noise.update(local * share**2, self._local_n, reduced, self.global_batch_size)
 
     def _grads(self) -> list[torch.Tensor]:
         return [
@@ -299,8 +326,12 @@ class Trainer:
             torch._foreach_mul_(grads, mb.weight)
             if self.world_size > 1:
                 flat = torch.cat([g.reshape(-1) for g in grads])
+                self._add_sq(0, flat)
                 dist.all_reduce(flat)
+                self._add_sq(1, flat)
                 torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+        if self.world_size > 1:
+            self._measure_noise()
         lrs = [g["lr"] for g in self.optimizer.param_groups]
         if self._factor != 1.0:
             for g in self.optimizer.param_groups:
@@ -361,6 +392,7 @@ class Trainer:
                     self.rank,
                     self.max_micro_batch,
                 )
+                self._local_n = sum(len(mb.indices) for mb in plan)
                 for k, mb in enumerate(plan):
                     self._micro = mb
                     self._next_weight = None if mb.last else plan[k + 1].weight
@@ -469,6 +501,7 @@ class Trainer:
             "world_size": self.world_size,
             "checkpoint_step": committed[0] if committed else None,
             "checkpoint_bytes": committed[1] if committed else None,
+            "grad_noise_scale": self.noise.value,
             "finished": self.finished,
         }
         tmp = Path(f"{path}.tmp")

@@ -42,6 +42,7 @@ from broker.sim.spot import SimPool, SpotConfig, SpotJob, SpotRounds
 from broker.sim.workload import WorkloadJob
 from broker.store import PoolStats, Snapshot
 from policies.choices import placement_for
+from policies.job_model import measurement_key
 from policies.migration import (
     Blocklist,
     expire,
@@ -291,10 +292,11 @@ class LiveRoundDriver(SpotRounds):
     def _advance(self, job: SpotJob, now: float) -> None:
         """One round of the job, then what its agent reports: progress, and the throughput of
         its configuration once it trained in the round; or its completion."""
-        ran, restart0 = job.pool is not None, job.sim.restart_left
-        super()._advance(job, now)
-        if not ran:
+        if job.pool is None:
+            super()._advance(job, now)
             return
+        restart0, accel = job.sim.restart_left, job.pool.pool.accelerator
+        super()._advance(job, now)
         rec = self.records[job.state.id]
         end = job.sim.record.completed
         if end is not None:
@@ -305,11 +307,13 @@ class LiveRoundDriver(SpotRounds):
         a = job.state.current
         if a is None or self.cfg.interval <= restart0 - job.sim.restart_left:
             return  # all of the round went to the restart: nothing measured yet
-        m0 = job.state.app.init_batch_size
+        app, m0 = job.state.app, job.state.app.init_batch_size
         rate = goodput(job.state, a, job.state.epoch, self.rates) * m0
+        key = measurement_key(accel, a.gpus, a.batch_size)
         self._put(rec, samples_done=self._samples(job), samples_per_sec=rate,
                   measured_gpus=a.gpus, measured_batch_size=a.batch_size,
-                  measured={**rec.measured, f"{a.gpus}x{a.batch_size}": rate})
+                  measured={**rec.measured, key: rate},
+                  grad_noise_scale=app.efficiency.noise_scale(a.batch_size, job.state.epoch))
 
     def _gone(self, job: SpotJob) -> bool:
         return super()._gone(job) or self.records[job.state.id].state.terminal

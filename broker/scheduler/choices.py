@@ -1,0 +1,217 @@
+"""What a job can be given: its fitted model (``policies.job_model``), each GPU count's best
+batch size and value on each accelerator type, and the pools and types its spec lets it use."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from broker.models import JobRecord, JobState
+from broker.scheduler.config import Policy, SchedulerConfig
+from policies.apps import APP_SPECS, Application
+from policies.elastic_dp import Choice
+from policies.job_model import (
+    GenericPrior,
+    JobModel,
+    Measurement,
+    Prior,
+    TablePrior,
+    fit,
+    measurements,
+)
+from policies.models import Accelerator, JobSpec, Market, Pool
+from policies.placement import region_allowed
+from policies.spot import must_not_preempt
+from policies.throughput import batch_candidates
+from providers.measurements import load_application
+
+
+@functools.cache
+def _application(name: str) -> Application | None:
+    """The measured tables of a model the spec names (``policies.apps``), else None."""
+    return load_application(name) if name in APP_SPECS else None
+
+
+def _pool_accelerator(pool_id: str | None) -> Accelerator | None:
+    """The accelerator of a pool id (``cloud:region[/zone]:market:accelerator``)."""
+    try:
+        return Accelerator(pool_id.rsplit(":", 1)[1]) if pool_id else None
+    except (IndexError, ValueError):
+        return None
+
+
+def job_accelerator(job: JobRecord) -> Accelerator:
+    """The type a job runs (or last ran) on, else the first its spec accepts."""
+    return _pool_accelerator(job.pool) or job.spec.accelerators[0]
+
+
+_MODELS: dict[int, tuple[JobRecord, tuple, JobModel]] = {}
+
+
+def job_model(job: JobRecord) -> JobModel:
+    """The job's model (``policies.job_model``): the measured tables of ``spec.model`` at the
+    job's epoch, else the generic prior, fitted to what its agent measured on the type it ran
+    on (:func:`job_accelerator`). Remembered per record (a round asks for it thousands of
+    times; the store hands out the same record while it is unchanged)."""
+    inputs = (job.pool, job.samples_done, job.measured_gpus, job.measured_batch_size,
+              job.samples_per_sec, job.grad_noise_scale, tuple(job.measured.items()))
+    hit = _MODELS.get(id(job))
+    if hit is not None and hit[0] is job and hit[1] == inputs:
+        return hit[2]
+    if len(_MODELS) > 200_000:  # records the store no longer hands out
+        _MODELS.clear()
+    model = _job_model(job)
+    _MODELS[id(job)] = (job, inputs, model)
+    return model
+
+
+def _job_model(job: JobRecord) -> JobModel:
+    spec = job.spec
+    init = spec.batch_size.initial
+    noise = job.grad_noise_scale
+    generic = GenericPrior(per_gpu_max=spec.batch_size.per_gpu_max, init_batch=init,
+                           noise=noise / init if noise else math.inf)
+    app = _application(spec.model) if spec.model else None
+    prior: Prior = generic
+    if app is not None:
+        epoch = app.efficiency.epoch(job.samples_done / app.init_batch_size)
+        prior = TablePrior(app.name, epoch, app, generic)
+    accel = job_accelerator(job)
+    seen = measurements(job.measured, accel)
+    if not seen and job.measured_gpus and job.measured_batch_size and job.samples_per_sec:
+        seen = ((job.measured_gpus, job.measured_batch_size, job.samples_per_sec),)
+    return _fitted(prior, seen, accel, bool(noise))
+
+
+@functools.lru_cache(maxsize=65_536)
+def _fitted(prior: Prior, seen: tuple[Measurement, ...], accelerator: Accelerator | None,
+            noise_known: bool) -> JobModel:
+    return fit(prior, seen, accelerator, noise_known)
+
+
+def samples_per_sec(job: JobRecord, gpus: int, batch: int,
+                    accelerator: Accelerator | None = None) -> float:
+    """The scheduler's estimate of ``job``'s useful samples/s at ``gpus`` GPUs of
+    ``accelerator`` (default: :func:`job_accelerator`) and global ``batch``."""
+    return job_model(job).rate(accelerator or job_accelerator(job), gpus, batch)
+
+
+def job_choices(job: JobRecord, policy: Policy, max_gpus: int,
+                accelerator: Accelerator | None = None, base: float | None = None,
+                exponent: float = 1.0) -> list[Choice]:
+    """Each GPU count's best batch size on ``accelerator`` and its value: the speed-up over
+    ``base`` samples/s (default: the job's best on one GPU of that type) to the power
+    ``exponent`` (``SchedulerConfig.speedup_exponent``), weighted by priority."""
+    spec = job.spec
+    fixed = policy is not Policy.ELASTIC or spec.batch_mode.value == "fixed"
+    lo, hi = spec.gpus.min, min(spec.gpus.max, max_gpus)
+    if policy is Policy.STATIC:
+        hi = min(hi, lo)
+    b = spec.batch_size
+    return list(_choice_table(lo, hi, b.min, b.max, b.initial, fixed, spec.priority,
+                              job_model(job), accelerator or job_accelerator(job), base,
+                              exponent))
+
+
+def one_gpu_rate(job: JobRecord, accelerator: Accelerator, fixed: bool = False) -> float:
+    """The job's best useful samples/s on one GPU of ``accelerator``."""
+    b = job.spec.batch_size
+    return _one_gpu(job_model(job), accelerator, b.min, b.max, b.initial, fixed)
+
+
+def _batches(bmin: int, bmax: int, binit: int, fixed: bool, gpus: int) -> list[int]:
+    if fixed:
+        return [binit] if binit >= gpus else []
+    return batch_candidates(bmin, bmax, gpus)
+
+
+@functools.lru_cache(maxsize=65_536)
+def _one_gpu(model: JobModel, accelerator: Accelerator, bmin: int, bmax: int, binit: int,
+             fixed: bool) -> float:
+    return max((model.rate(accelerator, 1, x) for x in _batches(bmin, bmax, binit, fixed, 1)),
+               default=0.0) or model.rate(accelerator, 1, binit)
+
+
+@functools.lru_cache(maxsize=65_536)
+def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, fixed: bool,
+                  priority: int, model: JobModel, accelerator: Accelerator,
+                  base: float | None, exponent: float) -> tuple[Choice, ...]:
+    """Choices depend only on these numbers; jobs of the same shape share one table."""
+    base = base or _one_gpu(model, accelerator, bmin, bmax, binit, fixed)
+    if not base > 0:
+        return ()
+    weight = 2.0 ** (priority / 25.0)
+    out = []
+    for g in range(lo, hi + 1):
+        options = _batches(bmin, bmax, binit, fixed, g)
+        if not options:
+            continue
+        rates = {x: model.rate(accelerator, g, x) for x in options}
+        best = max(options, key=rates.__getitem__)
+        if rates[best] > 0:
+            out.append(Choice(g, best, weight * (rates[best] / base) ** exponent))
+    return tuple(out)
+
+
+class UsablePools:
+    """The pools each set of region filters lets a job use, looked up once per round (many
+    jobs share their filters)."""
+
+    def __init__(self, pools: Sequence[Pool]) -> None:
+        self.pools = pools
+        self._memo: dict[tuple, list[Pool]] = {}
+
+    def __call__(self, spec: JobSpec) -> list[Pool]:
+        """Pools with GPUs in the job's regions, on-demand only for ``spot: never``."""
+        r, never = spec.regions, must_not_preempt(spec.spot)
+        key = (tuple(r.allow), tuple(r.deny), never)
+        if (hit := self._memo.get(key)) is None:
+            hit = self._memo[key] = [
+                p for p in self.pools if p.capacity > 0 and region_allowed(p, r.allow, r.deny)
+                and not (never and p.market is Market.SPOT)]
+        return hit
+
+
+def offered_types(job: JobRecord, usable: UsablePools) -> list[Accelerator]:
+    """The types a job may be given: the one it runs on, else those of its accelerators that
+    a pool in its regions offers, in the spec's order."""
+    if job.state is JobState.RUNNING and (accel := _pool_accelerator(job.pool)) is not None:
+        return [accel]
+    offered = {p.accelerator for p in usable(job.spec)}
+    return [a for a in job.spec.accelerators if a in offered]
+
+
+def no_region_reason(job: JobRecord, pools: Iterable[Pool]) -> str | None:
+    """Why the job's regions leave it no pool: its allow and deny lists and the regions that
+    offer its accelerators (``None``: no pool offers them anywhere)."""
+    where = sorted({f"{p.cloud}:{p.region}" for p in pools
+                    if p.capacity > 0 and p.accelerator in job.spec.accelerators})
+    if not where:
+        return None
+    r, accels = job.spec.regions, "/".join(a.value for a in job.spec.accelerators)
+    return (f"regions allow {r.allow} deny {r.deny} leave no {accels} pool; {accels} is offered "
+            f"in {', '.join(where)}: widen regions.allow or narrow regions.deny")
+
+
+def type_choices(job: JobRecord, accel: Accelerator, pools: Sequence[Pool],
+                  room: Mapping[str, int], config: SchedulerConfig) -> list[Choice]:
+    """The job's choices on ``accel``: GPU counts one of ``pools`` (those the job may use) of
+    that type can host (its room this round, a running job's own GPUs counted free) and launch
+    (a cloud's instance
+    sizes: an 8-GPU instance type does not make 2 GPUs launchable), each valued as the speed-up
+    over one GPU of the slowest type the job accepts, so values compare across types. Where no
+    pool has room for any size, the sizes its pools hold at all (placement then says why the job
+    waits)."""
+    mine = [p for p in pools if p.accelerator is accel]
+    top = max((p.capacity for p in mine), default=0)
+    if not top:
+        return []
+    fixed = config.policy is not Policy.ELASTIC or job.spec.batch_mode.value == "fixed"
+    base = min((x for a in job.spec.accelerators if (x := one_gpu_rate(job, a, fixed)) > 0),
+               default=None)
+    opts = job_choices(job, config.policy, top, accel, base, config.speedup_exponent)
+    roomy = [c for c in opts
+             if any(p.launchable(c.gpus) and room.get(p.id, 0) >= c.gpus for p in mine)]
+    # no room anywhere now: sizes a pool holds at all, so placement can say why it waits
+    return roomy or [c for c in opts if any(p.launchable(c.gpus) for p in mine)]

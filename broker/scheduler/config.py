@@ -1,0 +1,54 @@
+"""The live round's settings: policy, admission and the costs it weighs."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+from policies.region_score import DEFAULT_RESTART_S, Egress, Stickiness
+
+
+class Policy(StrEnum):
+    ELASTIC = "elastic"  # the allocator picks GPU count and batch size
+    FIXED_BATCH = "fixed-batch"  # GPU count scales, batch stays at the spec's initial size
+    STATIC = "static"  # gpus.min at the initial batch, never rescaled once running
+
+
+class Admission(StrEnum):
+    QUEUE = "queue"  # a job that does not fit waits
+    DROP = "drop"  # a job that does not fit in the round it arrives is dropped (seed paper)
+
+
+class SchedulerConfig(BaseModel):
+    policy: Policy = Policy.ELASTIC
+    admission: Admission = Admission.QUEUE
+    speedup_exponent: float = Field(
+        default=0.25, gt=0, le=1, description="a job's value is its speed-up over one GPU to this "
+        "power: concave, so a waiting job's first GPUs are worth more than a large job's "
+        "super-linear gain from more (1: plain throughput)")
+    restart_horizon_s: float = Field(
+        default=1800.0, gt=0, description="how long a plan is expected to hold: a running job's "
+        "current config is favoured by the share of it a restart loses (restart_s / this)")
+    min_rescale_interval_s: float = Field(
+        default=30.0, ge=0, description="a job keeps its config at least this long after start")
+    max_failures: int = Field(default=3, ge=0, description="failed attempts before 'failed'")
+    restart_s: float = Field(
+        default=DEFAULT_RESTART_S, ge=0, description="what a relaunch costs (node start, setup, "
+        "checkpoint restore): placement prices it into a move and into every preemption")
+    checkpoint_gb: float = Field(
+        default=0.0, ge=0, description="checkpoint size assumed for egress on a move to another "
+        "region or cloud for a job whose agent has not reported its checkpoint's size yet")
+    egress: Egress = Field(default_factory=Egress, description="checkpoint transfer prices")
+    reaction_s: float = Field(
+        default=6.0, ge=0, description="from a preemption to the broker's relaunch decision (a "
+        "heartbeat, 5 s, and a loop tick, 1 s, by default): the deadline rule counts it with "
+        "restart_s and a checkpoint interval in what one preemption can cost")
+    checkpoint_on_notice: bool = Field(
+        default=False, description="jobs checkpoint on the preemption notice (FleetBroker's "
+        "agent does: AWS warns 2 min ahead, GCP and Azure 30 s), so a preemption loses no work "
+        "since the last checkpoint; placement and the deadline rule then price a preemption as "
+        "its reaction and restart only")
+    move_margin: Stickiness = Field(
+        default_factory=Stickiness, description="the saving a running job's move to a cheaper "
+        "pool must beat (its restart counted): max(min_saving_usd, min_saving_fraction x cost)")

@@ -1,0 +1,158 @@
+"""What placement weighs for a job: the blocklist's marks on pools, each pool's preemption
+risk, and the job's placement request (hours left, restart, checkpoint interval, size and
+location)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from broker.models import JobRecord, JobState
+from broker.scheduler.choices import samples_per_sec
+from broker.scheduler.config import SchedulerConfig
+from broker.store import PoolStats
+from policies.elastic_dp import Choice
+from policies.migration import Blocklist, location_keys
+from policies.models import Accelerator, JobSpec, Market, Pool
+from policies.placement import PlacementRequest, PlacementResult, PoolRisk
+
+
+@dataclass(frozen=True)
+class Marks:
+    """What the blocklist says of this round's pools: ``blocked``, spot pools in a location just
+    reclaimed (avoided while another pool has room), and ``refused``, pools where the cloud just
+    refused a launch (stock-out, quota; never launched in until the mark lapses), each with the
+    reason a job that finds no other pool shows."""
+
+    blocked: frozenset[str] = frozenset()
+    refused: Mapping[str, str] = field(default_factory=dict)
+
+
+def blocked_pools(pools: list[Pool], blocklist: Blocklist | None, now: float) -> frozenset[str]:
+    """Spot pools in a location the blocklist holds (a reclaim says nothing about on-demand)."""
+    if blocklist is None:
+        return frozenset()
+    return frozenset(p.id for p in pools if p.market is Market.SPOT and any(
+        blocklist.is_blocked(k, now) for k in location_keys(p)))
+
+
+def refused_pools(pools: list[Pool], blocklist: Blocklist | None, now: float) -> dict[str, str]:
+    """Pools of either market with a fresh refusal mark, each with what a job held back by it
+    is told: the pool, what the cloud lacked, and when the mark lapses."""
+    if blocklist is None:
+        return {}
+    out = {}
+    for p in pools:
+        if blocklist.is_refused(p.id, now):
+            why = blocklist.refusal_why.get(p.id)
+            until = time.strftime("%H:%M:%S", time.gmtime(blocklist.refused_until(p.id)))
+            out[p.id] = (f"pool {p.id} refused the launch" + (f" ({why})" if why else "")
+                         + f"; retrying after {until} UTC")
+    return out
+
+
+def checkpoint_interval_s(spec: JobSpec, batch: int, samples_per_s: float) -> float:
+    """Seconds between the job's checkpoints: the spec's time, or its step count at the
+    expected step rate (global ``batch`` samples a step)."""
+    every, in_steps = spec.checkpoint.every
+    return every * batch / samples_per_s if in_steps else every
+
+
+def lost_work_h(spec: JobSpec, batch: int, samples_per_s: float,
+                config: SchedulerConfig) -> float:
+    """Hours of work a preemption can lose: none when the agents checkpoint on the notice
+    (``config.checkpoint_on_notice``), else up to a checkpoint interval."""
+    if config.checkpoint_on_notice:
+        return 0.0
+    return checkpoint_interval_s(spec, batch, samples_per_s) / 3600
+
+
+def _location(pool_id: str, pools_by_id: Mapping[str, Pool]) -> tuple[str, str]:
+    """(cloud, region) of a pool id (``cloud:region[/zone]:market:accelerator``), also of a
+    pool the fleet no longer has."""
+    if (pool := pools_by_id.get(pool_id)) is not None:
+        return pool.cloud, pool.region
+    cloud, region = pool_id.split(":")[:2]
+    return cloud, region.split("/")[0]
+
+
+def _checkpoint_location(job: JobRecord, pools_by_id: Mapping[str, Pool],
+                         ) -> tuple[str, str] | tuple[None, None]:
+    """Where a restore reads the job's checkpoint: the bucket's ``checkpoint.region`` when the
+    spec names it, else the region of its last pool; nowhere before its first run."""
+    if not job.pool or job.attempt == 0:
+        return None, None
+    bucket = _bucket(job.spec)
+    return bucket if bucket[0] is not None else _location(job.pool, pools_by_id)
+
+
+def _bucket(spec: JobSpec) -> tuple[str, str] | tuple[None, None]:
+    """(cloud, region) of the bucket the spec names (``checkpoint.region``), else Nones."""
+    if spec.checkpoint.region is None:
+        return None, None
+    cloud, region = spec.checkpoint.region.split(":")
+    return cloud, region
+
+
+def checkpoint_gb(job: JobRecord, config: SchedulerConfig) -> float:
+    """The job's checkpoint size in GB (10^9 bytes, as egress is billed): what its agent
+    measured for the last checkpoint, else the fleet-wide estimate ``config.checkpoint_gb``."""
+    if job.checkpoint_bytes is not None:
+        return job.checkpoint_bytes / 1e9
+    return config.checkpoint_gb
+
+
+def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
+                      marks: Marks, pools_by_id: Mapping[str, Pool],
+                      config: SchedulerConfig,
+                      accelerator: Accelerator | None = None) -> PlacementRequest:
+    """The job as placement sees it: its size and constraints, and what finishing it costs
+    where: hours of work left at the chosen size (the scheduler's throughput estimate), the
+    relaunch cost, the checkpoint interval, and its checkpoint's size (:func:`checkpoint_gb`),
+    location (:func:`_checkpoint_location`; none before its first run) and, when the spec names
+    the bucket's ``checkpoint.region``, the bucket every checkpoint is written to."""
+    spec = job.spec
+    rate = samples_per_sec(job, choice.gpus, choice.batch_size, accelerator)
+    left = max(0, spec.work_samples - job.samples_done)
+    where = _checkpoint_location(job, pools_by_id)
+    bucket = _bucket(spec)
+    return PlacementRequest(
+        job.id, choice.gpus, fallbacks, job.pool if job.state is JobState.RUNNING else None,
+        job.gpus if job.state is JobState.RUNNING else 0, spec.spot, spec.regions.allow,
+        spec.regions.deny, marks.blocked, frozenset(marks.refused),
+        remaining_h=left / rate / 3600, restart_h=config.restart_s / 3600,
+        checkpoint_interval_h=lost_work_h(spec, choice.batch_size, rate, config),
+        checkpoint_gb=checkpoint_gb(job, config) if where[0] or bucket[0] else 0.0,
+        checkpoint_cloud=where[0], checkpoint_region=where[1],
+        bucket_cloud=bucket[0], bucket_region=bucket[1])
+
+
+def pool_risk(pools: Sequence[Pool], priors: Mapping[str, float], stats: PoolStats,
+              jobs: Sequence[JobRecord], now: float) -> dict[str, PoolRisk]:
+    """Each pool's preemption prior and what the broker saw there: the preemptions counted,
+    and node-hours of the closed placement intervals plus those of the jobs running now."""
+    hours = dict(stats.node_hours)
+    for job in jobs:
+        if job.state in (JobState.RUNNING, JobState.SUSPENDING) and job.pool and job.launched_at:
+            held = max(0.0, now - job.launched_at) / 3600 * max(1, job.nodes)
+            hours[job.pool] = hours.get(job.pool, 0.0) + held
+    return {p.id: PoolRisk(prior_monthly_rate=priors.get(p.id, 0.0),
+                           preemptions_seen=stats.preemptions.get(p.id, 0),
+                           node_hours_seen=hours.get(p.id, 0.0)) for p in pools}
+
+
+def held_gpus(used: Mapping[str, int], placed: Mapping[str, PlacementResult | None],
+          ) -> dict[str, int]:
+    """GPUs held per pool: ``used`` plus the ``placed`` jobs'."""
+    held = defaultdict(int, used)
+    for got in placed.values():
+        if got is not None:
+            held[got.pool] += got.gpus
+    return held
+
+
+def on_market(req: PlacementRequest, market: Market | None) -> PlacementRequest:
+    """The request narrowed to ``market`` (``None``: as it is)."""
+    return req if market is None else replace(req, markets=frozenset({market}))

@@ -1,0 +1,59 @@
+"""The gradient noise scale the runtime measures (``broker.runtime.noise``) and reports."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from pytest_httpserver import HTTPServer
+from werkzeug import Request, Response
+
+from broker.runtime.noise import NoiseScale
+from tests.runtime.jobs import agent_command, job_env, run_job
+
+
+def test_the_estimate_converges_to_the_true_noise_scale() -> None:
+    """Gradients with a known noise scale: true gradient |G|^2 = 1, per-sample noise of
+    trace 64, so B_noise = 64 samples. Four replicas of 16 samples each, one rank's view."""
+    gen = torch.Generator().manual_seed(0)
+    d, per_rank, ranks, trace = 64, 16, 4, 64.0
+    true = torch.randn(d, generator=gen)
+    true /= true.norm()
+    noise = NoiseScale()
+    for _ in range(3000):
+        # each replica's mean gradient over its samples: covariance trace / per_rank
+        means = true + torch.randn(ranks, d, generator=gen) * math.sqrt(trace / d / per_rank)
+        noise.update(means[0].pow(2).sum(), per_rank, means.mean(0).pow(2).sum(),
+                     per_rank * ranks)
+    assert noise.value is not None and abs(noise.value / trace - 1) < 0.15
+
+
+def test_one_replica_gives_no_estimate() -> None:
+    noise = NoiseScale()
+    noise.update(torch.tensor(2.0), 32, torch.tensor(2.0), 32)
+    assert noise.value is None
+
+
+def test_a_two_rank_job_reports_its_noise_scale_and_accelerator(
+    httpserver: HTTPServer, tmp_path: Path,
+) -> None:
+    """A real two-rank job (gloo, CPU) under the agent: its heartbeats carry the noise scale
+    the trainer measured and the node's accelerator, so the broker keys throughput by type."""
+    beats: list[dict] = []
+
+    def heartbeat(request: Request) -> Response:
+        beats.append(request.get_json())
+        return Response(json.dumps({}), content_type="application/json")
+
+    httpserver.expect_request("/v1/agent/heartbeat", method="POST").respond_with_handler(heartbeat)
+    env = job_env(tmp_path, nproc=2, heartbeat_interval=0.2, job_id="job-1", attempt=1,
+                  broker_url=httpserver.url_for("/"), agent_token="t", accelerator="T4")
+    run = run_job(agent_command("--steps", "120", "--batch-size", "32"), env, tmp_path)
+    assert run.code == 0, run.output
+    measured = [b for b in beats if b.get("grad_noise_scale") is not None]
+    assert measured, beats[-3:]
+    last = measured[-1]
+    assert math.isfinite(last["grad_noise_scale"]) and last["grad_noise_scale"] > 0
+    assert last["accelerator"] == "T4" and last["world_size"] == 2
