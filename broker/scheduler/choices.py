@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from broker.models import JobRecord, JobState
 from broker.scheduler.config import Policy, SchedulerConfig
@@ -46,24 +47,39 @@ def job_accelerator(job: JobRecord) -> Accelerator:
     return _pool_accelerator(job.pool) or job.spec.accelerators[0]
 
 
-_MODELS: dict[int, tuple[JobRecord, tuple, JobModel]] = {}
+@dataclass
+class _Memo:
+    """What the round derives from one job record: its fitted model, its best rate on one GPU
+    of each type and its choice tables. Kept per record (a round asks for them thousands of
+    times, and the store hands out the same record object while the job is unchanged)."""
+
+    job: JobRecord
+    inputs: tuple
+    model: JobModel
+    one_gpu: dict[tuple[Accelerator, bool], float] = field(default_factory=dict)
+    tables: dict[tuple, tuple[Choice, ...]] = field(default_factory=dict)
+
+
+_MEMOS: dict[int, _Memo] = {}
+
+
+def _memo(job: JobRecord) -> _Memo:
+    inputs = (job.pool, job.samples_done, job.measured_gpus, job.measured_batch_size,
+              job.samples_per_sec, job.grad_noise_scale, tuple(job.measured.items()))
+    hit = _MEMOS.get(id(job))
+    if hit is not None and hit.job is job and hit.inputs == inputs:
+        return hit
+    if len(_MEMOS) > 200_000:  # records the store no longer hands out
+        _MEMOS.clear()
+    hit = _MEMOS[id(job)] = _Memo(job, inputs, _job_model(job))
+    return hit
 
 
 def job_model(job: JobRecord) -> JobModel:
     """The job's model (``policies.job_model``): the measured tables of ``spec.model`` at the
     job's epoch, else the generic prior, fitted to what its agent measured on the type it ran
-    on (:func:`job_accelerator`). Remembered per record (a round asks for it thousands of
-    times; the store hands out the same record while it is unchanged)."""
-    inputs = (job.pool, job.samples_done, job.measured_gpus, job.measured_batch_size,
-              job.samples_per_sec, job.grad_noise_scale, tuple(job.measured.items()))
-    hit = _MODELS.get(id(job))
-    if hit is not None and hit[0] is job and hit[1] == inputs:
-        return hit[2]
-    if len(_MODELS) > 200_000:  # records the store no longer hands out
-        _MODELS.clear()
-    model = _job_model(job)
-    _MODELS[id(job)] = (job, inputs, model)
-    return model
+    on (:func:`job_accelerator`)."""
+    return _memo(job).model
 
 
 def _job_model(job: JobRecord) -> JobModel:
@@ -108,16 +124,25 @@ def job_choices(job: JobRecord, policy: Policy, max_gpus: int,
     lo, hi = spec.gpus.min, min(spec.gpus.max, max_gpus)
     if policy is Policy.STATIC:
         hi = min(hi, lo)
-    b = spec.batch_size
-    return list(_choice_table(lo, hi, b.min, b.max, b.initial, fixed, spec.priority,
-                              job_model(job), accelerator or job_accelerator(job), base,
-                              exponent))
+    accelerator = accelerator or job_accelerator(job)
+    memo = _memo(job)
+    key = (lo, hi, fixed, accelerator, base, exponent)
+    if (table := memo.tables.get(key)) is None:
+        b = spec.batch_size
+        table = memo.tables[key] = _choice_table(lo, hi, b.min, b.max, b.initial, fixed,
+                                                 spec.priority, memo.model, accelerator, base,
+                                                 exponent)
+    return list(table)
 
 
 def one_gpu_rate(job: JobRecord, accelerator: Accelerator, fixed: bool = False) -> float:
     """The job's best useful samples/s on one GPU of ``accelerator``."""
-    b = job.spec.batch_size
-    return _one_gpu(job_model(job), accelerator, b.min, b.max, b.initial, fixed)
+    memo = _memo(job)
+    if (rate := memo.one_gpu.get((accelerator, fixed))) is None:
+        b = job.spec.batch_size
+        rate = memo.one_gpu[accelerator, fixed] = _one_gpu(memo.model, accelerator, b.min,
+                                                           b.max, b.initial, fixed)
+    return rate
 
 
 def _batches(bmin: int, bmax: int, binit: int, fixed: bool, gpus: int) -> list[int]:
@@ -158,9 +183,11 @@ class UsablePools:
     """The pools each set of region filters lets a job use, looked up once per round (many
     jobs share their filters)."""
 
-    def __init__(self, pools: Sequence[Pool]) -> None:
+    def __init__(self, pools: Sequence[Pool], room: Mapping[str, int] | None = None) -> None:
         self.pools = pools
+        self.room = room or {}
         self._memo: dict[tuple, list[Pool]] = {}
+        self._sizes: dict[tuple, tuple[int, frozenset[int], frozenset[int]]] = {}
 
     def __call__(self, spec: JobSpec) -> list[Pool]:
         """Pools with GPUs in the job's regions, on-demand only for ``spot: never``."""
@@ -170,6 +197,21 @@ class UsablePools:
             hit = self._memo[key] = [
                 p for p in self.pools if p.capacity > 0 and region_allowed(p, r.allow, r.deny)
                 and not (never and p.market is Market.SPOT)]
+        return hit
+
+    def sizes(self, spec: JobSpec, accel: Accelerator,
+              ) -> tuple[int, frozenset[int], frozenset[int]]:
+        """Of the job's pools of ``accel``: the largest capacity, the GPU counts one of them
+        can launch with its ``room`` this round, and those one of them can launch at all."""
+        pools = self(spec)
+        key = (id(pools), accel)
+        if (hit := self._sizes.get(key)) is None:
+            mine = [p for p in pools if p.accelerator is accel]
+            top = max((p.capacity for p in mine), default=0)
+            held = frozenset(g for g in range(1, top + 1) if any(p.launchable(g) for p in mine))
+            roomy = frozenset(g for g in held if any(
+                p.launchable(g) and self.room.get(p.id, 0) >= g for p in mine))
+            hit = self._sizes[key] = (top, roomy, held)
         return hit
 
 
@@ -194,24 +236,20 @@ def no_region_reason(job: JobRecord, pools: Iterable[Pool]) -> str | None:
             f"in {', '.join(where)}: widen regions.allow or narrow regions.deny")
 
 
-def type_choices(job: JobRecord, accel: Accelerator, pools: Sequence[Pool],
-                  room: Mapping[str, int], config: SchedulerConfig) -> list[Choice]:
-    """The job's choices on ``accel``: GPU counts one of ``pools`` (those the job may use) of
-    that type can host (its room this round, a running job's own GPUs counted free) and launch
-    (a cloud's instance
-    sizes: an 8-GPU instance type does not make 2 GPUs launchable), each valued as the speed-up
-    over one GPU of the slowest type the job accepts, so values compare across types. Where no
-    pool has room for any size, the sizes its pools hold at all (placement then says why the job
-    waits)."""
-    mine = [p for p in pools if p.accelerator is accel]
-    top = max((p.capacity for p in mine), default=0)
+def type_choices(job: JobRecord, accel: Accelerator, usable: UsablePools,
+                 config: SchedulerConfig) -> list[Choice]:
+    """The job's choices on ``accel``: GPU counts one of its pools of that type can host (its
+    room this round, ``UsablePools.room``, a running job's own GPUs counted free) and launch (a
+    cloud's instance sizes: an 8-GPU instance type does not make 2 GPUs launchable), each valued
+    as the speed-up over one GPU of the slowest type the job accepts, so values compare across
+    types. Where no pool has room for any size, the sizes its pools hold at all (placement then
+    says why the job waits)."""
+    top, roomy, held = usable.sizes(job.spec, accel)
     if not top:
         return []
     fixed = config.policy is not Policy.ELASTIC or job.spec.batch_mode.value == "fixed"
     base = min((x for a in job.spec.accelerators if (x := one_gpu_rate(job, a, fixed)) > 0),
                default=None)
     opts = job_choices(job, config.policy, top, accel, base, config.speedup_exponent)
-    roomy = [c for c in opts
-             if any(p.launchable(c.gpus) and room.get(p.id, 0) >= c.gpus for p in mine)]
     # no room anywhere now: sizes a pool holds at all, so placement can say why it waits
-    return roomy or [c for c in opts if any(p.launchable(c.gpus) for p in mine)]
+    return [c for c in opts if c.gpus in roomy] or [c for c in opts if c.gpus in held]

@@ -74,11 +74,11 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
     pools_of: dict[Accelerator, list[Pool]] = defaultdict(list)
     for p in snap.pools:
         pools_of[p.accelerator].append(p)
-    room = {p.id: max(0, p.capacity - used.get(p.id, 0)) for p in snap.pools}
+    room = usable.room = {p.id: max(0, p.capacity - used.get(p.id, 0)) for p in snap.pools}
     # Running jobs first so the allocator's tie-break favours keeping them.
     jobs.sort(key=lambda j: (j.state is not JobState.RUNNING, -j.spec.priority, j.submitted_at,
                              j.id))
-    choices = {(j.id, a): type_choices(j, a, usable(j.spec), room, config)
+    choices = {(j.id, a): type_choices(j, a, usable, config)
                for j in jobs for a in offered[j.id]}
     by_accel: dict[Accelerator, list[JobRecord]] = defaultdict(list)
     types = choose_types(jobs, offered, choices, pools_of, room)
