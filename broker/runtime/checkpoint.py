@@ -232,7 +232,7 @@ class Checkpointer:
     def _raise(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            cause = failure.describe("checkpoint write", error)
+            cause = failure.describe("checkpoint write failed", error)
             failure.report(cause)  # the broker shows it, not just "command exited 1"
             raise RuntimeError(cause) from error
 

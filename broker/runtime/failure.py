@@ -33,14 +33,14 @@ def os_error(exc: BaseException | None) -> OSError | None:
 
 
 def describe(what: str, exc: BaseException) -> str:
-    """``"<what> failed: <cause>"``: the OS's words for an OSError behind ``exc`` (lower-case,
-    no path: a path may name a user's directory), else the exception's type."""
+    """``"<what>: <cause>"``: the OS's words for an OSError behind ``exc`` (lower-case, no
+    path: a path may name a user's directory), else the exception's type."""
     err = os_error(exc)
     if err is not None and err.errno is not None:
         cause = (err.strerror or os.strerror(err.errno)).lower()
         name = errno.errorcode.get(err.errno)
-        return f"{what} failed: {cause}" + (f" ({name})" if name else "")
-    return f"{what} failed: {type(exc).__name__}"
+        return f"{what}: {cause}" + (f" ({name})" if name else "")
+    return f"{what}: {type(exc).__name__}"
 
 
 def report(text: str, env: dict[str, str] | None = None) -> None:

@@ -145,7 +145,7 @@ class Trainer:
         try:
             store = None if uri is None else open_store(uri)
         except OSError as exc:
-            cause = failure.describe("checkpoint directory", exc)
+            cause = failure.describe("cannot create the checkpoint directory", exc)
             failure.report(cause)
             raise RuntimeError(cause) from exc
         self.checkpointer = (
