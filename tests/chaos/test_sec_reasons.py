@@ -97,7 +97,8 @@ def test_a_launch_failure_is_stored_short_without_the_token_or_the_environment(
                                batch_size=BatchRange(min=8, max=8), work_samples=8), team="t")
     broker.start()
     deadline = time.monotonic() + 30
-    while (got := store.get_job(job.id)) is not None and not (got.reason or "").startswith("launch"):
+    while (got := store.get_job(job.id)) is not None and \
+            not (got.reason or "").startswith("launch"):
         assert time.monotonic() < deadline, got
         time.sleep(0.1)
     assert got is not None and got.state in (JobState.SUSPENDED, JobState.FAILED, JobState.QUEUED)
