@@ -605,7 +605,7 @@ def take_token(env: dict[str, str]) -> None:
     """Move the attempt token from FLEET_AGENT_TOKEN_FILE (the provider's 0600 file, deleted
     here, before any of the job's code runs) into ``env`` (this process's memory only: never
     into its environment, which a job could read in /proc/PID/environ); and make this process
-    non-dumpable on Linux, so a job of another user cannot read its memory either."""
+    non-dumpable on Linux, so a non-root job cannot read its memory or /proc files either."""
     path = env.pop("FLEET_AGENT_TOKEN_FILE", None)
     if path:
         try:
