@@ -27,6 +27,7 @@ from typing import Any
 import redis
 from pydantic import BaseModel, Field
 
+from broker import secrets
 from broker.actuator import Actuator, ActuatorConfig
 from broker.fleet import FleetProvider, build_fleet_provider
 from broker.models import JobState
@@ -94,7 +95,6 @@ class EmbeddedRedis:
 
     def _prepare(self) -> None:
         """The data directory (0700), its lock, its password; no stale server on it."""
-        from broker import secrets
         from broker.auth import new_token
 
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -128,7 +128,8 @@ class EmbeddedRedis:
             # its own session: a terminal's Ctrl-C reaches the broker, which drains the jobs
             # and then stops Redis, rather than killing Redis under the draining broker
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_child_setup(os.getpid(), main))
+            start_new_session=True, umask=0o077,  # its AOF: owner only
+            preexec_fn=_die_with_parent(os.getpid()) if main else None)
         assert self.proc.stdin is not None
         # the config on stdin: the password is in no command line (/proc/PID/cmdline is public)
         self.proc.stdin.write(f"requirepass {self.password}\n".encode())
@@ -169,23 +170,21 @@ class EmbeddedRedis:
         self.start()
 
 
-def _child_setup(parent: int, main_thread: bool) -> Any:
-    """What a redis-server child does before exec: files readable by its owner only (umask
-    077) and, on Linux when started from the main thread, SIGTERM (a clean AOF flush and exit)
-    when its parent dies, so a ``kill -9``'d broker leaves no server behind."""
-    prctl = None
-    if main_thread and sys.platform.startswith("linux"):
-        try:
-            prctl = ctypes.CDLL(None, use_errno=True).prctl
-        except (OSError, AttributeError):
-            prctl = None
+def _die_with_parent(parent: int) -> Any:
+    """On Linux, what a child runs before exec so that it gets SIGTERM (for redis-server a
+    clean AOF flush and exit) when its parent dies: a ``kill -9``'d broker leaves no server
+    behind. The signal comes when the forking thread ends, so only the main thread uses it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
     def setup() -> None:
-        os.umask(0o077)
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-            if os.getppid() != parent:  # the parent died before the line above
-                os._exit(1)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the line above
+            os._exit(1)
 
     return setup
 
@@ -269,6 +268,7 @@ class Broker:
         self.store = store
         self.provider = provider
         self.skipped = skipped or {}  # declared clouds without credentials -> why
+        secrets.register(config.agent_token)  # never in a stored reason
         self.scheduler = Scheduler(store, config.scheduler, priors=provider.interruption_priors,
                                    blocklist_decay_s=config.blocklist_decay_s)
         self.actuator = Actuator(store, provider, ActuatorConfig(
@@ -402,8 +402,6 @@ def register_url_password(url: str) -> None:
     """Treat the password of a Redis URL (``redis://user:pass@host``) as a secret."""
     import urllib.parse
 
-    from broker import secrets
-
     with contextlib.suppress(ValueError):
         secrets.register(urllib.parse.unquote(urllib.parse.urlsplit(url).password or ""))
 
@@ -434,7 +432,6 @@ def drain(provider: FleetProvider) -> None:
 def _tokens(state_dir: Path) -> dict[str, str]:
     """The admin and agent tokens: from FLEET_ADMIN_TOKEN / FLEET_AGENT_TOKEN, else made once
     and kept (mode 0600) in the state dir so clients keep working across restarts."""
-    from broker import secrets
     from broker.auth import new_token
 
     path = state_dir / "tokens.json"
