@@ -6,7 +6,6 @@ under the current leader's fence. Replaying an intent after a crash is always sa
 from __future__ import annotations
 
 import logging
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from broker import secrets
 from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
@@ -107,17 +107,20 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
         str(every)
     if config.broker_url:
         env["FLEET_BROKER_URL"] = config.broker_url
-    if config.agent_token:  # the key, never handed out: the job gets its attempt's token
+    agent = config.use_agent or backend_starts_agent
+    if config.agent_token and agent:  # the key, never handed out: the agent gets its attempt's
+        # token (the provider hands it over in a way the job cannot read back, see docs/security)
         env["FLEET_AGENT_TOKEN"] = attempt_token(config.agent_token, job.id, intent.attempt)
-    run = '"$FLEET_RUN"'
-    main = (f"{shlex.quote(sys.executable)} -m broker.runtime.agent -- sh -c {run}"
-            if config.use_agent and not backend_starts_agent else f"sh -c {run}")
-    script = (f"{spec.setup}\n" if spec.setup else "") + f"exec {main}"
+    # The agent starts first, so that it has taken its token before any of the job's code (its
+    # setup included) runs; setup then runs in each worker before run, as on the clouds.
+    script = (f"{spec.setup}\n" if spec.setup else "") + 'exec sh -c "$FLEET_RUN"'
+    command = [sys.executable, "-m", "broker.runtime.agent", "--", "sh", "-c", script] \
+        if config.use_agent and not backend_starts_agent else ["sh", "-c", script]
     return LaunchRequest(idempotency_key=key, job_id=job.id, cloud=pool.cloud,
                          region=pool.region, zone=zone or pool.zone, avoid_zones=avoid_zones,
                          accelerator=pool.accelerator, gpus_per_node=per_node, nodes=count,
                          first_rank=first_rank, market=pool.market, env=env,
-                         command=["sh", "-c", script])
+                         command=command)
 
 
 def launch_price(nodes: list[Node], pool_price: float) -> float:
@@ -175,7 +178,8 @@ class Actuator:
         others (an AWS spot AZ) blocks only that zone: the next round's attempt, a new launch
         key, may go to the same pool and avoids the zone (``launch_request``)."""
         what = self._mark_refused(job, pool, exc, plan)
-        plan.change(job, JobState.SUSPENDED, reason=f"{what}: {exc}", fence=fence)
+        plan.change(job, JobState.SUSPENDED, reason=secrets.reason(f"{what}: {exc}"),
+                    fence=fence)
         self.store.apply(plan, fence=fence)
 
     def _mark_refused(self, job: JobRecord, pool: Pool, exc: ProviderError, plan: Plan) -> str:
@@ -232,7 +236,8 @@ class Actuator:
             failures = job.failures + 1
             state = JobState.FAILED if failures > self.config.max_failures else \
                 JobState.SUSPENDED
-            plan.change(job, state, reason=f"launch failed: {exc}", failures=failures,
+            plan.change(job, state, reason=secrets.reason(f"launch failed: {exc}"),
+                        failures=failures,
                         fence=fence)
             self.store.apply(plan, fence=fence)
             return 1
@@ -296,9 +301,9 @@ class Actuator:
             for node_id in [*job.node_ids, *(n.node_id for n in nodes)]:
                 self.provider.terminate(node_id)  # the survivors checkpoint and exit
             plan.change(job, JobState.SUSPENDING, event="replace-failed",
-                        event_data={"ranks": intent.ranks, "error": str(exc)},
-                        reason=f"no stand-in for lost node(s) {intent.ranks}: {exc}; moving "
-                        "the job", fence=fence)
+                        event_data={"ranks": intent.ranks, "error": secrets.reason(exc)},
+                        reason=secrets.reason(f"no stand-in for lost node(s) {intent.ranks}: "
+                                              f"{exc}; moving the job"), fence=fence)
             self.store.apply(plan, fence=fence)
             return 1
         # No SpotHedge reactivation: a stand-in goes where its gang runs, not to a location

@@ -92,6 +92,10 @@ class Heartbeat(BaseModel):
                                   description="the command's exit code, in the last report")
     notice: str | None = Field(default=None, max_length=500,
                                description="the node's preemption notice, once it came")
+    error: str | None = Field(default=None, max_length=500,
+                              description="why the command failed, as the runtime named it "
+                              "(e.g. 'checkpoint write failed: no space left on device'), in "
+                              "a failed last report")
 
     @field_validator("samples_per_sec", "grad_noise_scale")
     @classmethod

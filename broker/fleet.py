@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from broker import secrets
 from policies.models import Accelerator, Market, Offer, Pool, pool_id
 from providers.base import (
     LaunchRequest,
@@ -286,7 +287,7 @@ class FleetProvider(Provider):
                 if name not in self._down:
                     log.warning("%s: cannot list nodes (%s); its jobs wait until it answers",
                                 name, exc)
-                self._down[name] = str(exc)
+                self._down[name] = secrets.reason(exc)
                 continue
             self._down.pop(name, None)
             self._remember(backend, found)
@@ -363,7 +364,9 @@ def _as_provider_error(backend: Provider, what: str, call: Callable[[Any], T], a
     except ProviderError:
         raise
     except Exception as exc:
-        raise ProviderError(f"{backend.name} {what} {arg}: {exc}") from exc
+        # a launch request is named by its key: its env holds the attempt token
+        name = getattr(arg, "idempotency_key", arg)
+        raise ProviderError(secrets.reason(f"{backend.name} {what} {name}: {exc}")) from exc
 
 
 def build_fleet_provider(path: Path, state_dir: Path, workdir: Path) -> tuple[

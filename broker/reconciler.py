@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from broker import secrets
 from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.recovery import gang_state
 from broker.runtime.assignment import EXIT_FINISHED, EXIT_STOPPED
@@ -318,6 +319,9 @@ class Reconciler:
             state = JobState.FAILED if failures > self.max_failures else JobState.SUSPENDED
             bad = next((c for c in codes if c not in (EXIT_FINISHED, EXIT_STOPPED)), codes[0])
             reason = f"command exited {bad} (failure {failures})"
+            cause = self.store.agent_error(job)  # named by the job's runtime, if it could
+            if cause:
+                reason = secrets.reason(f"{cause}; {reason}")
         plan.change(job, state, event=event, reason=reason, **fields)
         open_ = [p for p in self.store.placements(job.id) if p.end is None]
         if open_:

@@ -8,12 +8,17 @@ run. Several broker processes may share one Redis: one holds the lease and acts.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +27,7 @@ from typing import Any
 import redis
 from pydantic import BaseModel, Field
 
+from broker import secrets
 from broker.actuator import Actuator, ActuatorConfig
 from broker.fleet import FleetProvider, build_fleet_provider
 from broker.models import JobState
@@ -62,7 +68,15 @@ class BrokerConfig(BaseModel):
 class EmbeddedRedis:
     """A redis-server child on loopback with AOF (everysec), no RDB snapshots and its data
     under ``data_dir``; it can be stopped (gracefully or ``kill -9``) and restarted on the same
-    port and data, reloading the AOF."""
+    port and data, reloading the AOF.
+
+    It requires a password, made once and kept in ``data_dir/password`` (mode 0600) and handed
+    to the server on its stdin, never on a command line; ``url`` carries it (keep it out of
+    logs: ``broker.secrets.redact_url``). Its files are 0600 in 0700 directories. One process
+    at a time runs the server of a data directory: ``start`` takes ``data_dir/lock`` (flock, held
+    until ``stop``) and stops a server an earlier process left running on the directory (a
+    ``kill -9``'d ``fleet up``), and the server gets SIGTERM when the thread that started it
+    dies (Linux), so it does not outlive its broker."""
 
     def __init__(self, data_dir: Path, port: int | None = None) -> None:
         binary = shutil.which("redis-server")
@@ -72,21 +86,55 @@ class EmbeddedRedis:
         self.dir = data_dir
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.password: str | None = None
+        self._lock: int | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def _prepare(self) -> None:
+        """The data directory (0700), its lock, its password; no stale server on it."""
+        from broker.auth import new_token
+
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.dir, 0o700)
+        if self._lock is None:
+            self._lock = _lock_dir(self.dir, "the embedded Redis")
+        for pid in _redis_servers_in(self.dir):
+            log.warning("stopping redis-server pid %d left running on %s by an earlier broker",
+                        pid, self.dir)
+            _stop_pid(pid)
+        if self.password is None:
+            path = self.dir / "password"
+            try:
+                self.password = path.read_text().strip() or None
+                os.chmod(path, 0o600)
+            except FileNotFoundError:
+                pass
+            if self.password is None:
+                self.password = new_token()
+                secrets.write_private(path, self.password + "\n")
+        secrets.register(self.password)
 
     def start(self) -> EmbeddedRedis:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._prepare()
+        assert self.password is not None
+        main = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+            [self.binary, "-", "--port", str(self.port), "--bind", "127.0.0.1",
              "--dir", str(self.dir.resolve()), "--appendonly", "yes",
              "--appendfsync", "everysec", "--save", "", "--loglevel", "warning"],
             # its own session: a terminal's Ctrl-C reaches the broker, which drains the jobs
             # and then stops Redis, rather than killing Redis under the draining broker
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, umask=0o077,  # its AOF: owner only
+            preexec_fn=_die_with_parent(os.getpid()) if main else None)
+        assert self.proc.stdin is not None
+        # the config on stdin: the password is in no command line (/proc/PID/cmdline is public)
+        self.proc.stdin.write(f"requirepass {self.password}\n".encode())
+        self.proc.stdin.close()
+        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 15
         try:
             while time.monotonic() < deadline and self.proc.poll() is None:
@@ -109,10 +157,100 @@ class EmbeddedRedis:
                 self.proc.terminate()
             self.proc.wait(timeout=10)
             self.proc = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def restart(self, *, kill: bool = True) -> None:
-        self.stop(kill=kill)
+        lock, self._lock = self._lock, None  # held across the restart
+        try:
+            self.stop(kill=kill)
+        finally:
+            self._lock = lock
         self.start()
+
+
+def _die_with_parent(parent: int) -> Any:
+    """On Linux, what a child runs before exec so that it gets SIGTERM (for redis-server a
+    clean AOF flush and exit) when its parent dies: a ``kill -9``'d broker leaves no server
+    behind. The signal comes when the forking thread ends, so only the main thread uses it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def setup() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the line above
+            os._exit(1)
+
+    return setup
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _lock_dir(path: Path, what: str) -> int:
+    """An exclusive flock on ``path/lock`` (the fd, held until closed; the kernel drops it when
+    the process dies however it dies); a RuntimeError naming the holder when another has it."""
+    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise RuntimeError(f"{path} is in use: process {holder} runs {what} there (another "
+                           "`fleet up` on this --state-dir?); stop it or use another "
+                           "--state-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _redis_servers_in(data_dir: Path) -> list[int]:
+    """Live redis-server processes working in ``data_dir`` (``--dir`` makes it their cwd)."""
+    want = data_dir.resolve()
+    found = []
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return found
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if "redis-server" not in (entry / "comm").read_text() or \
+                    Path(os.readlink(entry / "cwd")) != want:
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
+def _stop_pid(pid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM ``pid`` (redis-server flushes its AOF and exits), SIGKILL after ``grace_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    if _alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        while _alive(pid) and time.monotonic() < deadline + 5:
+            time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
 
 
 def free_port() -> int:
@@ -130,6 +268,7 @@ class Broker:
         self.store = store
         self.provider = provider
         self.skipped = skipped or {}  # declared clouds without credentials -> why
+        secrets.register(config.agent_token)  # never in a stored reason
         self.scheduler = Scheduler(store, config.scheduler, priors=provider.interruption_priors,
                                    blocklist_decay_s=config.blocklist_decay_s)
         self.actuator = Actuator(store, provider, ActuatorConfig(
@@ -259,6 +398,14 @@ class Broker:
             self.store.release_lease(self.fence)
 
 
+def register_url_password(url: str) -> None:
+    """Treat the password of a Redis URL (``redis://user:pass@host``) as a secret."""
+    import urllib.parse
+
+    with contextlib.suppress(ValueError):
+        secrets.register(urllib.parse.unquote(urllib.parse.urlsplit(url).password or ""))
+
+
 def build_broker(config: BrokerConfig, *, redis_url: str | None = None) -> Broker:
     """A broker over ``redis_url`` (or ``config.redis_url``) with the fleet file's providers:
     its local pretend regions and the declared clouds that have credentials."""
@@ -292,8 +439,10 @@ def _tokens(state_dir: Path) -> dict[str, str]:
     tokens = {"admin": os.environ.get("FLEET_ADMIN_TOKEN") or saved.get("admin") or new_token(),
               "agent": os.environ.get("FLEET_AGENT_TOKEN") or saved.get("agent") or new_token()}
     if tokens != saved:
-        path.touch(mode=0o600)
-        path.write_text(json.dumps(tokens))
+        secrets.write_private(path, json.dumps(tokens))
+    elif path.exists():
+        os.chmod(path, 0o600)
+    secrets.register(*tokens.values())
     return tokens
 
 
@@ -323,11 +472,14 @@ class Stack:
         from broker.auth import ApiConfig, Role
 
         state = self.config.state_dir
-        state.mkdir(parents=True, exist_ok=True)
+        state.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(state, 0o700)  # tokens, Redis data, checkpoints and job logs: owner only
         url = self.config.redis_url
         if url is None:
             self.redis = EmbeddedRedis(state / "redis").start()
             url = self.redis.url
+        else:
+            register_url_password(url)
         self.tokens = _tokens(state)
         api_config = (ApiConfig.load(self.api_config_path)
                       .with_token(self.tokens["admin"], Role.ADMIN)
@@ -383,6 +535,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-agent", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    os.umask(0o077)
+    register_url_password(args.redis_url)
     config = BrokerConfig(state_dir=args.state_dir, redis_url=args.redis_url, fleet=args.fleet,
                           tick_s=args.tick, lease_ttl_s=args.lease_ttl,
                           use_agent=not args.no_agent,

@@ -336,7 +336,7 @@ class Store:
                          grad_noise_scale: float | None = None,
                          accelerator: Accelerator | None = None,
                          exit_code: int | None = None, notice: str | None = None,
-                         **_: Any) -> Directive:
+                         error: str | None = None, **_: Any) -> Directive:
         """Record an agent's report: progress from node rank 0 of the job's current round (the node
         whose rank-0 worker measures it; the others report liveness, exit codes and notices), and
         the exit code and any preemption notice of node ``node_rank`` in ``round`` of ``attempt``
@@ -361,6 +361,8 @@ class Store:
             report[report_field("exit", attempt, round, node_rank)] = int(exit_code)
         if notice:
             report[report_field("notice", attempt, round, node_rank)] = notice[:500]
+        if error:  # why the command failed (broker.runtime.failure); the reconciler shows it
+            report[report_field("error", attempt, round, node_rank)] = error[:500]
         # The script decides what it takes: progress from the current round's rank 0 only.
         flat = [x for k, v in (progress | report).items() for x in (k, json.dumps(v))]
         state, cancel, current = self._heartbeat(args=[
@@ -505,6 +507,14 @@ class Store:
                     first_beat=None if beat is None else float(beat),
                     exits=exits, notices=notices)
         return out
+
+    def agent_error(self, job: JobRecord) -> str | None:
+        """The cause of failure an agent of the job's current attempt and round reported (the
+        lowest rank's), if any."""
+        fields = [report_field("error", job.attempt, job.round, r)
+                  for r in range(max(job.nodes, 1))]
+        found = [v for v in self.r.hmget(f"{self.p}progress:{job.id}", fields) if v]
+        return str(json.loads(found[0])) if found else None
 
     def blocklist(self, decay_s: float | None = None) -> tuple[Blocklist, str | None]:
         """The stored blocklist and its stored text (pass it to ``Plan.set_blocklist``); a new

@@ -179,9 +179,24 @@ def agent_invocation(request: LaunchRequest) -> str:
     return f"python3 -m broker.runtime.agent -- {command}"
 
 
+# The attempt token leaves the environment before the agent starts: it goes to a 0600 file the
+# agent reads and deletes before any of the job's code runs (``broker.runtime.agent``), so
+# neither the agent's environment (/proc/PID/environ, readable by the job) nor the job's holds
+# it. ``printf`` is a bash builtin: the token is on no command line. The shell keeps it as an
+# unexported variable for the exit trap's report.
+TOKEN_TO_FILE = r"""if [ -n "${FLEET_AGENT_TOKEN:-}" ]; then
+  FLEET_AGENT_TOKEN_FILE=$(umask 077 && mktemp "${TMPDIR:-/tmp}/fleet-agent-token.XXXXXX")
+  printf '%s' "$FLEET_AGENT_TOKEN" > "$FLEET_AGENT_TOKEN_FILE"
+  export FLEET_AGENT_TOKEN_FILE
+  export -n FLEET_AGENT_TOKEN
+fi
+"""
+
+
 def agent_command(request: LaunchRequest) -> str:
-    """The line that replaces the shell with the agent running ``request.command``."""
-    return f"exec {agent_invocation(request)}\n"
+    """The lines that replace the shell with the agent running ``request.command`` (the
+    token moved to a file first: ``TOKEN_TO_FILE``)."""
+    return f"{TOKEN_TO_FILE}exec {agent_invocation(request)}\n"
 
 
 def env_function(request: LaunchRequest, cloud: str, rank: int | None = None) -> str:
@@ -276,6 +291,7 @@ def run_agent(request: LaunchRequest) -> str:
     a running agent, and no report.) TERM for both: a background job of a non-interactive shell
     starts with INT ignored, and the agent stops the same way for either."""
     return (
+        f"{TOKEN_TO_FILE}"
         "fleet_stop() {\n"
         "  local code=0\n"
         '  kill -TERM "$fleet_agent" 2>/dev/null || true\n'

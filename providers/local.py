@@ -66,6 +66,26 @@ class LocalRegion(BaseModel):
                     gpu_prices=sizes)
 
 
+# What a job inherits from the broker's environment (everything else it gets from the launch
+# request: its FLEET_* assignment and its spec's envs). The broker's own environment holds its
+# tokens, its Redis URL and cloud credentials: none of that reaches a job.
+PASS_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ",
+                      "TMPDIR", "TERM", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
+                      "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE"})
+PASS_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_")
+# Never passed, even when a fleet file's pass_env names them.
+BROKER_SECRETS = frozenset({"FLEET_ADMIN_TOKEN", "FLEET_AGENT_TOKEN", "FLEET_TEAM_TOKENS",
+                            "FLEET_REDIS_URL", "FLEET_TOKEN"})
+TOKEN_FILE = "agent-token"  # in the node's directory, 0600, until the agent reads it
+
+
+def job_environment(broker_env: dict[str, str], extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """The part of the broker's environment a local job may see: ``PASS_ENV``, the locale and
+    CUDA variables, and the fleet file's ``pass_env`` names (never ``BROKER_SECRETS``)."""
+    return {k: v for k, v in broker_env.items() if k not in BROKER_SECRETS and (
+        k in PASS_ENV or k.startswith(PASS_ENV_PREFIXES) or k in extra)}
+
+
 class Reclaim(BaseModel):
     """Reclaim spot region ``region`` ``at_s`` seconds after the provider starts."""
 
@@ -85,9 +105,15 @@ class LocalFleet(BaseModel):
     grace_period_s: float = Field(default=10.0, ge=0, le=600)
     regions: list[LocalRegion] = Field(min_length=1)
     reclaims: list[Reclaim] = Field(default_factory=list)
+    pass_env: list[str] = Field(default_factory=list, description="more variables of the "
+                                "broker's environment its local jobs get (e.g. a proxy); the "
+                                "broker's tokens and Redis URL are never passed")
 
     @model_validator(mode="after")
     def _consistent(self) -> LocalFleet:
+        refused = sorted(set(self.pass_env) & BROKER_SECRETS)
+        if refused:
+            raise ValueError(f"pass_env: {refused} are the broker's secrets; jobs never get them")
         names = [r.region for r in self.regions]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -175,6 +201,16 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
 def _ts(x: float | None) -> datetime | None:
     return datetime.fromtimestamp(x, UTC) if x is not None else None
 
@@ -187,7 +223,8 @@ class LocalProvider(Provider):
         self.fleet = fleet
         self.dir = Path(state_dir)
         self.nodes_dir = self.dir / "nodes"
-        self.nodes_dir.mkdir(parents=True, exist_ok=True)
+        self.nodes_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.nodes_dir, 0o700)  # jobs' logs and their agents' tokens: owner only
         self.workdir = Path(workdir) if workdir else Path.cwd()
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         started = _read_json(self.dir / "provider.json")
@@ -275,7 +312,11 @@ class LocalProvider(Provider):
             dirs[0].mkdir()
         except FileExistsError:
             return [self._node(d) for d in dirs if d.exists()]
-        env = {**os.environ, **request.env, "FLEET_WORKDIR": str(self.workdir)}
+        env = {**job_environment(dict(os.environ), tuple(self.fleet.pass_env)),
+               **request.env, "FLEET_WORKDIR": str(self.workdir)}
+        # The attempt token goes to the agent in a file it reads and deletes before any of the
+        # job's code runs, never in an environment (a job could read /proc/PID/environ).
+        token = env.pop("FLEET_AGENT_TOKEN", None)
         # Jobs run from the work dir with this interpreter's tools first on PATH, so `python
         # examples/x.py` finds the same packages as the broker.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -288,8 +329,11 @@ class LocalProvider(Provider):
             env.setdefault("FLEET_MASTER_PORT", str(_free_port()))
         for rank, node_dir in zip(ranks, dirs, strict=True):
             node_dir.mkdir(exist_ok=True)
-            self._start(node_dir, request, region, rank,
-                        {**env, "FLEET_NODE_RANK": str(rank)})
+            node_env = {**env, "FLEET_NODE_RANK": str(rank)}
+            if token:
+                node_env["FLEET_AGENT_TOKEN_FILE"] = str((node_dir / TOKEN_FILE).resolve())
+                write_private(node_dir / TOKEN_FILE, token)
+            self._start(node_dir, request, region, rank, node_env)
         return [self._node(d) for d in dirs]
 
     def _start(self, node_dir: Path, request: LaunchRequest, region: LocalRegion, rank: int,

@@ -23,6 +23,7 @@ def _noop(signum: int, frame: object) -> None:
 def main(argv: list[str]) -> int:
     node_dir = Path(argv[0])
     cmd = argv[argv.index("--") + 1:]
+    os.umask(0o077)  # the node's log, and the job's files (checkpoints): owner only
     signal.signal(signal.SIGTERM, _noop)
     signal.signal(signal.SIGINT, _noop)
     with open(node_dir / "output.log", "ab", buffering=0) as out:

@@ -84,7 +84,8 @@ def test_task_is_pinned_to_cloud_region_and_market() -> None:
     assert res["accelerators"] == "A100:8" and res["use_spot"] is True
     assert res["instance_type"] == offer.instance_type and task["num_nodes"] == 2
     assert task["envs"]["FLEET_JOB_ID"] == "job-3" and task["envs"]["FLEET_MARKET"] == "spot"
-    assert task["run"] == RANK_LINE + "exec python3 -m broker.runtime.agent -- torchrun " \
+    assert task["run"] == RANK_LINE + bootstrap.TOKEN_TO_FILE + \
+        "exec python3 -m broker.runtime.agent -- torchrun " \
         "train.py --epochs 3\n"
     assert "python3 -m pip install" in task["setup"] and AGENT in task["setup"]
     assert all(v == v.lower() for v in res["labels"].values())  # GCE label rules

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from pathlib import Path
@@ -16,7 +17,11 @@ from broker.cli.app import app, console, fail
 def up(
     state_dir: Path = typer.Option(Path(".state"), help="Where Redis data, node state and "
                                    "checkpoints live"),
-    redis_url: str | None = typer.Option(None, help="Use this Redis instead of starting one"),
+    redis_url: str | None = typer.Option(
+        None, envvar="FLEET_REDIS_URL", show_envvar=True,
+        help="Use this Redis instead of starting one: redis://[user:password@]host:port/db "
+        "or rediss:// (TLS). Prefer the variable: a command line is visible to every local "
+        "user"),
     fleet: Path | None = typer.Option(None, help="Fleet file: local pretend regions and/or "
                                       "clouds (examples/fleets/*.yaml)"),
     host: str = typer.Option("127.0.0.1", help="API listen address"),
@@ -30,8 +35,10 @@ def up(
     from broker.client import write_client_config
     from broker.fleet import FleetFile
     from broker.scheduler import Admission, Policy, SchedulerConfig
+    from broker.secrets import redact_url, scrub
     from broker.server import DEFAULT_FLEET, BrokerConfig, Stack
 
+    os.umask(0o077)  # the broker's files (state, logs, checkpoints, its jobs'): owner only
     try:
         sched = SchedulerConfig(policy=Policy(policy), admission=Admission(admission))
     except ValueError:
@@ -47,11 +54,13 @@ def up(
     try:
         stack.start()
     except (RuntimeError, ConfigError, ValueError) as exc:
-        fail(str(exc))
+        fail(scrub(str(exc)))
     saved = write_client_config(stack.url, stack.tokens["admin"])
-    console.print(f"FleetBroker up at [bold]{stack.url}[/] (Redis "
-                  f"{stack.broker.store.r.connection_pool.connection_kwargs.get('port')}, "  # type: ignore[union-attr]
-                  f"fleet {fleet}); admin token saved to {saved}. Ctrl-C stops.")
+    where = f"embedded, port {stack.redis.port}" if stack.redis is not None else \
+        redact_url(redis_url or "")
+    console.print(f"FleetBroker up at [bold]{stack.url}[/] (Redis {where}, "
+                  f"fleet {fleet}); admin token saved to {saved}. Ctrl-C stops.",
+                  markup=True, highlight=False)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with contextlib.suppress(KeyboardInterrupt):
@@ -69,6 +78,7 @@ def demo(
     """Run the scripted demo on a three-region local fleet (about 3-4 minutes on 2 cores)."""
     from broker.demo import DEMO_FLEET, DemoConfig, print_summary, run_demo
 
+    os.umask(0o077)
     try:
         summary = run_demo(DemoConfig(steps=steps, fleet=fleet or DEMO_FLEET, live=not plain),
                            console)

@@ -46,7 +46,9 @@ FLEET_BATCH_MODE           ``fixed`` (gradient accumulation keeps the job's batc
 FLEET_CHECKPOINT_URI       local dir, ``file://``, ``s3://bucket/prefix`` or another fsspec URI
 FLEET_BROKER_URL           optional; heartbeats go to ``POST {url}/v1/agent/heartbeat``,
                            rendezvous visits to ``POST {url}/v1/agent/rendezvous``
-FLEET_AGENT_TOKEN          ``Authorization: Bearer {token}`` on heartbeats and rendezvous visits
+FLEET_AGENT_TOKEN_FILE     a 0600 file holding the attempt token (read, then deleted, at start;
+                           never passed on): ``Authorization: Bearer {token}`` on heartbeats
+                           and rendezvous visits. FLEET_AGENT_TOKEN: the token itself (by hand)
 FLEET_HEARTBEAT_INTERVAL   seconds between heartbeats (default 5)
 FLEET_GRACE_PERIOD         seconds the workers get to checkpoint and exit after a stop (default 25)
 FLEET_NOTICE_AWS_URL       full URL polled for the AWS notice, e.g.
@@ -74,7 +76,9 @@ FLEET_HEARTBEAT_INTERVAL the agent sends ``{job_id, attempt, node_rank, round, s
 samples_done, samples_per_sec, world_size, global_batch_size, checkpoint_step, checkpoint_bytes``
 that it has (none before the file exists: the broker keeps what it had), where state is ``running``,
 ``stopping`` or ``rejoining``. A last heartbeat says ``finished``, ``stopped`` or ``failed`` and
-carries ``exit_code`` (a cloud VM does not tell the broker how the command ended); it is tried up to
+carries ``exit_code`` (a cloud VM does not tell the broker how the command ended) and, after a
+failure, ``error``: what a worker's runtime wrote to FLEET_ERROR_FILE (its cause, e.g. ``checkpoint
+write failed: no space left on device (ENOSPC)``; ``broker.runtime.failure``); it is tried up to
 five times over about 15 s until the broker takes it (no answer, a 5xx or a 429 is tried again; any
 other answer ends the tries). The broker takes progress from node rank 0 of the job's current round
 only (its rank-0 worker writes it), and a node's exit code or notice only for a round the job

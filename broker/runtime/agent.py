@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from broker.runtime import failure
 from broker.runtime.assignment import (
     EXIT_FINISHED,
     EXIT_STOPPED,
@@ -50,6 +51,8 @@ FINAL_REPORT_DELAYS = (1.0, 2.0, 4.0, 8.0)
 # Longer than the broker's launch deadline (BrokerConfig.launch_deadline_s, 1200 s): the broker,
 # not a survivor waiting for it, decides that a stand-in is not coming (and replaces it again).
 RENDEZVOUS_TIMEOUT_S = 1800.0
+# The agent's own: never in its workers' environment.
+SECRET_ENV = ("FLEET_AGENT_TOKEN", "FLEET_AGENT_TOKEN_FILE")
 
 
 def log(message: str) -> None:
@@ -228,7 +231,7 @@ class Agent:
     def worker_env(self, local_rank: int) -> dict[str, str]:
         c = self.config
         # The job's code needs no token: heartbeats are the agent's alone.
-        env = {k: v for k, v in self.env.items() if k != "FLEET_AGENT_TOKEN"}
+        env = {k: v for k, v in self.env.items() if k not in SECRET_ENV}
         env.update(
             {
                 "RANK": str(c.node_rank * c.nproc + local_rank),
@@ -245,6 +248,7 @@ class Agent:
                 "FLEET_NNODES": str(self.nnodes),
                 "FLEET_NODE_RANK": str(c.node_rank),
                 "FLEET_PROGRESS_FILE": str(self.progress_file),
+                failure.ERROR_ENV: str(self.workdir / "error"),
                 "PYTHONUNBUFFERED": "1",
             }
         )
@@ -263,6 +267,8 @@ class Agent:
     def start_workers(self) -> list[threading.Thread]:
         self.procs = []
         pumps = []
+        with contextlib.suppress(OSError):  # a cause named in an earlier round is not this one's
+            (self.workdir / "error").unlink()
         for local_rank in range(self.config.nproc):
             rank = self.config.node_rank * self.config.nproc + local_rank
             proc = subprocess.Popen(
@@ -356,6 +362,9 @@ class Agent:
             body["notice"] = self.notice
         if exit_code is not None:
             body["exit_code"] = exit_code
+            if exit_code not in (EXIT_FINISHED, EXIT_STOPPED) and \
+                    (error := failure.read(self.workdir / "error")):
+                body["error"] = error  # the cause a worker named (broker.runtime.failure)
         return self.send("/v1/agent/heartbeat", body)
 
     def final_report(self, code: int) -> None:
@@ -596,8 +605,30 @@ class Agent:
         return code in (EXIT_FINISHED, EXIT_STOPPED) or (signalled and code == -signal.SIGTERM)
 
 
+def take_token(env: dict[str, str]) -> None:
+    """Move the attempt token from FLEET_AGENT_TOKEN_FILE (the provider's 0600 file, deleted
+    here, before any of the job's code runs) into ``env`` (this process's memory only: never
+    into its environment, which a job could read in /proc/PID/environ); and make this process
+    non-dumpable on Linux, so a non-root job cannot read its memory or /proc files either."""
+    path = env.pop("FLEET_AGENT_TOKEN_FILE", None)
+    if path:
+        try:
+            with open(path) as f:
+                env["FLEET_AGENT_TOKEN"] = f.read().strip()
+        except OSError as exc:
+            log(f"cannot read the token file: {exc.strerror}; reports will be refused")
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
+    take_token(env)
     try:
         config, command = parse(sys.argv[1:] if argv is None else argv, env)
     except AssignmentError as exc:

@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from broker.runtime import failure
 from broker.runtime.store import MANIFEST, CheckpointStore
 
 # DCP warns on every single-process save/load; a one-process job is a normal case here.
@@ -231,7 +232,9 @@ class Checkpointer:
     def _raise(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"checkpoint failed: {error}") from error
+            cause = failure.describe("checkpoint write failed", error)
+            failure.report(cause)  # the broker shows it, not just "command exited 1"
+            raise RuntimeError(cause) from error
 
     def _stage(self, obj: Any, path: str = "") -> Any:
         """Copy tensors into host buffers kept between checkpoints (pinned when on a GPU)."""

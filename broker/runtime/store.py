@@ -92,11 +92,11 @@ class LocalStore(CheckpointStore):
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
         self.uri = str(self.root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)  # a job's weights: its own
 
     def write_dir(self, step: int) -> Path:
         path = self.root / step_dir_name(step)
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
         return path
 
     def commit(self, step: int, manifest: dict[str, Any]) -> int:

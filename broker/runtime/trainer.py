@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
+from broker.runtime import failure
 from broker.runtime.assignment import BATCH_MODES, EXIT_STOPPED, Assignment
 from broker.runtime.checkpoint import Checkpointer
 from broker.runtime.data import MicroBatch, step_plan
@@ -142,11 +143,17 @@ class Trainer:
         ckpt_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
         uri = checkpoint_dir or a.checkpoint_uri
+        try:
+            store = None if uri is None else open_store(uri)
+        except OSError as exc:
+            cause = failure.describe("cannot create the checkpoint directory", exc)
+            failure.report(cause)
+            raise RuntimeError(cause) from exc
         self.checkpointer = (
             None
-            if uri is None
+            if store is None
             else Checkpointer(
-                open_store(uri),
+                store,
                 rank=self.rank,
                 local_rank=a.local_rank,
                 group=ckpt_group,
