@@ -32,7 +32,11 @@ end
 """
 
 # ARGV: prefix, team, name, now, request_key ('' = none), doc (JSON object without "id").
-# Returns the job id (the existing one when request_key was seen before).
+# Returns the job id (the existing one when request_key was seen before). The id is the name and
+# a time-ordered number: microseconds of Redis's clock, or one above the last id's when the clock
+# has not moved past it. A counter alone would start again after Redis lost data and hand out
+# ids of jobs that existed (with checkpoints, logs and users who know them); the clock has moved
+# on since any id it gave out, so an id is never given twice. In base 36, 10 digits: sortable.
 SUBMIT = _FENCE_CHECK + """
 local p, team, name, now, rkey, doc = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local dedupe = p .. 'request:' .. team .. ':' .. rkey
@@ -40,8 +44,17 @@ if rkey ~= '' then
   local seen = redis.call('GET', dedupe)
   if seen then return seen end
 end
-local n = redis.call('INCR', p .. 'seq:job')
-local id = name .. '-' .. n
+local t = redis.call('TIME')
+local n = math.max(tonumber(t[1]) * 1000000 + tonumber(t[2]),
+                   (tonumber(redis.call('GET', p .. 'seq:job')) or 0) + 1)
+redis.call('SET', p .. 'seq:job', string.format('%d', n))
+local digits, left, num = '0123456789abcdefghijklmnopqrstuvwxyz', n, ''
+while left > 0 do
+  local d = left % 36
+  num = string.sub(digits, d + 1, d + 1) .. num
+  left = (left - d) / 36
+end
+local id = name .. '-' .. string.rep('0', 10 - #num) .. num
 local key = p .. 'job:' .. id
 redis.call('HSET', key, 'id', id, 'team', team, 'state', 'queued', 'version', 1,
            'attempt', 0, 'cancel_requested', 'false',

@@ -53,6 +53,8 @@ class BrokerConfig(BaseModel):
     blocklist_decay_s: float = Field(default=DEFAULT_DECAY_S, gt=0,
                                      description="how long a reclaimed spot location stays "
                                      "blocked (SpotHedge's reset may free it earlier)")
+    confirm_durable: bool = Field(default=True, description="acknowledge a submission only "
+                                  "once Redis confirmed it durable (docs/operations.md)")
     launch_deadline_s: float = Field(default=1200.0, gt=0,
                                      description="a cloud VM whose agent has not sent its first "
                                      "heartbeat this long after launch is terminated and its "
@@ -266,7 +268,8 @@ def build_broker(config: BrokerConfig, *, redis_url: str | None = None) -> Broke
     if url is None:
         raise ValueError("build_broker needs a redis URL; run_server starts an embedded one")
     provider, skipped = build_fleet_provider(config.fleet, config.state_dir, REPO)
-    return Broker(config, Store.from_url(url), provider, skipped)
+    return Broker(config, Store.from_url(url, confirm_durable=config.confirm_durable),
+                  provider, skipped)
 
 
 def drain(provider: FleetProvider) -> None:
