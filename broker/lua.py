@@ -223,6 +223,10 @@ end
 # the state when the heartbeat comes from an attempt that is no longer current and 'superseded'
 # for a replaced node. A heartbeat keeps the job's rendezvous record alive (rdzv:<job>): the
 # reconciler reads who checked in for as long as the job runs, however long it trains.
+# Progress of one (attempt, round) only moves forward (``progress_from`` names the one it came
+# from): once rank 0's final report (its exit code) landed, or from a report with fewer samples
+# or an older checkpoint than those taken, none is taken: a late heartbeat, delivered after
+# the final one by another replica or a retry, must not wind the job back.
 HEARTBEAT = _JOB_SHAPE + """
 local p, job, attempt, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local rnd, rank, node_key, np = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
@@ -235,11 +239,26 @@ if not holds_rank(doc, rank, node_key) then return {'superseded', '0', round} en
 local progress = p .. 'progress:' .. job
 local leader = rank == 0 and rnd == round
 local member = rnd <= round and rank < nodes
+local from = attempt .. ':' .. rnd
+if leader then
+  local final = rnd == 0 and ('exit:' .. attempt) or ('exit:' .. from .. ':0')
+  if redis.call('HEXISTS', progress, final) == 1 then leader = false end
+  if redis.call('HGET', progress, 'progress_from') == from then
+    for i = 10, 8 + 2 * np, 2 do
+      if ARGV[i] == 'samples_done' or ARGV[i] == 'checkpoint_step' then
+        local had = tonumber(redis.call('HGET', progress, ARGV[i]) or '')
+        local got = tonumber(ARGV[i + 1])
+        if had and got and got < had then leader = false end
+      end
+    end
+  end
+end
 for i = 10, #ARGV, 2 do
   local take = member
   if (i - 10) / 2 < np then take = leader end
   if take then redis.call('HSET', progress, ARGV[i], ARGV[i + 1]) end
 end
+if leader and np > 0 then redis.call('HSET', progress, 'progress_from', from) end
 redis.call('EXPIRE', p .. 'rdzv:' .. job, ARGV[9])  -- no-op while there is none
 redis.call('HSET', progress, 'heartbeat_at', now)
 redis.call('HSETNX', progress, 'beat:' .. attempt, now)  -- the attempt's first

@@ -59,6 +59,7 @@ class Reconciler:
                  blocklist_decay_s: float = DEFAULT_DECAY_S,
                  launch_deadline_s: float | None = None,
                  replace_lost_nodes: bool = False,
+                 final_report_wait_s: float | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.provider = provider
@@ -67,6 +68,9 @@ class Reconciler:
         self.launch_deadline_s = launch_deadline_s  # None: agents cannot report (no broker URL)
         # whether agents can re-form a group with a stand-in (they reach the rendezvous)
         self.replace_lost_nodes = replace_lost_nodes
+        # How long a finished job waits for its agent's final report (None: agents do not
+        # report): completion is recorded with the progress that report carries
+        self.final_report_wait_s = final_report_wait_s
         self.clock = clock
 
     def run(self, fence: int) -> ReconcileResult:
@@ -282,13 +286,21 @@ class Reconciler:
         if any(n is not None and n.state is not NodeState.TERMINATED for n in nodes):
             return False
         codes = _exit_codes(job, nodes, report)
-        ended = max((n.ended_at.timestamp() for n in nodes if n and n.ended_at),
-                    default=time.time())
+        known = max((n.ended_at.timestamp() for n in nodes if n and n.ended_at), default=None)
+        ended = time.time() if known is None else known
+        unreported = self.final_report_wait_s is not None and 0 not in report.exits
+        if _finished(job, codes) and unreported and known is not None and \
+                self.clock() - known < self.final_report_wait_s:  # type: ignore[operator]
+            return False  # the final report, with the last progress, may still come
         plan = Plan()
         fields: dict[str, object] = {"exit_code": codes[0] if codes else None, "fence": fence}
         event = None
         if _finished(job, codes):
             state, reason = JobState.COMPLETED, "finished"
+            if unreported:
+                log.warning("job %s finished, but its agent's final report never came: its "
+                            "progress is the last one reported", job.id)
+                reason = "finished (no final report from the agent: progress as last reported)"
         elif job.cancel_requested:
             state, reason = JobState.CANCELLED, "cancelled by user"
         elif preempted and job.state is JobState.RUNNING:  # ended before we saw the notice

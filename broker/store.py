@@ -41,6 +41,7 @@ BLOCKLIST_KEY = "blocklist"  # the reclaimed spot locations (policies.migration.
 PREEMPTIONS_KEY = "pool:preemptions"  # hash: pool id -> preemptions the reconciler handled there
 NODE_HOURS_KEY = "pool:node_hours"  # hash: pool id -> node-hours of closed placement intervals
 RENDEZVOUS_TTL_S = 86_400  # a job's rendezvous record outlives its last visit or heartbeat a day
+BROKERS_KEY = "brokers"  # hash: a broker replica's API URL -> until when it counts as live
 
 
 def report_field(kind: str, attempt: int, round: int, rank: int) -> str:
@@ -565,6 +566,24 @@ class Store:
                     first_beat=None if beat is None else float(beat),
                     exits=exits, notices=notices)
         return out
+
+    def announce_broker(self, url: str, ttl_s: float) -> None:
+        """Name ``url`` a live broker replica for ``ttl_s`` seconds (``broker_urls``) and forget
+        replicas past their time."""
+        key, now = f"{self.p}{BROKERS_KEY}", time.time()
+        gone = [u for u, until in self.r.hgetall(key).items() if float(until) <= now]
+        pipe = self.r.pipeline(transaction=True)
+        if gone:
+            pipe.hdel(key, *gone)
+        pipe.hset(key, url, now + ttl_s)
+        pipe.execute()
+
+    def broker_urls(self) -> list[str]:
+        """The API URLs of the live broker replicas: a launch lists them all to its agents,
+        which report to any of them."""
+        now = time.time()
+        return sorted(u for u, until in self.r.hgetall(f"{self.p}{BROKERS_KEY}").items()
+                      if float(until) > now)
 
     def blocklist(self, decay_s: float | None = None) -> tuple[Blocklist, str | None]:
         """The stored blocklist and its stored text (pass it to ``Plan.set_blocklist``); a new
