@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 class ActuatorConfig(BaseModel):
     checkpoint_root: Path = Path(".state/checkpoints")
     broker_url: str | None = None  # where agents post heartbeats
+    peer_urls: list[str] = []  # the other broker replicas: agents report there when it is down
     agent_token: str | None = None
     use_agent: bool = True  # run the command under ``broker.runtime.agent``
     heartbeat_interval_s: float = 5.0
@@ -106,7 +107,7 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     env["FLEET_CHECKPOINT_EVERY_STEPS" if in_steps else "FLEET_CHECKPOINT_EVERY_SECONDS"] = \
         str(every)
     if config.broker_url:
-        env["FLEET_BROKER_URL"] = config.broker_url
+        env["FLEET_BROKER_URL"] = ",".join(dict.fromkeys([config.broker_url, *config.peer_urls]))
     agent = config.use_agent or backend_starts_agent
     if config.agent_token and agent:  # the key, never handed out: the agent gets its attempt's
         # token (the provider hands it over in a way the job cannot read back, see docs/security)
@@ -143,6 +144,9 @@ class Actuator:
         if not intents:
             return 0
         pools = {p.id: p for p in self.store.pools()}
+        if self.config.broker_url:  # the replicas live now: a launch's agents report to any
+            self.config.peer_urls = [u for u in self.store.broker_urls()
+                                     if u != self.config.broker_url]
         done = 0
         for intent in intents:
             try:

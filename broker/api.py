@@ -28,7 +28,7 @@ from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
 from broker.models import JobRecord, JobState
 from broker.spec import Problem, SpecError, apply_overrides, parse_spec_text
-from broker.store import CHECKPOINT_EXIT, JobNotFound, Store
+from broker.store import CHECKPOINT_EXIT, JobNotFound, NotDurable, Store
 from policies.models import Accelerator, JobSpec, Market
 
 JOB_ID = r"^[a-z0-9][a-z0-9_.-]{0,80}$"
@@ -524,6 +524,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         problems = exc.problems if isinstance(exc, ApiError) else []
         return JSONResponse(_error_body(exc.status_code, str(exc.detail), problems),
                             status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(NotDurable)
+    async def not_durable(request: Request, exc: NotDurable) -> JSONResponse:
+        # not acknowledged: the same Idempotency-Key on a retry never makes a second job
+        message = (f"not accepted: the submission could not be made durable ({exc}); retry "
+                   "later with the same Idempotency-Key")
+        return JSONResponse(_error_body(503, message, []), status_code=503,
+                            headers={"Retry-After": "5"})
 
     @app.exception_handler(redis.RedisError)
     async def store_down(request: Request, exc: redis.RedisError) -> JSONResponse:

@@ -32,7 +32,11 @@ end
 """
 
 # ARGV: prefix, team, name, now, request_key ('' = none), doc (JSON object without "id").
-# Returns the job id (the existing one when request_key was seen before).
+# Returns the job id (the existing one when request_key was seen before). The id is the name and
+# a time-ordered number: microseconds of Redis's clock, or one above the last id's when the clock
+# has not moved past it. A counter alone would start again after Redis lost data and hand out
+# ids of jobs that existed (with checkpoints, logs and users who know them); the clock has moved
+# on since any id it gave out, so an id is never given twice. In base 36, 10 digits: sortable.
 SUBMIT = _FENCE_CHECK + """
 local p, team, name, now, rkey, doc = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local dedupe = p .. 'request:' .. team .. ':' .. rkey
@@ -40,8 +44,17 @@ if rkey ~= '' then
   local seen = redis.call('GET', dedupe)
   if seen then return seen end
 end
-local n = redis.call('INCR', p .. 'seq:job')
-local id = name .. '-' .. n
+local t = redis.call('TIME')
+local n = math.max(tonumber(t[1]) * 1000000 + tonumber(t[2]),
+                   (tonumber(redis.call('GET', p .. 'seq:job')) or 0) + 1)
+redis.call('SET', p .. 'seq:job', string.format('%d', n))
+local digits, left, num = '0123456789abcdefghijklmnopqrstuvwxyz', n, ''
+while left > 0 do
+  local d = left % 36
+  num = string.sub(digits, d + 1, d + 1) .. num
+  left = (left - d) / 36
+end
+local id = name .. '-' .. string.rep('0', 10 - #num) .. num
 local key = p .. 'job:' .. id
 redis.call('HSET', key, 'id', id, 'team', team, 'state', 'queued', 'version', 1,
            'attempt', 0, 'cancel_requested', 'false',
@@ -210,6 +223,10 @@ end
 # the state when the heartbeat comes from an attempt that is no longer current and 'superseded'
 # for a replaced node. A heartbeat keeps the job's rendezvous record alive (rdzv:<job>): the
 # reconciler reads who checked in for as long as the job runs, however long it trains.
+# Progress of one (attempt, round) only moves forward (``progress_from`` names the one it came
+# from): once rank 0's final report (its exit code) landed, or from a report with fewer samples
+# or an older checkpoint than those taken, none is taken: a late heartbeat, delivered after
+# the final one by another replica or a retry, must not wind the job back.
 HEARTBEAT = _JOB_SHAPE + """
 local p, job, attempt, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local rnd, rank, node_key, np = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
@@ -222,11 +239,26 @@ if not holds_rank(doc, rank, node_key) then return {'superseded', '0', round} en
 local progress = p .. 'progress:' .. job
 local leader = rank == 0 and rnd == round
 local member = rnd <= round and rank < nodes
+local from = attempt .. ':' .. rnd
+if leader then
+  local final = rnd == 0 and ('exit:' .. attempt) or ('exit:' .. from .. ':0')
+  if redis.call('HEXISTS', progress, final) == 1 then leader = false end
+  if redis.call('HGET', progress, 'progress_from') == from then
+    for i = 10, 8 + 2 * np, 2 do
+      if ARGV[i] == 'samples_done' or ARGV[i] == 'checkpoint_step' then
+        local had = tonumber(redis.call('HGET', progress, ARGV[i]) or '')
+        local got = tonumber(ARGV[i + 1])
+        if had and got and got < had then leader = false end
+      end
+    end
+  end
+end
 for i = 10, #ARGV, 2 do
   local take = member
   if (i - 10) / 2 < np then take = leader end
   if take then redis.call('HSET', progress, ARGV[i], ARGV[i + 1]) end
 end
+if leader and np > 0 then redis.call('HSET', progress, 'progress_from', from) end
 redis.call('EXPIRE', p .. 'rdzv:' .. job, ARGV[9])  -- no-op while there is none
 redis.call('HSET', progress, 'heartbeat_at', now)
 redis.call('HSETNX', progress, 'beat:' .. attempt, now)  -- the attempt's first

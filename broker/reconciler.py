@@ -6,10 +6,11 @@ reported), closing the placement interval and adding its node-hours to the pool'
 preemption notices (the provider's, or the agent's report from the node's metadata service) move
 running jobs to suspending, count a preemption in the pool (these counts steer placement through
 ``policies.region_score``) and block the reclaimed spot location in the Redis-kept SpotHedge
-blocklist, all in the job's one atomic step; a VM whose agent has exited is terminated, and
-one whose agent never sent a first heartbeat within the launch deadline too (its job requeued);
-nodes no active job claims (stale attempts, jobs lost with Redis data) are terminated; nodes'
-output is copied into the job logs.
+blocklist (a pool that took back two launches soon after they started is under reclaim: it is
+backed off, refused for the blocklist's refusal decay), all in the job's one atomic step; a VM
+whose agent has exited is terminated, and one whose agent never sent a first heartbeat within the
+launch deadline too (its job requeued); nodes no active job claims (stale attempts, jobs lost
+with Redis data) are terminated; nodes' output is copied into the job logs.
 
 A multi-node job that loses some of its nodes (gone, or under a preemption notice) while others
 live is recovered by ``policies.migration.recover_lost_nodes``: stand-ins of the lost ranks are
@@ -35,6 +36,7 @@ from policies.migration import (
     expire,
     location_keys,
     mark_preempted,
+    mark_refused,
     recover_lost_nodes,
     refusal_key,
     register,
@@ -44,6 +46,10 @@ from providers.base import Node, NodeState, Provider, ProviderError, replacement
 
 log = logging.getLogger(__name__)
 
+# A reclaim this many seconds or fewer after a launch is an early one; a spot pool with two early
+# reclaims within the blocklist's refusal decay is under reclaim (a storm)
+QUICK_RECLAIM_S = 300.0
+QUICK_RECLAIM_KEY = "pool:early_reclaim"  # plain key per pool id: when its last early reclaim was
 
 
 @dataclass
@@ -60,6 +66,8 @@ class Reconciler:
                  blocklist_decay_s: float = DEFAULT_DECAY_S,
                  launch_deadline_s: float | None = None,
                  replace_lost_nodes: bool = False,
+                 final_report_wait_s: float | None = None,
+                 quick_reclaim_s: float = QUICK_RECLAIM_S,
                  clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.provider = provider
@@ -68,6 +76,10 @@ class Reconciler:
         self.launch_deadline_s = launch_deadline_s  # None: agents cannot report (no broker URL)
         # whether agents can re-form a group with a stand-in (they reach the rendezvous)
         self.replace_lost_nodes = replace_lost_nodes
+        # How long a finished job waits for its agent's final report (None: agents do not
+        # report): completion is recorded with the progress that report carries
+        self.final_report_wait_s = final_report_wait_s
+        self.quick_reclaim_s = quick_reclaim_s  # a reclaim this soon after a launch is early
         self.clock = clock
 
     def run(self, fence: int) -> ReconcileResult:
@@ -256,7 +268,14 @@ class Reconciler:
 
     def _block(self, plan: Plan, job: JobRecord) -> None:
         """Mark the job's spot location preempted in the stored blocklist (SpotHedge), in the
-        same atomic step as the job's change."""
+        same atomic step as the job's change. A pool whose second early reclaim (within
+        ``quick_reclaim_s`` of a launch) this is, within the refusal decay of the first, is
+        under reclaim (a storm): it is also marked refused, so no job is launched there until
+        the refusal decay lapses. The preemption mark alone does not hold: SpotHedge resets
+        every mark once fewer than two locations stay active, at once in a fleet of two spot
+        regions, and a job then goes back and forth between regions that take it away before
+        it trains; the reset leaves refusals alone. One early reclaim may be bad luck: it only
+        marks the location, which stays a last resort."""
         pools = {p.id: p for p in self.store.pools()}
         pool = pools.get(job.pool or "")
         if pool is None or pool.market is not Market.SPOT:
@@ -271,11 +290,23 @@ class Reconciler:
         for key in keys:
             blocklist = mark_preempted(blocklist, key, now)
         where = keys[-1]
+        ran = None if job.launched_at is None else now - job.launched_at
+        backoff = False
+        if ran is not None and ran <= self.quick_reclaim_s:
+            key = f"{QUICK_RECLAIM_KEY}:{pool.id}"
+            last = self.store.r.get(f"{self.store.p}{key}")
+            plan.put(key, repr(now), expect=last)
+            backoff = last is not None and now - float(last) < blocklist.refusal_decay_s
+        if backoff:
+            blocklist = mark_refused(blocklist, refusal_key(pool.id), now,
+                                     f"under reclaim: took back two launches within "
+                                     f"{self.quick_reclaim_s:g} s of their start")
         plan.set_blocklist(blocklist, read=read)
         # "blocked" is False when SpotHedge's rule reset every mark (fewer than two active)
         plan.event("location-blocked", job.id, {
             "location": where, "blocked": where in blocklist.preempted,
-            "decay_s": blocklist.decay_s, "active": blocklist.active(now)})
+            "decay_s": blocklist.decay_s, "active": blocklist.active(now),
+            "backoff_s": blocklist.refusal_decay_s if backoff else None})
 
     def _settle(self, job: JobRecord, nodes: list[Node | None], fence: int,
                 preempted: bool, report: AgentReport) -> bool:
@@ -283,13 +314,21 @@ class Reconciler:
         if any(n is not None and n.state is not NodeState.TERMINATED for n in nodes):
             return False
         codes = _exit_codes(job, nodes, report)
-        ended = max((n.ended_at.timestamp() for n in nodes if n and n.ended_at),
-                    default=time.time())
+        known = max((n.ended_at.timestamp() for n in nodes if n and n.ended_at), default=None)
+        ended = time.time() if known is None else known
+        unreported = self.final_report_wait_s is not None and 0 not in report.exits
+        if _finished(job, codes) and unreported and known is not None and \
+                self.clock() - known < self.final_report_wait_s:  # type: ignore[operator]
+            return False  # the final report, with the last progress, may still come
         plan = Plan()
         fields: dict[str, object] = {"exit_code": codes[0] if codes else None, "fence": fence}
         event = None
         if _finished(job, codes):
             state, reason = JobState.COMPLETED, "finished"
+            if unreported:
+                log.warning("job %s finished, but its agent's final report never came: its "
+                            "progress is the last one reported", job.id)
+                reason = "finished (no final report from the agent: progress as last reported)"
         elif job.cancel_requested:
             state, reason = JobState.CANCELLED, "cancelled by user"
         elif preempted and job.state is JobState.RUNNING:  # ended before we saw the notice

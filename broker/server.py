@@ -13,6 +13,7 @@ import ctypes
 import fcntl
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -59,6 +60,12 @@ class BrokerConfig(BaseModel):
     blocklist_decay_s: float = Field(default=DEFAULT_DECAY_S, gt=0,
                                      description="how long a reclaimed spot location stays "
                                      "blocked (SpotHedge's reset may free it earlier)")
+    final_report_wait_s: float = Field(default=120.0, gt=0, description="how long a job "
+                                       "whose command finished waits for its agent's final "
+                                       "report (its last progress) before it is recorded "
+                                       "completed without it")
+    confirm_durable: bool = Field(default=True, description="acknowledge a submission only "
+                                  "once Redis confirmed it durable (docs/operations.md)")
     launch_deadline_s: float = Field(default=1200.0, gt=0,
                                      description="a cloud VM whose agent has not sent its first "
                                      "heartbeat this long after launch is terminated and its "
@@ -283,9 +290,12 @@ class Broker:
             # without a broker URL no agent can report: no heartbeat is ever late
             launch_deadline_s=config.launch_deadline_s if config.broker_url else None,
             # agents re-form a multi-node group with a stand-in through the broker's rendezvous
-            replace_lost_nodes=config.broker_url is not None)
+            replace_lost_nodes=config.broker_url is not None,
+            final_report_wait_s=config.final_report_wait_s
+            if config.broker_url and config.use_agent else None)
         self.fence = 0
         self.rounds = 0
+        self._announced = -math.inf  # when this replica last named its API URL in Redis
         self._buckets: dict[str, str | None] = {}  # checkpoint URI -> its bucket's region
         self._examined: set[str] = set()  # waiting jobs whose checkpoint bucket was looked at
         self._stop = threading.Event()
@@ -293,6 +303,7 @@ class Broker:
 
     def step(self) -> bool:
         """One pass of the loop; returns whether this process is the leader."""
+        self._announce()
         self.fence = self.store.acquire_lease(self.config.owner, self.config.lease_ttl_s)
         if not self.fence:
             return False
@@ -309,6 +320,15 @@ class Broker:
             log.warning("lost the leader lease (fence %s); standing by", self.fence)
             self.fence = 0
         return bool(self.fence)
+
+    def _announce(self) -> None:
+        """Name this replica's API a live one, a few times per lease: agents report to any
+        replica (a launch lists them all)."""
+        url, now = self.config.broker_url, time.monotonic()
+        if url is None or now < self._announced + self.config.lease_ttl_s / 3:
+            return
+        self._announced = now
+        self.store.announce_broker(url, ttl_s=3 * self.config.lease_ttl_s)
 
     def _locate_checkpoints(self) -> None:
         """Name the region of a waiting job's checkpoint bucket where its spec does not
@@ -413,7 +433,8 @@ def build_broker(config: BrokerConfig, *, redis_url: str | None = None) -> Broke
     if url is None:
         raise ValueError("build_broker needs a redis URL; run_server starts an embedded one")
     provider, skipped = build_fleet_provider(config.fleet, config.state_dir, REPO)
-    return Broker(config, Store.from_url(url), provider, skipped)
+    return Broker(config, Store.from_url(url, confirm_durable=config.confirm_durable),
+                  provider, skipped)
 
 
 def drain(provider: FleetProvider) -> None:

@@ -42,6 +42,7 @@ BLOCKLIST_KEY = "blocklist"  # the reclaimed spot locations (policies.migration.
 PREEMPTIONS_KEY = "pool:preemptions"  # hash: pool id -> preemptions the reconciler handled there
 NODE_HOURS_KEY = "pool:node_hours"  # hash: pool id -> node-hours of closed placement intervals
 RENDEZVOUS_TTL_S = 86_400  # a job's rendezvous record outlives its last visit or heartbeat a day
+BROKERS_KEY = "brokers"  # hash: a broker replica's API URL -> until when it counts as live
 
 
 def report_field(kind: str, attempt: int, round: int, rank: int) -> str:
@@ -102,6 +103,11 @@ class Conflict(StoreError):
 
 class StaleFence(StoreError):
     """The caller's fencing token no longer holds the leader lease; it must stop acting."""
+
+
+class NotDurable(StoreError):
+    """Redis took a write (or refused it) without confirming it durable: the caller must not
+    acknowledge it. A retry with the same request key returns the same job once it is."""
 
 
 # Kept outside ``doc``: the hash's plain fields and the agent-reported progress.
@@ -254,11 +260,16 @@ class Store:
 
     LOG_CAP = 20_000  # log lines kept per job
 
-    def __init__(self, client: redis.Redis, *, prefix: str = "fb:") -> None:
+    def __init__(self, client: redis.Redis, *, prefix: str = "fb:", confirm_durable: bool = True,
+                 durable_timeout_s: float = 3.0) -> None:
         if not client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("Store needs a redis client made with decode_responses=True")
         self.r = client
         self.p = prefix
+        # Whether a submission returns only once Redis confirmed it durable (``_confirm_durable``)
+        self.confirm_durable = confirm_durable
+        self.durable_timeout_s = durable_timeout_s
+        self._waitaof: bool | None = None  # Redis has WAITAOF (7.2+); None: not asked yet
         self._parsed: dict[tuple[str, ...], JobRecord] = {}
         self._submit = client.register_script(lua.SUBMIT)
         self._apply = client.register_script(lua.APPLY)
@@ -270,23 +281,80 @@ class Store:
         self._append_log = client.register_script(lua.APPEND_LOG)
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = "fb:") -> Store:
-        return cls(redis.Redis.from_url(url, decode_responses=True), prefix=prefix)
+    def from_url(cls, url: str, *, prefix: str = "fb:", confirm_durable: bool = True) -> Store:
+        return cls(redis.Redis.from_url(url, decode_responses=True), prefix=prefix,
+                   confirm_durable=confirm_durable)
 
     # ---- jobs (API side) ------------------------------------------------------------------
 
     def submit(self, spec: JobSpec, *, team: str, request_key: str | None = None) -> JobRecord:
         """Queue a job atomically. With ``request_key`` a retried submission returns the first
-        job instead of making a second one. Durable once it returns (AOF; see README.d)."""
+        job instead of making a second one. Durable once it returns (``_confirm_durable``);
+        ``NotDurable`` when that cannot be confirmed (the job may exist all the same: a retry
+        with the same ``request_key`` confirms it)."""
         now = time.time()
         rec = JobRecord(id="pending", spec=spec, team=team, submitted_at=now, updated_at=now)
         doc = rec.model_dump_json(exclude={"id", *_NOT_IN_DOC})
-        job_id = self._submit(args=[self.p, team, spec.name, now, request_key or "", doc])
+        try:
+            job_id = self._submit(args=[self.p, team, spec.name, now, request_key or "", doc])
+        except redis.ResponseError as exc:
+            if str(exc).startswith("MISCONF"):  # Redis refuses writes it cannot persist
+                raise NotDurable(f"redis refuses writes because it cannot persist them: {exc}; "
+                                 "free or enlarge its disk") from None
+            raise
+        self._confirm_durable()
         if request_key:  # may be an earlier job: read what was stored
             got = self.get_job(job_id)
             assert got is not None  # written by the script above or before
             return got
         return rec.model_copy(update={"id": job_id, "version": 1})
+
+    def _confirm_durable(self) -> None:
+        """Return once the writes this store made so far are durable, else raise ``NotDurable``.
+        Redis 7.2+ (and Valkey): ``WAITAOF 1 0``, the append-only file fsynced on the primary.
+        Older Redis: its AOF write status read after the write's reply (Redis writes the AOF
+        before it replies, and reports a failed write or fsync as ``aof_last_write_status:err``,
+        keeping the data in memory only), waiting while a write postponed behind a slow fsync is
+        still in its buffer. Without AOF (a managed Redis): ``WAIT 1``, a replica's copy."""
+        if not self.confirm_durable:
+            return
+        ms = max(1, int(self.durable_timeout_s * 1000))
+        if self._waitaof is None:
+            version = str(self.r.info("server").get("redis_version", "0"))
+            self._waitaof = tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) >= (7, 2)
+        if self._waitaof:
+            try:
+                local, _ = self.r.execute_command("WAITAOF", 1, 0, ms)
+            except redis.ResponseError as exc:
+                if "appendonly" not in str(exc):
+                    raise
+            else:
+                if int(local) >= 1:
+                    return
+                raise NotDurable(f"redis did not fsync its append-only file within "
+                                 f"{self.durable_timeout_s:g} s (WAITAOF): its disk may be "
+                                 "full, read-only or slow")
+        deadline = time.monotonic() + self.durable_timeout_s
+        while True:
+            info = self.r.info("persistence")
+            if not info.get("aof_enabled"):
+                break
+            if info.get("aof_last_write_status") != "ok":
+                raise NotDurable("redis could not write its append-only file "
+                                 "(aof_last_write_status:err): its disk is full or read-only")
+            if not info.get("aof_buffer_length"):
+                return
+            if time.monotonic() > deadline:
+                raise NotDurable(f"redis did not write its append-only file within "
+                                 f"{self.durable_timeout_s:g} s: its disk is slow")
+            time.sleep(0.002)
+        if self.r.info("replication").get("connected_slaves") and \
+                int(self.r.execute_command("WAIT", 1, ms)) >= 1:
+            return
+        raise NotDurable("redis has no append-only file (appendonly no) and no replica took "
+                         "the write: nothing makes it durable; turn on appendonly, or add a "
+                         "replica, or start the broker with confirm_durable off to accept the "
+                         "risk")
 
     def get_job(self, job_id: str) -> JobRecord | None:
         got = self._get_many([job_id])
@@ -515,6 +583,24 @@ class Store:
                   for r in range(max(job.nodes, 1))]
         found = [v for v in self.r.hmget(f"{self.p}progress:{job.id}", fields) if v]
         return str(json.loads(found[0])) if found else None
+
+    def announce_broker(self, url: str, ttl_s: float) -> None:
+        """Name ``url`` a live broker replica for ``ttl_s`` seconds (``broker_urls``) and forget
+        replicas past their time."""
+        key, now = f"{self.p}{BROKERS_KEY}", time.time()
+        gone = [u for u, until in self.r.hgetall(key).items() if float(until) <= now]
+        pipe = self.r.pipeline(transaction=True)
+        if gone:
+            pipe.hdel(key, *gone)
+        pipe.hset(key, url, now + ttl_s)
+        pipe.execute()
+
+    def broker_urls(self) -> list[str]:
+        """The API URLs of the live broker replicas: a launch lists them all to its agents,
+        which report to any of them."""
+        now = time.time()
+        return sorted(u for u, until in self.r.hgetall(f"{self.p}{BROKERS_KEY}").items()
+                      if float(until) > now)
 
     def blocklist(self, decay_s: float | None = None) -> tuple[Blocklist, str | None]:
         """The stored blocklist and its stored text (pass it to ``Plan.set_blocklist``); a new

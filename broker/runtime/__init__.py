@@ -45,7 +45,11 @@ FLEET_GLOBAL_BATCH_SIZE    the global batch the allocator chose
 FLEET_BATCH_MODE           ``fixed`` (gradient accumulation keeps the job's batch) or ``elastic``
 FLEET_CHECKPOINT_URI       local dir, ``file://``, ``s3://bucket/prefix`` or another fsspec URI
 FLEET_BROKER_URL           optional; heartbeats go to ``POST {url}/v1/agent/heartbeat``,
-                           rendezvous visits to ``POST {url}/v1/agent/rendezvous``
+                           rendezvous visits to ``POST {url}/v1/agent/rendezvous``; several
+                           URLs, comma-separated (every broker replica's, as a launch lists
+                           them): a report goes to the one that last took one, else the next
+FLEET_REPORT_TIMEOUT       seconds the final report is tried (default 1800)
+FLEET_REPORT_MAX_WAIT      most seconds between two tries of it (default 15; backoff from 0.5)
 FLEET_AGENT_TOKEN_FILE     a 0600 file holding the attempt token (read, then deleted, at start;
                            never passed on): ``Authorization: Bearer {token}`` on heartbeats
                            and rendezvous visits. FLEET_AGENT_TOKEN: the token itself (by hand)
@@ -76,13 +80,15 @@ FLEET_HEARTBEAT_INTERVAL the agent sends ``{job_id, attempt, node_rank, round, s
 samples_done, samples_per_sec, world_size, global_batch_size, checkpoint_step, checkpoint_bytes``
 that it has (none before the file exists: the broker keeps what it had), where state is ``running``,
 ``stopping`` or ``rejoining``. A last heartbeat says ``finished``, ``stopped`` or ``failed`` and
-carries ``exit_code`` (a cloud VM does not tell the broker how the command ended) and, after a
-failure, ``error``: what a worker's runtime wrote to FLEET_ERROR_FILE (its cause, e.g. ``checkpoint
-write failed: no space left on device (ENOSPC)``; ``broker.runtime.failure``); it is tried up to
-five times over about 15 s until the broker takes it (no answer, a 5xx or a 429 is tried again; any
-other answer ends the tries). The broker takes progress from node rank 0 of the job's current round
-only (its rank-0 worker writes it), and a node's exit code or notice only for a round the job
-reached and a rank it has.
+carries ``exit_code`` (a cloud VM does not tell the broker how the command ended), the last
+progress and, after a failure, ``error``: what a worker's runtime wrote to FLEET_ERROR_FILE (its
+cause, e.g. ``checkpoint write failed: no space left on device (ENOSPC)``;
+``broker.runtime.failure``); it is tried at every broker URL with exponential backoff until one
+takes it, for up to FLEET_REPORT_TIMEOUT (no answer, a 5xx or a 429 is tried again; any other
+answer, such as a 404 for a job that is gone, ends the tries). The broker takes progress from node
+rank 0 of the job's current round only (its rank-0 worker writes it), never less than it already
+took from that attempt and round and none after that node's final report; a node's exit code or
+notice only for a round the job reached and a rank it has.
 Once the node has a preemption notice every heartbeat carries it as ``notice``
 (the first is sent at once), so the broker blocks the location. A response
 ``{"action": "checkpoint-exit"}`` stops the job; its ``round`` is the job's rendezvous round.

@@ -1,7 +1,8 @@
 """The node agent: runs a job's workers, streams their logs, sends heartbeats, stops them cleanly.
 
 ``python -m broker.runtime.agent [options] -- CMD ARGS...``; the contract (environment, heartbeat,
-exit codes) is in :mod:`broker.runtime`. Standard library only: it starts fast and needs no torch.
+exit codes) is in :mod:`broker.runtime`. Standard library and ``tenacity`` only: it starts fast
+and needs no torch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay
+from tenacity.wait import wait_exponential_jitter
+
 from broker.runtime import failure
 from broker.runtime.assignment import (
     EXIT_FINISHED,
@@ -44,10 +48,13 @@ CHECKPOINT_EXIT = "checkpoint-exit"
 # know is left out: the broker keeps what it has).
 PROGRESS_KEYS = ("step", "samples_done", "samples_per_sec", "world_size", "global_batch_size",
                  "checkpoint_step", "checkpoint_bytes", "grad_noise_scale")
-# Seconds between the tries of the final report (five tries over 15 s): a broker restarting, its
-# Redis away (503), a rate limit (429) or a network blip must not lose how the node ended, which
-# settles a multi-node job's round.
-FINAL_REPORT_DELAYS = (1.0, 2.0, 4.0, 8.0)
+# How long the final report is tried (FLEET_REPORT_TIMEOUT), with exponential backoff from
+# FINAL_REPORT_FIRST_WAIT_S up to FLEET_REPORT_MAX_WAIT between tries, jittered: every broker
+# down at once (a failover, Redis away: 503, a rate limit: 429, a network blip) must not lose
+# how the node ended and its last progress, which settle the job.
+FINAL_REPORT_TIMEOUT_S = 1800.0
+FINAL_REPORT_FIRST_WAIT_S = 0.5
+FINAL_REPORT_MAX_WAIT_S = 15.0
 # Longer than the broker's launch deadline (BrokerConfig.launch_deadline_s, 1200 s): the broker,
 # not a survivor waiting for it, decides that a stand-in is not coming (and replaces it again).
 RENDEZVOUS_TIMEOUT_S = 1800.0
@@ -102,7 +109,7 @@ class AgentConfig:
     grace_period: float
     heartbeat_interval: float
     notice_interval: float
-    broker_url: str | None
+    broker_url: str | None  # the first of broker_urls
     token: str | None
     notice_urls: tuple[str | None, str | None, str | None]
     round: int = 0
@@ -112,6 +119,10 @@ class AgentConfig:
     rejoin_timeout: float = 120.0
     launch_key: str | None = None  # this node's idempotency key: whose rank it holds
     accelerator: str | None = None  # the node's type: the broker keys measurements by it
+    # Every broker replica's URL (FLEET_BROKER_URL, comma-separated): any of them takes reports
+    broker_urls: tuple[str, ...] = ()
+    report_timeout: float = FINAL_REPORT_TIMEOUT_S
+    report_max_wait: float = FINAL_REPORT_MAX_WAIT_S
 
     @property
     def rendezvous(self) -> bool:
@@ -145,8 +156,12 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
     p.add_argument(
         "--notice-interval", type=float, default=env_float(env, "FLEET_NOTICE_INTERVAL", 5.0)
     )
-    p.add_argument("--broker-url", default=env.get("FLEET_BROKER_URL") or None)
+    p.add_argument("--broker-url", default=env.get("FLEET_BROKER_URL") or None,
+                   help="the broker's URL, or every replica's, comma-separated")
     opts = p.parse_args(argv[:split])
+    urls = tuple(dict.fromkeys(u.strip().rstrip("/") for u in (opts.broker_url or "").split(",")
+                               if u.strip()))
+    opts.broker_url = urls[0] if urls else None
     if opts.nproc < 1 or opts.nnodes < 1:
         raise AssignmentError("--nproc and --nnodes (FLEET_NPROC, FLEET_NNODES) must be at least 1")
     if not 0 <= opts.node_rank < opts.nnodes:
@@ -180,7 +195,8 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
         grace_period=opts.grace_period,
         heartbeat_interval=max(opts.heartbeat_interval, 0.05),
         notice_interval=max(opts.notice_interval, 0.05),
-        broker_url=opts.broker_url.rstrip("/") if opts.broker_url else None,
+        broker_url=opts.broker_url,
+        broker_urls=urls,
         token=env.get("FLEET_AGENT_TOKEN") or None,
         notice_urls=(
             env.get("FLEET_NOTICE_AWS_URL") or None,
@@ -195,6 +211,10 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
         rejoin_timeout=env_float(env, "FLEET_REJOIN_TIMEOUT", 120.0),  # type: ignore[arg-type]
         launch_key=env.get("FLEET_LAUNCH_KEY", "").strip() or None,
         accelerator=env.get("FLEET_ACCELERATOR", "").strip() or None,
+        report_timeout=env_float(env, "FLEET_REPORT_TIMEOUT",  # type: ignore[arg-type]
+                                 FINAL_REPORT_TIMEOUT_S),
+        report_max_wait=max(env_float(env, "FLEET_REPORT_MAX_WAIT",  # type: ignore[type-var]
+                                      FINAL_REPORT_MAX_WAIT_S), 0.01),
     )
     return config, argv[split + 1 :]
 
@@ -226,6 +246,9 @@ class Agent:
         self.nnodes = config.nnodes
         self.master = (config.master_addr or "", config.master_port or 0)
         self.broker_round = config.round  # the highest round the broker has named
+        # The brokers reports go to, the one that last took one first
+        self.brokers = list(config.broker_urls or filter(None, [config.broker_url]))
+        self._brokers_lock = threading.Lock()
 
     # ---- workers ----------------------------------------------------------------------------
     def worker_env(self, local_rank: int) -> dict[str, str]:
@@ -307,14 +330,26 @@ class Agent:
             return {}
 
     def send(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
-        """POST ``body`` to the broker's ``path``: its JSON reply ({} for a refusal or a reply
-        without one), or None when the broker did not take it (no connection, a timeout, a
-        connection dropped, or a 5xx or 429 answer: worth another try)."""
+        """POST ``body`` to ``path`` of a broker: the one that last took a report, else the next
+        replica in turn, each once. The JSON reply ({} for a refusal or a reply without one), or
+        None when no broker took it (no connection, a timeout, a connection dropped, or a 5xx or
+        429 answer: worth another try)."""
+        with self._brokers_lock:
+            order = list(self.brokers)
+        for url in order:
+            reply = self._send_to(url, path, body)
+            if reply is not None:
+                with self._brokers_lock:
+                    self.brokers = list(dict.fromkeys([url, *self.brokers]))
+                return reply
+        return None
+
+    def _send_to(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         headers = {"Content-Type": "application/json"}
         if self.config.token:
             headers["Authorization"] = f"Bearer {self.config.token}"
         request = urllib.request.Request(
-            f"{self.config.broker_url}{path}",
+            f"{url}{path}",
             data=json.dumps(body).encode(),
             headers=headers,
             method="POST",
@@ -368,17 +403,25 @@ class Agent:
         return self.send("/v1/agent/heartbeat", body)
 
     def final_report(self, code: int) -> None:
-        """The last heartbeat, with the exit code, tried until the broker takes it (any answer
-        but a 5xx or 429; FINAL_REPORT_DELAYS): the broker settles the node's round on it."""
-        for delay in (*FINAL_REPORT_DELAYS, None):
-            if self.heartbeat(self.state, exit_code=code) is not None:
-                return
-            if delay is None:
-                break
-            log(f"the broker did not take the final report; trying again in {delay:g} s")
-            time.sleep(delay)
-        log(f"the broker did not take the final report in {len(FINAL_REPORT_DELAYS) + 1} "
-            "tries; giving up")
+        """The last heartbeat, with the exit code and the last progress, tried at every broker
+        with backoff until one takes it (any answer but a 5xx or 429: a 404 or 403 says the job
+        or attempt is gone) or FLEET_REPORT_TIMEOUT passed: the broker settles the job, and the
+        node's round, on it."""
+
+        def waiting(state: RetryCallState) -> None:
+            wait = state.next_action.sleep if state.next_action else 0.0
+            log(f"the broker did not take the final report; trying again in {wait:.1f} s")
+
+        retrying = Retrying(
+            stop=stop_after_delay(self.config.report_timeout),
+            wait=wait_exponential_jitter(initial=FINAL_REPORT_FIRST_WAIT_S,
+                                         max=self.config.report_max_wait),
+            retry=retry_if_result(lambda reply: reply is None),
+            before_sleep=waiting,
+            retry_error_callback=lambda _: None)
+        if retrying(self.heartbeat, self.state, exit_code=code) is None:
+            log(f"no broker took the final report within {self.config.report_timeout:g} s "
+                "(FLEET_REPORT_TIMEOUT); giving up")
 
     def visit_rendezvous(self, round_: int, addr: str | None) -> dict[str, Any]:
         """One visit to the broker's rendezvous for ``round_``; a checkpoint-exit stops the

@@ -355,18 +355,31 @@ class Trainer:
     def epoch(self) -> int:
         return self.samples_done // self.n
 
+    def _step_samples(self, samples_done: int) -> int:
+        """The samples of the step that starts at ``samples_done``: the global batch, but the
+        last step takes only what is left, so the job ends exactly at its work however batch
+        changes left it aligned. A remainder smaller than the world (a rank needs a sample) is
+        folded into the step before; after a resize to more ranks than samples left, the last
+        step runs one sample per rank."""
+        left = self.total_samples - samples_done
+        size = left if left < self.global_batch_size + self.world_size else self.global_batch_size
+        return max(size, self.world_size)
+
+    def _plan(self, samples_done: int) -> list[MicroBatch]:
+        return step_plan(
+            self.seed,
+            self.n,
+            samples_done,
+            self._step_samples(samples_done),
+            self.world_size,
+            self.rank,
+            self.max_micro_batch,
+        )
+
     def _plans(self, samples_done: int) -> Iterator[list[MicroBatch]]:
         while samples_done < self.total_samples:
-            yield step_plan(
-                self.seed,
-                self.n,
-                samples_done,
-                self.global_batch_size,
-                self.world_size,
-                self.rank,
-                self.max_micro_batch,
-            )
-            samples_done += self.global_batch_size
+            yield self._plan(samples_done)
+            samples_done += self._step_samples(samples_done)
 
     def _batches(self) -> Iterator[Any]:
         if isinstance(self.dataset, TensorDataset) and self.num_workers == 0:
@@ -390,15 +403,7 @@ class Trainer:
                 self._boundary()
                 if self.samples_done >= self.total_samples:
                     break
-                plan = step_plan(
-                    self.seed,
-                    self.n,
-                    self.samples_done,
-                    self.global_batch_size,
-                    self.world_size,
-                    self.rank,
-                    self.max_micro_batch,
-                )
+                plan = self._plan(self.samples_done)
                 self._local_n = sum(len(mb.indices) for mb in plan)
                 for k, mb in enumerate(plan):
                     self._micro = mb
@@ -407,7 +412,7 @@ class Trainer:
                         self._ddp.require_backward_grad_sync = mb.last
                     yield next(batches)
                 self._micro = None
-                self.samples_done += self.global_batch_size
+                self.samples_done += self._step_samples(self.samples_done)
                 self.step += 1
                 self._write_progress()
             self._micro = None

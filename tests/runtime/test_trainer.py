@@ -97,3 +97,27 @@ def test_bad_arguments_are_named() -> None:
         fleet.elastic(model, opt, DATA, batch_size=4, steps=1, batch_mode="huge", assignment=SOLO)
     with pytest.raises(ValueError, match="give batch_size="):
         fleet.elastic(model, opt, DATA, steps=1, assignment=SOLO)
+
+
+@pytest.mark.parametrize("after", [20, 23, 47])
+def test_a_batch_change_ends_exactly_at_the_requested_work(tmp_path: Path, after: int) -> None:
+    """8 steps of 12 = 96 samples; 4 steps run at 12, the rest at ``after``: the last step
+    takes only what is left (20: 20+20+8; 23: 23+25, the 2 left folded in; 47: 48)."""
+    model, opt, sched = build()
+    first = fleet.elastic(model, opt, DATA, batch_size=12, steps=8, scheduler=sched,
+                          batch_mode="elastic", assignment=SOLO, checkpoint_dir=tmp_path)
+    with pytest.raises(SystemExit):
+        train(first, model, opt, sched, sigterm_at=3)
+    model, opt, sched = build()
+    second = fleet.elastic(model, opt, DATA, batch_size=12, global_batch_size=after, steps=8,
+                           scheduler=sched, batch_mode="elastic", assignment=SOLO,
+                           checkpoint_dir=tmp_path)
+    assert second.samples_done == 48
+    seen = []
+    for x, y in second:
+        seen.append(len(x))
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert second.samples_done == 96 and sum(seen) == 48, seen
+    assert min(seen) > 0 and max(seen) <= after + 1  # folding adds less than a world
