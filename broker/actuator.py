@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from broker import secrets
+from broker import secrets, transitions
 from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
@@ -182,8 +182,8 @@ class Actuator:
         others (an AWS spot AZ) blocks only that zone: the next round's attempt, a new launch
         key, may go to the same pool and avoids the zone (``launch_request``)."""
         what = self._mark_refused(job, pool, exc, plan)
-        plan.change(job, JobState.SUSPENDED, reason=secrets.reason(f"{what}: {exc}"),
-                    fence=fence)
+        transitions.launch_failed(plan, job, secrets.reason(f"{what}: {exc}"), fence=fence,
+                                  max_failures=self.config.max_failures, counted=False)
         self.store.apply(plan, fence=fence)
 
     def _mark_refused(self, job: JobRecord, pool: Pool, exc: ProviderError, plan: Plan) -> str:
@@ -206,7 +206,7 @@ class Actuator:
             self.store.apply(plan, fence=fence)  # superseded
             return 1
         if job.cancel_requested:
-            plan.change(job, JobState.CANCELLED, reason="cancelled before launch", fence=fence)
+            transitions.cancelled(plan, job, "cancelled before launch", fence=fence)
             self.store.apply(plan, fence=fence)
             return 1
         # Never two attempts at once: an older attempt's node must be gone first.
@@ -215,8 +215,8 @@ class Actuator:
             return 0
         pool = pools.get(intent.pool or "")
         if pool is None:
-            plan.change(job, JobState.SUSPENDED, reason=f"pool {intent.pool} is gone",
-                        fence=fence)
+            transitions.launch_failed(plan, job, f"pool {intent.pool} is gone", fence=fence,
+                                      max_failures=self.config.max_failures, counted=False)
             self.store.apply(plan, fence=fence)
             return 1
         if not self._leads(fence):
@@ -237,12 +237,8 @@ class Actuator:
             self._refused(job, pool, exc, fence, plan)
             return 1
         except ProviderError as exc:
-            failures = job.failures + 1
-            state = JobState.FAILED if failures > self.config.max_failures else \
-                JobState.SUSPENDED
-            plan.change(job, state, reason=secrets.reason(f"launch failed: {exc}"),
-                        failures=failures,
-                        fence=fence)
+            transitions.launch_failed(plan, job, secrets.reason(f"launch failed: {exc}"),
+                                      fence=fence, max_failures=self.config.max_failures)
             self.store.apply(plan, fence=fence)
             return 1
         now = time.time()
@@ -250,11 +246,8 @@ class Actuator:
         if job.attempt > 1:  # EC2's LaunchTime has whole seconds: never before the last end
             ends = [p.end for p in self.store.placements(job.id) if p.end is not None]
             start = max([start, *ends])
-        plan.change(job, JobState.RUNNING, event_data={"pool": pool.id, "gpus": intent.gpus,
-                                                       "batch_size": intent.batch_size},
-                    node_ids=[n.node_id for n in nodes], launched_at=start,
-                    nodes=len(nodes), round=0,
-                    started_at=job.started_at or start, fence=fence, reason="running")
+        transitions.running(plan, job, node_ids=[n.node_id for n in nodes], started=start,
+                            fence=fence)
         plan.open_placement(Placement(
             job_id=job.id, attempt=intent.attempt, start=start, pool=pool.id, cloud=pool.cloud,
             region=pool.region, market=pool.market, gpus=intent.gpus,
@@ -304,19 +297,17 @@ class Actuator:
                 self._mark_refused(job, pool, exc, plan)
             for node_id in [*job.node_ids, *(n.node_id for n in nodes)]:
                 self.provider.terminate(node_id)  # the survivors checkpoint and exit
-            plan.change(job, JobState.SUSPENDING, event="replace-failed",
-                        event_data={"ranks": intent.ranks, "error": secrets.reason(exc)},
-                        reason=secrets.reason(f"no stand-in for lost node(s) {intent.ranks}: "
-                                              f"{exc}; moving the job"), fence=fence)
+            transitions.stopping(
+                plan, job, event="replace-failed",
+                data={"ranks": intent.ranks, "error": secrets.reason(exc)},
+                reason=secrets.reason(f"no stand-in for lost node(s) {intent.ranks}: {exc}; "
+                                      "moving the job"), fence=fence)
             self.store.apply(plan, fence=fence)
             return 1
         # No SpotHedge reactivation: a stand-in goes where its gang runs, not to a location
         # chosen as a last resort, and must not undo the block of the reclaim it mends.
-        plan.change(job, event="nodes-replaced",
-                    event_data={"ranks": intent.ranks, "round": intent.round,
-                                "nodes": [n.node_id for n in nodes]},
-                    node_ids=[*job.node_ids, *(n.node_id for n in nodes)],
-                    replaced_at=time.time(), fence=fence)
+        transitions.nodes_replaced(plan, job, ranks=intent.ranks, round_=intent.round,
+                                   node_ids=[n.node_id for n in nodes], fence=fence)
         self.store.apply(plan, fence=fence)
         return 1
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from broker import secrets
+from broker import secrets, transitions
 from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.recovery import gang_state
 from broker.runtime.assignment import EXIT_FINISHED, EXIT_STOPPED
@@ -116,10 +116,10 @@ class Reconciler:
                     res.settled += 1
                 elif job.state is JobState.RUNNING and preempted:
                     plan = Plan()
-                    plan.change(job, JobState.SUSPENDING, event="preempted",
-                                event_data={"notice": report.notice} if report.notice else None,
-                                reason="spot capacity reclaimed", fence=fence,
-                                preemptions=job.preemptions + 1)
+                    transitions.stopping(
+                        plan, job, event="preempted", reason="spot capacity reclaimed",
+                        data={"notice": report.notice} if report.notice else None, fence=fence,
+                        preempted=True)
                     self._preempted(plan, job)
                     self.store.apply(plan, fence=fence)
                     res.preempted += 1
@@ -180,30 +180,25 @@ class Reconciler:
             return False
         decision, why = self._decide(job, len(gang.lost))
         plan = Plan()
-        fields: dict[str, object] = {"fence": fence}
-        if gang.warned or report.notices:
-            fields["preemptions"] = job.preemptions + 1
+        preempted = bool(gang.warned or report.notices)
+        if preempted:
             self._preempted(plan, job)
         what = f"node(s) of rank {', '.join(map(str, gang.lost))} lost"
         if decision is Recovery.REPLACE:
-            round_ = job.round + 1
-            plan.change(job, event="nodes-lost",
-                        event_data={"ranks": gang.lost, "round": round_,
-                                    "recovery": decision.value},
-                        reason=f"{what}; replacing them in {job.pool}", round=round_,
-                        node_ids=[n.node_id for n in gang.alive],
-                        stand_ins={**job.stand_ins, **dict.fromkeys(gang.lost, round_)},
-                        **fields)
+            round_ = transitions.replacing_nodes(
+                plan, job, ranks=gang.lost, alive=[n.node_id for n in gang.alive],
+                reason=f"{what}; replacing them in {job.pool}", recovery=decision.value,
+                fence=fence, preempted=preempted)
             plan.add_intent(Intent(kind=IntentKind.REPLACE, job_id=job.id, fence=fence,
                                    attempt=job.attempt, gpus=job.gpus,
                                    batch_size=job.batch_size, pool=job.pool, ranks=gang.lost,
                                    round=round_))
             log.info("job %s: %s; replacing them (round %d)", job.id, what, round_)
         else:  # the actuator stops every node of the job (an outbox intent: replayed on crash)
-            plan.change(job, JobState.SUSPENDING, event="nodes-lost",
-                        event_data={"ranks": gang.lost, "recovery": decision.value,
-                                    "replaced": job.round},
-                        reason=f"{what}; moving the job{why}", **fields)
+            transitions.stopping(
+                plan, job, event="nodes-lost", reason=f"{what}; moving the job{why}",
+                data={"ranks": gang.lost, "recovery": decision.value, "replaced": job.round},
+                fence=fence, preempted=preempted)
             plan.add_intent(Intent(kind=IntentKind.SUSPEND, job_id=job.id, fence=fence,
                                    attempt=job.attempt, reason="nodes lost"))
         self.store.apply(plan, fence=fence)
@@ -260,10 +255,10 @@ class Reconciler:
                         job.id, node.node_id, self.launch_deadline_s)
             self.provider.terminate(node.node_id)
         plan = Plan()
-        plan.change(job, JobState.SUSPENDING, event="launch-deadline",
-                    event_data={"nodes": job.node_ids, "deadline_s": self.launch_deadline_s},
-                    reason=self._silent_reason(), failures=job.failures + 1,
-                    fence=fence)
+        transitions.stopping(
+            plan, job, event="launch-deadline", reason=self._silent_reason(),
+            data={"nodes": job.node_ids, "deadline_s": self.launch_deadline_s}, fence=fence,
+            failed=True)
         self.store.apply(plan, fence=fence)
 
     def _block(self, plan: Plan, job: JobRecord) -> None:
@@ -321,8 +316,7 @@ class Reconciler:
                 self.clock() - known < self.final_report_wait_s:  # type: ignore[operator]
             return False  # the final report, with the last progress, may still come
         plan = Plan()
-        fields: dict[str, object] = {"exit_code": codes[0] if codes else None, "fence": fence}
-        event = None
+        event, preempted_now, failed = None, False, False
         if _finished(job, codes):
             state, reason = JobState.COMPLETED, "finished"
             if unreported:
@@ -333,7 +327,7 @@ class Reconciler:
             state, reason = JobState.CANCELLED, "cancelled by user"
         elif preempted and job.state is JobState.RUNNING:  # ended before we saw the notice
             state, reason, event = JobState.SUSPENDED, "spot capacity reclaimed", "preempted"
-            fields["preemptions"] = job.preemptions + 1
+            preempted_now = True
             self._preempted(plan, job)
         elif job.state is JobState.SUSPENDING and job.failures > self.max_failures:
             state, reason = JobState.FAILED, job.reason or "failed"  # e.g. never reported
@@ -343,25 +337,26 @@ class Reconciler:
         elif not codes and self._silent(job, report):
             # its nodes went (``_abandon`` terminated them, its record did not land): a
             # launch that never came up, not a reclaim
-            failures = job.failures + 1
-            fields["failures"] = failures
-            state = JobState.FAILED if failures > self.max_failures else JobState.SUSPENDED
+            failed = True
+            state = JobState.FAILED if job.failures + 1 > self.max_failures else \
+                JobState.SUSPENDED
             reason = self._silent_reason()
         elif not codes or (job.nodes > 1 and all(c in (None, EXIT_STOPPED) for c in codes)):
             # no report at all, or a gang whose ranks checkpointed but for those that were lost
             state, reason = JobState.SUSPENDED, "node lost"
-            fields["preemptions"] = job.preemptions + 1
+            preempted_now = True
             _count_preemption(plan, job)
         else:
-            failures = job.failures + 1
-            fields["failures"] = failures
-            state = JobState.FAILED if failures > self.max_failures else JobState.SUSPENDED
+            failed = True
+            state = JobState.FAILED if job.failures + 1 > self.max_failures else \
+                JobState.SUSPENDED
             bad = next((c for c in codes if c not in (EXIT_FINISHED, EXIT_STOPPED)), codes[0])
-            reason = f"command exited {bad} (failure {failures})"
+            reason = f"command exited {bad} (failure {job.failures + 1})"
             cause = self.store.agent_error(job)  # named by the job's runtime, if it could
             if cause:
                 reason = secrets.reason(f"{cause}; {reason}")
-        plan.change(job, state, event=event, reason=reason, **fields)
+        transitions.ended(plan, job, state, reason=reason, exit_code=codes[0] if codes else None,
+                          fence=fence, event=event, preempted=preempted_now, failed=failed)
         open_ = [p for p in self.store.placements(job.id) if p.end is None]
         if open_:
             closed = open_[-1].model_copy(update={"end": ended})

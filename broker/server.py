@@ -28,7 +28,7 @@ from typing import Any
 import redis
 from pydantic import BaseModel, Field
 
-from broker import secrets
+from broker import secrets, transitions
 from broker.actuator import Actuator, ActuatorConfig
 from broker.fleet import FleetProvider, build_fleet_provider
 from broker.models import JobState
@@ -353,9 +353,8 @@ class Broker:
             spec = job.spec.model_copy(update={"checkpoint": ck.model_copy(
                 update={"region": region})})
             plan = Plan()
-            plan.change(job, event="checkpoint-located",
-                        event_data={"uri": ck.uri, "region": region}, spec=spec,
-                        fence=self.fence)
+            transitions.checkpoint_located(plan, job, spec=spec, uri=ck.uri, region=region,
+                                           fence=self.fence)
             try:
                 self.store.apply(plan, fence=self.fence)
             except Conflict:  # the job changed meanwhile: look at it again next pass

@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from broker import lua
+from broker import lua, transitions
 from broker.models import (
     TERMINAL_STATES,
     Event,
@@ -385,10 +385,9 @@ class Store:
                 return job
             plan = Plan(wake=True)
             if job.state in (JobState.QUEUED, JobState.SUSPENDED):
-                plan.change(job, JobState.CANCELLED, reason="cancelled by user",
-                            cancel_requested=True)
+                transitions.cancelled(plan, job, "cancelled by user")
             else:
-                plan.change(job, event="cancel-requested", cancel_requested=True)
+                transitions.cancel_requested(plan, job)
             try:
                 self.apply(plan)
             except Conflict:

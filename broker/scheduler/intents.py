@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from broker import transitions
 from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.scheduler.config import Admission, SchedulerConfig
 from broker.store import Plan
@@ -33,7 +34,7 @@ def _nodes(pool: Pool | None, gpus: int) -> int:
 
 
 def diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None, fence: int,
-          config: SchedulerConfig, pools_by_id: Mapping[str, Pool]) -> None:
+         config: SchedulerConfig, pools_by_id: Mapping[str, Pool]) -> None:
     if job.state is JobState.RUNNING:
         if target is None:
             stop(res, job, fence, IntentKind.SUSPEND, "allocator gave its GPUs to other jobs")
@@ -41,7 +42,7 @@ def diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None, 
             stop(res, job, fence, IntentKind.MIGRATE, f"moving to {target[0]}", target)
         elif target[1:] != (job.gpus, job.batch_size):
             stop(res, job, fence, IntentKind.RESIZE,
-                  f"resize to {target[1]} GPUs, batch {target[2]}", target)
+                 f"resize to {target[1]} GPUs, batch {target[2]}", target)
         return
     if target is None:
         if dropped_if_left_out(job, config):
@@ -54,15 +55,9 @@ def diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None, 
     relaunch = job.attempt > 0 and job.pool is not None
     moved = relaunch and pool != job.pool
     resized = relaunch and not moved and (gpus, batch) != (job.gpus, job.batch_size)
-    res.plan.change(job, JobState.LAUNCHING, event_data={"pool": pool, "gpus": gpus,
-                                                         "batch_size": batch},
-                    attempt=attempt, launch_key=intent.key, gpus=gpus, batch_size=batch,
-                    pool=pool, fence=fence, node_ids=[], exit_code=None, round=0,
-                    stand_ins={}, replaced_at=None,
-                    # known before any node boots: the rendezvous answers with it at once
-                    nodes=_nodes(pools_by_id.get(pool), gpus),
-                    migrations=job.migrations + moved, rescales=job.rescales + resized,
-                    reason="placed" if not relaunch else "resumed from checkpoint")
+    # the node count is known before any node boots: the rendezvous answers with it at once
+    transitions.launching(res.plan, job, intent, nodes=_nodes(pools_by_id.get(pool), gpus),
+                          moved=moved, resized=resized)
     res.plan.add_intent(intent)
     res.launches += 1
     res.migrations += moved
@@ -77,12 +72,12 @@ def dropped_if_left_out(job: JobRecord, config: SchedulerConfig) -> bool:
 
 
 def stop(res: RoundResult, job: JobRecord, fence: int, kind: IntentKind, reason: str,
-          target: tuple[str, int, int] | None = None) -> None:
+         target: tuple[str, int, int] | None = None) -> None:
     pool, gpus, batch = target or (None, 0, None)
     intent = Intent(kind=kind, job_id=job.id, fence=fence, attempt=job.attempt, gpus=gpus,
                     batch_size=batch, pool=pool, reason=reason)
-    res.plan.change(job, JobState.SUSPENDING, event=kind.value, event_data={"reason": reason},
-                    reason=reason, fence=fence)
+    transitions.stopping(res.plan, job, event=kind.value, data={"reason": reason}, reason=reason,
+                         fence=fence)
     res.plan.add_intent(intent)
     res.changed.append(job.id)
     if kind is IntentKind.STOP:
@@ -108,12 +103,12 @@ def note(res: RoundResult, job: JobRecord, event: str, reason: str) -> None:
     """Say on a job why it gets no GPUs (an ``event`` with the reason), once: a round that
     finds the same reason changes nothing."""
     if job.reason != reason:
-        res.plan.change(job, event=event, event_data={"reason": reason}, reason=reason)
+        transitions.noted(res.plan, job, event, reason)
         res.changed.append(job.id)
 
 
 def unlaunchable(res: RoundResult, job: JobRecord, accel: Accelerator, sizes: list[int],
-                  config: SchedulerConfig, reason: str | None = None) -> None:
+                 config: SchedulerConfig, reason: str | None = None) -> None:
     """No instance type of the fleet has a GPU count the job accepts (or ``reason``): say so on
     the job (once), or drop it under admission drop, instead of leaving it queued without a
     word."""
@@ -128,7 +123,7 @@ def unlaunchable(res: RoundResult, job: JobRecord, accel: Accelerator, sizes: li
 
 
 def no_pool(res: RoundResult, job: JobRecord, region_reason: str | None,
-             config: SchedulerConfig) -> None:
+            config: SchedulerConfig) -> None:
     """No pool offers a queued job's accelerators in its regions: with a reason from its region
     filters, say so on the job (once) or drop it under admission drop, as
     :func:`unlaunchable` does; without one (no pool offers them at all) only admission drop
@@ -148,6 +143,6 @@ def on_demand_launches(job: JobRecord, pools: Sequence[Pool]) -> bool:
 
 
 def _drop(res: RoundResult, job: JobRecord, reason: str) -> None:
-    res.plan.change(job, JobState.DROPPED, reason=reason)
+    transitions.dropped(res.plan, job, reason)
     res.dropped += 1
     res.changed.append(job.id)
