@@ -179,6 +179,7 @@ def test_rediss_with_an_acl_user_and_no_password_in_fleet_up_output(tmp_path: Pa
         tls-ca-cert-file {tls['ca']}
         tls-auth-clients no
         save ""
+        appendonly yes
         dir {tmp_path}
         user default off
         user fleet on >{password} ~* &* +@all

@@ -134,6 +134,13 @@ def test_a_second_early_reclaim_refuses_the_pool(
     try:
         (first,) = reclaimed_in_east("first")
         assert not store.blocklist()[0].refused and first.data["backoff_s"] is None
+        # The first job runs on in west, so east (its GPU back, only marked) is the one spot
+        # room left for the second; before it relaunches, west would be free for the second.
+        deadline = time.monotonic() + 20
+        while store.get_job(first.job_id).state is not JobState.RUNNING:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline
+            step()
+            time.sleep(0.05)
         (second,) = reclaimed_in_east("second")
         blocklist, _ = store.blocklist()
         if quick_s:
