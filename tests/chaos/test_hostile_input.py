@@ -1,0 +1,228 @@
+"""Hostile requests against a real API on loopback over a real redis-server: YAML anchor bombs,
+alias floods, oversized fields, deep nesting and out-of-range ids are each answered 4xx naming
+the field, in well under 100 ms, while ``/healthz`` keeps answering and nothing is stored."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from broker.api import build_app
+from broker.auth import ApiConfig
+from broker.store import Store
+from tests.api_server import TOKENS, ApiServer, api_config
+from tests.redis_server import RedisServer
+
+FAST_S = 0.100  # the issue's bound for answering one hostile request
+TRIES = 3  # each case is sent this often; its median must be under FAST_S (a shared machine)
+
+SPEC = "name: a\nrun: echo hi\nbatch_size: 1\nwork: {samples: 1}\n"
+
+
+def anchor_bomb(levels: int = 8) -> str:
+    """The issue's 473-byte request: 8 levels of 9 aliases, ``run: *l7``."""
+    lines = ['l0: &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"l{i}: &l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\nname: a\nrun: *l{levels - 1}\nbatch_size: 1\n" \
+        "work: {samples: 1}\n"
+
+
+def alias_flood() -> str:
+    """About 208 KB that expands to a ~100 MB ``setup`` (a 1.5 KB value aliased 69,000 times)."""
+    return (SPEC + "envs: {X: &x '" + "x" * 1500 + "'}\n"
+            + "setup: [" + ",".join(["*x"] * 69_000) + "]\n")
+
+
+@dataclass
+class Case:
+    name: str
+    who: str
+    method: str
+    path: str
+    body: str | None = None
+    params: dict[str, str] = field(default_factory=dict)
+    content_type: str = "application/yaml"
+    status: int = 422
+    field: str | None = None  # a problem's field starts with this (None: the 413 names none)
+
+
+CASES = [
+    Case("anchor bomb", "ml", "POST", "/v1/jobs", anchor_bomb(), field="l"),
+    Case("alias flood", "ml", "POST", "/v1/jobs", alias_flood(), field="setup"),
+    Case("long setup", "ml", "POST", "/v1/jobs", SPEC + "setup: '" + "s" * 70_000 + "'\n",
+         field="setup"),
+    Case("long run", "ml", "POST", "/v1/jobs",
+         SPEC.replace("echo hi", "'" + "r" * 70_000 + "'"), field="run"),
+    Case("many envs", "ml", "POST", "/v1/jobs",
+         SPEC + "envs:\n" + "".join(f"  V{i}: v\n" for i in range(5000)), field="envs"),
+    Case("huge env value", "ml", "POST", "/v1/jobs",
+         SPEC + "envs: {BIG: '" + "e" * 100_000 + "'}\n", field="envs.BIG"),
+    Case("flat list", "ml", "POST", "/v1/jobs",
+         SPEC.replace("run: echo hi", "run: [" + "1," * 120_000 + "1]"), field="run"),
+    Case("deep yaml", "ml", "POST", "/v1/jobs",
+         SPEC.replace("run: echo hi", "run: " + "[" * 500 + "]" * 500), field="run[0]"),
+    # libyaml looks 1,000 levels ahead before the composer sees the 33rd: it names the position
+    Case("deeper yaml", "ml", "POST", "/v1/jobs",
+         SPEC.replace("run: echo hi", "run: " + "[" * 5000 + "]" * 5000), field="line 2"),
+    Case("deep json object", "ml", "POST", "/v1/jobs", '{"a":' * 1000 + "1" + "}" * 1000,
+         content_type="application/json", field="(file)"),
+    Case("deep json in a field", "ml", "POST", "/v1/jobs",
+         '{"run": ' + "[" * 5000 + "]" * 5000 + "}", content_type="application/json",
+         field="(file)"),
+    Case("deep json", "ml", "POST", "/v1/jobs", '{"run": ' + "[" * 100 + "]" * 100 + "}",
+         content_type="application/json", field="run[0]"),
+    Case("spaces in a duration", "ml", "POST", "/v1/jobs",
+         SPEC + 'deadline: "' + " " * 200 + 'x"\n', field="deadline"),
+    Case("long region", "ml", "POST", "/v1/jobs",
+         SPEC + 'checkpoint: {uri: /x, region: "azure:' + "east" * 16_000 + '!"}\n',
+         field="checkpoint.region"),
+    Case("long accelerator", "ml", "POST", "/v1/jobs",
+         'run: x\nresources: {accelerators: "A' + " " * 60_000 + ':x"}\n',
+         field="resources.accelerators"),
+    Case("a digit int() refuses", "ml", "POST", "/v1/jobs", SPEC + 'gpus: "1:\u00b2"\n',
+         field="gpus"),
+    Case("5000 digits", "ml", "POST", "/v1/jobs", SPEC + 'priority: "' + "9" * 5000 + '"\n',
+         field="priority"),
+    Case("deep json heartbeat", "agent", "POST", "/v1/agent/heartbeat",
+         "[" * 1000 + "]" * 1000, content_type="application/json", field="body"),
+    Case("deep json preempt", "admin", "POST", "/v1/chaos/preempt",
+         '{"region": ' + "[" * 1000 + "]" * 1000 + "}", content_type="application/json",
+         field="body"),
+    Case("stream id out of range", "ml", "GET", "/v1/events",
+         params={"since": "99999999999999999999999-0"}, field="since"),
+    Case("stream id seq out of range", "admin", "GET", "/v1/events",
+         params={"since": "0-18446744073709551616"}, field="since"),
+    Case("body over the limit", "ml", "POST", "/v1/jobs", SPEC + "#" * 300_000, status=413),
+]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiServer, Store]]:
+    """The API with the production body limit (the shared test config's is 64 KB)."""
+    redis = RedisServer(tmp_path_factory.mktemp("hostile") / "redis")
+    redis.start()
+    srv = None
+    try:
+        store = Store.from_url(redis.url)
+        config = api_config().model_copy(update={"max_body_bytes": ApiConfig().max_body_bytes})
+        srv = ApiServer(build_app(store, config)).start()
+        yield srv, store
+    finally:
+        if srv is not None:
+            srv.stop()
+        redis.stop()
+
+
+class HealthProbe:
+    """Polls ``/healthz`` from its own thread; ``.worst`` is the slowest answer seen."""
+
+    def __init__(self, url: str, every_s: float = 0.02) -> None:
+        self.url, self.every_s = url, every_s
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as c:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    r = c.get(self.url + "/healthz")
+                    if r.status_code != 200:
+                        self.failures.append(f"{r.status_code} {r.text[:100]}")
+                except httpx.HTTPError as exc:
+                    self.failures.append(repr(exc))
+                self.latencies.append(time.perf_counter() - t0)
+                self._stop.wait(self.every_s)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    @property
+    def worst(self) -> float:
+        return max(self.latencies, default=float("inf"))
+
+
+def send(c: httpx.Client, case: Case) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {TOKENS[case.who]}", "Content-Type": case.content_type}
+    return c.request(case.method, case.path, content=case.body, params=case.params,
+                     headers=headers)
+
+
+def check_answer(case: Case, r: httpx.Response) -> None:
+    assert r.status_code == case.status, f"{case.name}: {r.status_code} {r.text[:300]}"
+    err = r.json()["error"]
+    if case.field is not None:
+        fields = [p["field"] for p in err["problems"]]
+        assert any(f.startswith(case.field) for f in fields), f"{case.name}: {err}"
+        assert all(p["message"] for p in err["problems"])
+    assert len(r.content) < 8192, f"{case.name}: a {len(r.content)}-byte error"
+
+
+def timed(call: Callable[[], httpx.Response]) -> tuple[float, httpx.Response]:
+    t0 = time.perf_counter()
+    r = call()
+    return time.perf_counter() - t0, r
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_hostile_request_is_a_fast_4xx_naming_the_field(
+        stack: tuple[ApiServer, Store], case: Case) -> None:
+    srv, store = stack
+    store.r.flushdb()
+    with HealthProbe(srv.url) as health, httpx.Client(base_url=srv.url, timeout=60) as c:
+        send(c, Case("warm-up", "ml", "GET", "/v1/jobs"))
+        times = []
+        for _ in range(TRIES):
+            took, r = timed(lambda: send(c, case))
+            check_answer(case, r)
+            times.append(took)
+        time.sleep(0.05)  # one more probe after the last answer
+    print(f"hostile: {case.name}: median {statistics.median(times) * 1000:.1f} ms, worst "
+          f"{max(times) * 1000:.1f} ms; /healthz worst {health.worst * 1000:.1f} ms")
+    assert statistics.median(times) < FAST_S, f"{case.name}: answered in {times}"
+    assert not health.failures and health.latencies
+    assert health.worst < 1.0, f"/healthz took {health.worst:.3f} s during {case.name}"
+    assert store.list_jobs() == [] and store.r.dbsize() == 0  # nothing of it was kept
+
+
+def test_a_submitted_spec_may_still_use_anchors(stack: tuple[ApiServer, Store]) -> None:
+    """Bounded aliases are not refused: an anchor reused a few times is a plain spec."""
+    srv, store = stack
+    body = ("name: anchors\nrun: &cmd echo hi\nsetup: *cmd\nbatch_size: 1\n"
+            "work: {samples: 1}\nenvs: {A: &v shared, B: *v}\n")
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = send(c, Case("anchors", "ml", "POST", "/v1/jobs", body, status=201))
+    assert r.status_code == 201, r.text
+    job = r.json()["job"]
+    assert job["spec"]["setup"] == "echo hi" and job["spec"]["envs"] == {"A": "shared",
+                                                                          "B": "shared"}
+    store.r.flushdb()
+
+
+def test_a_json_spec_at_the_field_limits_is_accepted(stack: tuple[ApiServer, Store]) -> None:
+    """The caps refuse what is over them, not what is at them."""
+    from broker.spec import MAX_ENVS, MAX_TEXT_BYTES
+
+    srv, store = stack
+    spec = {"name": "edge", "run": "r" * MAX_TEXT_BYTES, "batch_size": 1,
+            "work": {"samples": 1}, "envs": {f"V{i}": "v" for i in range(MAX_ENVS)}}
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = send(c, Case("edge", "ml", "POST", "/v1/jobs", json.dumps(spec),
+                         content_type="application/json", status=201))
+    assert r.status_code == 201, r.text
+    assert len(store.get_job(r.json()["job"]["id"]).spec.run) == MAX_TEXT_BYTES  # type: ignore[union-attr]
+    store.r.flushdb()
