@@ -395,7 +395,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                 "terminal": job.state.terminal}
 
     @app.get("/v1/capacity", tags=["fleet"], summary="Pools: capacity, GPUs in use, prices",
-             responses=_errors(401, 403, 503))
+             responses=_errors(401, 403, 422, 503))
     def capacity(who: User) -> dict[str, Any]:
         used: dict[str, int] = {}
         holding = [s for s in JobState if s.holds_gpus]
