@@ -5,11 +5,15 @@ the field, in well under 100 ms, while ``/healthz`` keeps answering and nothing 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +22,9 @@ from broker.api import build_app
 from broker.auth import ApiConfig
 from broker.store import Store
 from tests.api_server import TOKENS, ApiServer, api_config
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
+
+REPO = Path(__file__).resolve().parents[2]
 
 FAST_S = 0.100  # the issue's bound for answering one hostile request
 TRIES = 3  # each case is sent this often; its median must be under FAST_S (a shared machine)
@@ -226,3 +232,86 @@ def test_a_json_spec_at_the_field_limits_is_accepted(stack: tuple[ApiServer, Sto
     assert r.status_code == 201, r.text
     assert len(store.get_job(r.json()["job"]["id"]).spec.run) == MAX_TEXT_BYTES  # type: ignore[union-attr]
     store.r.flushdb()
+
+
+LEASE_TTL_S = 1.0  # short, so that a frozen leader loses its lease within the test
+LOAD_S = 4.0
+CLIENTS = 4
+
+
+def _python(*args: str, **kw: object) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, **kw)  # type: ignore[call-overload]
+
+
+def test_the_leader_keeps_its_lease_under_hostile_load(tmp_path: Path) -> None:
+    """``fleet up``'s process (API and leader loop together) under concurrent hostile requests,
+    a second broker waiting for the lease: the leader never loses it and ``/healthz`` answers
+    throughout."""
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    store = Store.from_url(redis.url)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "FLEET_TEAM_TOKENS": f"ml={TOKENS['ml']}"}
+    procs = [_python("-m", "tests.chaos.stack_main", redis.url, str(tmp_path / "leader"),
+                     str(port), "leader", str(LEASE_TTL_S), env=env)]
+    try:
+        deadline = time.monotonic() + 60
+        while (store.leader() or (0, ""))[1] != "leader" or not _healthy(url):
+            assert procs[0].poll() is None and time.monotonic() < deadline, "no leader"
+            time.sleep(0.1)
+        fence = store.leader()[0]  # type: ignore[index]
+        procs.append(_python("-m", "broker.server", "--redis-url", redis.url, "--state-dir",
+                             str(tmp_path / "standby"), "--lease-ttl", str(LEASE_TTL_S),
+                             "--owner", "standby", "--no-agent"))
+        leaders: list[tuple[int, str] | None] = []
+        answers: list[tuple[str, int, float]] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(0.05):
+                leaders.append(store.leader())
+
+        def attack(i: int) -> None:
+            with httpx.Client(base_url=url, timeout=60) as c:
+                n = i
+                while not stop.is_set():
+                    case = CASES[n % len(CASES)]
+                    took, r = timed(lambda case=case: send(c, case))  # type: ignore[misc]
+                    answers.append((case.name, r.status_code, took))
+                    n += CLIENTS
+
+        threads = [threading.Thread(target=watch)] + [
+            threading.Thread(target=attack, args=(i,)) for i in range(CLIENTS)]
+        with HealthProbe(url) as health:
+            for t in threads:
+                t.start()
+            time.sleep(LOAD_S)
+            stop.set()
+            for t in threads:
+                t.join(timeout=120)
+        assert procs[1].poll() is None  # the standby was there to take over all along
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)
+        redis.stop()
+    worst = max(answers, key=lambda a: a[2])
+    print(f"hostile load: {len(answers)} hostile requests from {CLIENTS} clients in {LOAD_S} s, "
+          f"worst {worst[2] * 1000:.0f} ms ({worst[0]}); /healthz {len(health.latencies)} "
+          f"probes, worst {health.worst * 1000:.0f} ms; leader {fence} held in "
+          f"{sum(1 for x in leaders if x == (fence, 'leader'))}/{len(leaders)} samples")
+    assert leaders and all(x == (fence, "leader") for x in leaders), set(leaders)
+    assert {name for name, _, _ in answers} == {c.name for c in CASES}
+    assert all(400 <= status < 500 for _, status, _ in answers), \
+        {(n, s) for n, s, _ in answers if not 400 <= s < 500}
+    assert not health.failures and health.worst < 1.0, (health.failures, health.worst)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
