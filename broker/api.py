@@ -103,10 +103,10 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return out
 
 
-# Error statuses of each kind of route: every one needs a token (401, 403) and Redis (503).
+# Error statuses of most routes: every one needs a token (401, 403) and Redis (503); a POST
+# has a body to be too big.
 _READ = _errors(401, 403, 404, 422, 503)
-_AGENT = _errors(401, 403, 404, 413, 422, 503)
-_ADMIN = _errors(401, 403, 404, 413, 422, 503)
+_POST = _errors(401, 403, 404, 413, 422, 503)
 
 
 def _stream_id(since: str) -> str:
@@ -375,7 +375,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                 "ondemand_cost": total.ondemand_cost_usd}
 
     @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"], summary="Cancel a job",
-              responses=_errors(401, 403, 404, 413, 422, 503))
+              responses=_POST)
     def cancel(job_id: JobId, who: User) -> dict[str, Any]:
         visible_job(job_id, who)
         try:
@@ -445,7 +445,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         return {"events": [e.model_dump(mode="json") for e in found], "next": last}
 
     @app.post("/v1/agent/heartbeat", tags=["agent"], response_model=HeartbeatReply,
-              responses=_AGENT,
+              responses=_POST,
               summary="An agent's progress report; the reply tells it to go on or stop")
     def heartbeat(beat: Heartbeat, caller: Reporter) -> HeartbeatReply:
         for_attempt(caller, beat.job_id, beat.attempt)
@@ -459,7 +459,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         return HeartbeatReply(action=_agent_action(said.action), round=said.round)
 
     @app.post("/v1/agent/rendezvous", tags=["agent"], response_model=RendezvousReply,
-              responses=_AGENT,
+              responses=_POST,
               summary="A multi-node job's rendezvous: every node checks in (rank 0 with the "
                       "master's address) and polls until its whole round has")
     def rendezvous(visit: Rendezvous, caller: Reporter) -> RendezvousReply:
@@ -471,7 +471,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
             raise ApiError(404, f"no job {visit.job_id!r}") from None
         return RendezvousReply(**{**got, "action": _agent_action(got["action"])})
 
-    @app.post("/v1/chaos/preempt", status_code=202, tags=["chaos"], responses=_ADMIN,
+    @app.post("/v1/chaos/preempt", status_code=202, tags=["chaos"], responses=_POST,
               summary="Reclaim every spot node in a region (admin)")
     def chaos_preempt(req: PreemptRequest,
                       who: Annotated[Principal, Depends(admin)]) -> dict[str, Any]:

@@ -84,7 +84,6 @@ def preview(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-
 class _Problems:
     def __init__(self) -> None:
         self.items: list[Problem] = []
