@@ -17,8 +17,9 @@ import redis
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -27,7 +28,15 @@ from broker import __version__
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
 from broker.models import JobRecord, JobState
-from broker.spec import Problem, SpecError, apply_overrides, parse_spec_text
+from broker.spec import (
+    ParsedSpec,
+    Problem,
+    SpecError,
+    apply_overrides,
+    load_json,
+    parse_spec_text,
+    preview,
+)
 from broker.store import CHECKPOINT_EXIT, JobNotFound, NotDurable, Store
 from policies.models import Accelerator, JobSpec, Market
 
@@ -43,6 +52,7 @@ LAUNCH_KEY_FIELD = Field(
 DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 SPEC_MEDIA = ("application/yaml", "application/x-yaml", "text/yaml", "text/plain",
               "application/json")
+STREAM_ID_PART_MAX = 2**64 - 1  # Redis stream ids are <ms>-<seq>, each an unsigned 64-bit number
 
 
 class ApiError(HTTPException):
@@ -57,6 +67,81 @@ class ApiError(HTTPException):
 def _error_body(status: int, message: str, problems: list[Problem]) -> dict[str, Any]:
     return {"error": {"status": status, "message": message,
                       "problems": [p.model_dump() for p in problems]}}
+
+
+class ErrorDetail(BaseModel):
+    status: int = Field(description="the HTTP status again")
+    message: str = Field(description="what went wrong and how to fix it")
+    problems: list[Problem] = Field(description="for bad input: one entry per field at fault")
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx and 5xx answer of the API (docs/api-errors.md)."""
+
+    error: ErrorDetail
+
+
+_ERROR_WHY = {
+    401: "no bearer token, or one the broker does not know",
+    403: "the token's role or team may not do this",
+    404: "no such job, team or region visible to this token",
+    409: "the job is not in a state that allows this",
+    413: "the request body is over the broker's limit (api.max_body_bytes)",
+    415: "the body's content type is not a job spec",
+    422: "invalid input: one problem per field, with the limit or the fix",
+    503: "the broker's state store (Redis) is unavailable",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a route's error statuses (all share ``ErrorBody``)."""
+    out: dict[int | str, dict[str, Any]] = {
+        s: {"model": ErrorBody, "description": _ERROR_WHY[s]} for s in statuses}
+    if 401 in out:
+        out[401]["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"},
+                                                    "description": "Bearer"}}
+    return out
+
+
+# Error statuses of most routes: every one needs a token (401, 403) and Redis (503); a POST
+# has a body to be too big.
+_READ = _errors(401, 403, 404, 422, 503)
+_POST = _errors(401, 403, 404, 413, 422, 503)
+
+
+def _stream_id(since: str) -> str:
+    """``since`` is "0" or an id "<ms>-<seq>" that Redis can start a range after."""
+    if since != "0":
+        ms, seq = (int(x) for x in since.split("-"))
+        if ms > STREAM_ID_PART_MAX or seq > STREAM_ID_PART_MAX or \
+                ms == seq == STREAM_ID_PART_MAX:
+            raise ValueError(f"each part of a stream id is at most {STREAM_ID_PART_MAX} (and "
+                             "the last possible id has nothing after it); pass the 'next' of "
+                             "the previous answer")
+    return since
+
+
+class _BoundedJsonRequest(Request):
+    """A request whose JSON body is read within the spec's shape limits (depth, values): a
+    body nested a thousand levels deep is a 422 naming it, not a RecursionError."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            try:
+                self._json = load_json(await self.body(), "body")
+            except SpecError as exc:
+                raise ApiError(422, "invalid request body", exc.problems) from None
+        return self._json
+
+
+class _BoundedJsonRoute(APIRoute):
+    def get_route_handler(self) -> Any:
+        handler = super().get_route_handler()
+
+        async def bounded(request: Request) -> Response:
+            return await handler(_BoundedJsonRequest(request.scope, request.receive))
+
+        return bounded
 
 
 class Heartbeat(BaseModel):
@@ -172,7 +257,9 @@ def job_view(job: JobRecord) -> dict[str, Any]:
 def build_app(store: Store, config: ApiConfig) -> FastAPI:
     """The API over ``store`` with ``config``'s tokens and limits."""
     app = FastAPI(title="FleetBroker", version=__version__,
-                  description="Submit and follow elastic training jobs across clouds.")
+                  description="Submit and follow elastic training jobs across clouds. Errors: "
+                              "docs/api-errors.md.")
+    app.router.route_class = _BoundedJsonRoute
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
 
@@ -248,6 +335,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         return {"status": "ok", "version": __version__}
 
     @app.post("/v1/jobs", status_code=201, tags=["jobs"], summary="Submit a job",
+              responses=_errors(401, 403, 413, 415, 422, 503),
               openapi_extra={"requestBody": {"required": True, "content": {
                   m: {"schema": {"type": "string" if m != "application/json" else "object"}}
                   for m in SPEC_MEDIA}}})
@@ -262,11 +350,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         """Body: the job spec as YAML (own format or SkyPilot task) or JSON. A retry with the
         same ``Idempotency-Key`` returns the first job instead of a second one."""
         body = await _read_spec_body(request)
-        try:
-            parsed = parse_spec_text(body)
-            spec = parsed.spec
-            if gpus is not None or spot is not None:
-                spec = apply_overrides(spec, gpus=gpus, spot=spot)
+        try:  # in a worker thread: a big spec never holds up the event loop
+            parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot)
         except SpecError as exc:
             raise ApiError(422, "invalid job spec", exc.problems) from None
         team = _submit_team(spec, who)
@@ -276,7 +361,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                                       request_key=idempotency_key)
         return {"job": job_view(job), "format": parsed.format, "warnings": parsed.warnings}
 
-    @app.get("/v1/jobs", tags=["jobs"], summary="List jobs (yours; an admin sees all)")
+    @app.get("/v1/jobs", tags=["jobs"], summary="List jobs (yours; an admin sees all)",
+             responses=_READ)
     def list_jobs(
         who: User,
         state: Annotated[list[JobState] | None, Query()] = None,
@@ -287,7 +373,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         shown = jobs[-min(limit, config.max_list):]
         return {"jobs": [job_view(j) for j in shown], "total": len(jobs)}
 
-    @app.get("/v1/jobs/{job_id}", tags=["jobs"], summary="One job with its placements and cost")
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"], summary="One job with its placements and cost",
+             responses=_READ)
     def get_job(job_id: JobId, who: User) -> dict[str, Any]:
         job = visible_job(job_id, who)
         placements = store.placements(job_id)
@@ -298,7 +385,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                 "gpu_hours": total.gpu_hours, "cost": total.cost_usd,
                 "ondemand_cost": total.ondemand_cost_usd}
 
-    @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"], summary="Cancel a job")
+    @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"], summary="Cancel a job",
+              responses=_POST)
     def cancel(job_id: JobId, who: User) -> dict[str, Any]:
         visible_job(job_id, who)
         try:
@@ -307,7 +395,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
             raise ApiError(404, f"no job {job_id!r}") from None
         return {"job": job_view(job)}
 
-    @app.get("/v1/jobs/{job_id}/logs", tags=["jobs"], summary="Log lines from an offset")
+    @app.get("/v1/jobs/{job_id}/logs", tags=["jobs"], summary="Log lines from an offset",
+             responses=_READ)
     def logs(job_id: JobId, who: User,
              offset: Annotated[int, Query(ge=0, le=10**12)] = 0,
              limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> dict[str, Any]:
@@ -316,7 +405,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         return {"lines": lines, "next_offset": next_offset, "state": job.state.value,
                 "terminal": job.state.terminal}
 
-    @app.get("/v1/capacity", tags=["fleet"], summary="Pools: capacity, GPUs in use, prices")
+    @app.get("/v1/capacity", tags=["fleet"], summary="Pools: capacity, GPUs in use, prices",
+             responses=_errors(401, 403, 422, 503))
     def capacity(who: User) -> dict[str, Any]:
         used: dict[str, int] = {}
         holding = [s for s in JobState if s.holds_gpus]
@@ -334,7 +424,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                           "used": sum(p["used"] for p in pools)}}
 
     @app.get("/v1/costs", tags=["fleet"],
-             summary="Cost per job and per team across recoveries, and the saving vs on-demand")
+             summary="Cost per job and per team across recoveries, and the saving vs on-demand",
+             responses=_READ)
     def costs(
         who: User,
         team: Annotated[str | None, Query(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")] = None,
@@ -347,9 +438,13 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                              rows=min(limit, config.max_list))
         return {**report, "jobs_total": len(jobs)}
 
-    @app.get("/v1/events", tags=["fleet"], summary="Events after a stream id, oldest first")
+    @app.get("/v1/events", tags=["fleet"], summary="Events after a stream id, oldest first",
+             responses=_READ)
     def events(who: User,
-               since: Annotated[str, Query(pattern=r"^(0|\d+-\d+)$")] = "0",
+               since: Annotated[str, Query(pattern=r"^(0|[0-9]{1,20}-[0-9]{1,20})$",
+                                           description="a stream id '<ms>-<seq>' (each part "
+                                           "at most 2^64-1), or 0 for the oldest"),
+                                AfterValidator(_stream_id)] = "0",
                job_id: Annotated[str | None, Query(pattern=JOB_ID)] = None,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> dict[str, Any]:
         if job_id is not None:
@@ -361,6 +456,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         return {"events": [e.model_dump(mode="json") for e in found], "next": last}
 
     @app.post("/v1/agent/heartbeat", tags=["agent"], response_model=HeartbeatReply,
+              responses=_POST,
               summary="An agent's progress report; the reply tells it to go on or stop")
     def heartbeat(beat: Heartbeat, caller: Reporter) -> HeartbeatReply:
         for_attempt(caller, beat.job_id, beat.attempt)
@@ -374,6 +470,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         return HeartbeatReply(action=_agent_action(said.action), round=said.round)
 
     @app.post("/v1/agent/rendezvous", tags=["agent"], response_model=RendezvousReply,
+              responses=_POST,
               summary="A multi-node job's rendezvous: every node checks in (rank 0 with the "
                       "master's address) and polls until its whole round has")
     def rendezvous(visit: Rendezvous, caller: Reporter) -> RendezvousReply:
@@ -385,7 +482,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
             raise ApiError(404, f"no job {visit.job_id!r}") from None
         return RendezvousReply(**{**got, "action": _agent_action(got["action"])})
 
-    @app.post("/v1/chaos/preempt", status_code=202, tags=["chaos"],
+    @app.post("/v1/chaos/preempt", status_code=202, tags=["chaos"], responses=_POST,
               summary="Reclaim every spot node in a region (admin)")
     def chaos_preempt(req: PreemptRequest,
                       who: Annotated[Principal, Depends(admin)]) -> dict[str, Any]:
@@ -400,6 +497,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                 "pools": sorted(p.id for p in hits), "duration_s": req.duration_s}
 
     @app.post("/v1/chaos/node", status_code=202, tags=["chaos"],
+              responses=_errors(401, 403, 404, 409, 413, 422, 503),
               summary="Reclaim or kill one node of a running job (admin)")
     def chaos_node(req: NodeChaosRequest,
                    who: Annotated[Principal, Depends(admin)]) -> dict[str, Any]:
@@ -413,6 +511,16 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         return {"accepted": True, "job_id": job.id, "rank": req.rank, "how": req.how}
 
     return app
+
+
+def _parse_submission(body: bytes, gpus: str | None,
+                      spot: str | None) -> tuple[ParsedSpec, JobSpec]:
+    """A submitted body's parsed spec and the spec with the query's overrides applied."""
+    parsed = parse_spec_text(body)
+    spec = parsed.spec
+    if gpus is not None or spot is not None:
+        spec = apply_overrides(spec, gpus=gpus, spot=spot)
+    return parsed, spec
 
 
 def _agent_action(action: str) -> str | None:
@@ -546,6 +654,6 @@ def _install_error_handlers(app: FastAPI) -> None:
             where = ".".join(loc[1:] if loc and loc[0] in ("body", "query", "path", "header")
                              else loc) or "body"
             value = err.get("input") if err["type"] != "missing" else None
-            problems.append(Problem(field=where, message=err["msg"],
-                                    value=None if value is None else repr(value)[:80]))
+            problems.append(Problem(field=where, message=err["msg"].removeprefix(
+                "Value error, "), value=None if value is None else preview(value)))
         return JSONResponse(_error_body(422, "invalid request", problems), status_code=422)

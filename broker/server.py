@@ -43,6 +43,9 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_FLEET = REPO / "examples" / "fleets" / "local.yaml"
 REDIS_HINT = ("redis-server not found on PATH: install it (Debian/Ubuntu: apt-get install "
               "redis-server; macOS: brew install redis) or pass --redis-url redis://HOST:PORT")
+# A leader loop that has not come round for this long is taken to be hung: its lease is no
+# longer renewed, so a standby takes over (a pass may wait this long on a cloud's API).
+LEASE_STALL_S = 60.0
 
 
 class BrokerConfig(BaseModel):
@@ -300,6 +303,7 @@ class Broker:
         self._examined: set[str] = set()  # waiting jobs whose checkpoint bucket was looked at
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._came_round = time.monotonic()  # when the loop last started a pass
 
     def step(self) -> bool:
         """One pass of the loop; returns whether this process is the leader."""
@@ -390,8 +394,27 @@ class Broker:
                    {"node": node.node_id, "rank": rank})
         self.store.apply(plan, fence=self.fence)
 
+    def _keep_lease(self) -> None:
+        """Renew the lease a third of its TTL apart on this thread's own timer, so that neither
+        a long pass nor API requests served by this process can let it lapse; a loop that has
+        not come round for ``LEASE_STALL_S`` is no longer renewed for."""
+        while not self._stop.wait(self.config.lease_ttl_s / 3):
+            fence = self.fence
+            if not fence or time.monotonic() - self._came_round > LEASE_STALL_S:
+                continue
+            try:
+                held = self.store.acquire_lease(self.config.owner, self.config.lease_ttl_s)
+            except redis.RedisError as exc:
+                log.warning("could not renew the leader lease (%s); retrying", exc)
+                continue
+            if held != fence:  # the loop's next write with the old fence is refused
+                log.warning("the leader lease (fence %s) lapsed; now %s", fence, held)
+
     def run_forever(self) -> None:
+        keeper = threading.Thread(target=self._keep_lease, name="broker-lease", daemon=True)
+        keeper.start()
         while not self._stop.is_set():
+            self._came_round = time.monotonic()
             try:
                 if not self.step():  # a standby polls the lease; it leaves the wakes alone
                     self._stop.wait(self.config.lease_ttl_s / 3)
@@ -403,6 +426,7 @@ class Broker:
             except Exception:  # one bad pass must not stop the control plane; state is in Redis
                 log.exception("broker loop pass failed; retrying")
                 self._stop.wait(self.config.tick_s)
+        keeper.join()  # its last renewal lands before stop() releases the lease
 
     def start(self) -> Broker:
         self._thread = threading.Thread(target=self.run_forever, name="broker-loop", daemon=True)

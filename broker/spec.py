@@ -11,16 +11,31 @@ import fnmatch
 import json
 import math
 import re
+import reprlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from yaml.cyaml import CParser
 
 from policies.models import CLOUD_REGION, Accelerator, JobSpec, SpotPolicy, check_name
 
 MAX_SPEC_BYTES = 256 * 1024
+# The shape a spec may have once its YAML aliases are expanded: an anchor bomb or an alias flood
+# (a few hundred bytes that expand to gigabytes) is refused while it is read, before anything is
+# built from it. Real specs hold a few hundred values, nested a few levels.
+MAX_SPEC_VALUES = 2_000
+MAX_SPEC_DEPTH = 32
+# Field caps: every field is bounded, so is the stored record (its canonical JSON).
+MAX_TEXT_BYTES = 64 * 1024  # run, setup
+MAX_ENVS = 256
+MAX_ENV_VALUE_BYTES = 16 * 1024
+MAX_ENVS_BYTES = 64 * 1024  # names and values together
+MAX_LIST_ITEMS = 64  # accelerators, region patterns, SkyPilot resource alternatives
+# A cloud:region (pattern) or an accelerator name: longer ones are refused before any regex.
+MAX_REGION_CHARS = 64
 MAX_DEADLINE_S = 366 * 24 * 3600.0
 MAX_WORK_SAMPLES = 10**15
 # A SkyPilot task says nothing about its work: it runs until its command exits.
@@ -59,8 +74,13 @@ class ParsedSpec(BaseModel):
     warnings: list[str] = []
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
+_PREVIEW = reprlib.Repr()
+_PREVIEW.maxlevel, _PREVIEW.maxstring, _PREVIEW.maxother = 3, 70, 70
+
+
+def preview(value: Any) -> str:
+    """At most 80 characters of ``value`` for an error message, however big or deep it is."""
+    text = _PREVIEW.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -70,7 +90,7 @@ class _Problems:
         self.fields: set[str] = set()
 
     def add(self, field: str, value: Any, message: str, *, show: bool = True) -> None:
-        self.items.append(Problem(field=field, value=_show(value) if show else None,
+        self.items.append(Problem(field=field, value=preview(value) if show else None,
                                   message=message))
         self.fields.add(field.split(".")[0].split("[")[0])
 
@@ -82,8 +102,79 @@ class _Problems:
 # --- YAML loading ---------------------------------------------------------------------------
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """Safe YAML that refuses duplicate keys (PyYAML would silently keep the last one)."""
+class _Refused(yaml.YAMLError):
+    """The document is over a shape limit; ``problem`` says where and which."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem.message)
+        self.problem = problem
+
+
+class _BoundedComposer(yaml.composer.Composer):
+    """Composes the node graph while counting what it expands to, every alias as often as it is
+    used: past ``MAX_SPEC_VALUES`` values, ``MAX_SPEC_BYTES`` of text or ``MAX_SPEC_DEPTH``
+    levels the document is refused, so an anchor bomb costs no more than the limits."""
+
+    def compose_document(self) -> yaml.Node | None:
+        self._values = self._text = 0
+        self._path: list[Any] = []  # the index (key node or position) of each open level
+        self._anchored: dict[int, tuple[int, int]] = {}  # id(node) -> (values, text) expanded
+        try:
+            return super().compose_document()
+        finally:
+            self._anchored.clear()
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        self._path.append(index)
+        try:
+            if len(self._path) > MAX_SPEC_DEPTH:
+                self._refuse(f"nests deeper than {MAX_SPEC_DEPTH} levels; flatten it")
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent):
+                target = self.anchors.get(event.anchor)
+                if target is not None:  # an undefined alias: the composer names it
+                    if id(target) not in self._anchored:
+                        self._refuse("an alias inside its own anchor (a structure that "
+                                     "contains itself); write the value out")
+                    self._charge(*self._anchored[id(target)])
+                return super().compose_node(parent, index)
+            values, text = self._values, self._text
+            self._charge(1, len(event.value) if isinstance(event, yaml.ScalarEvent) else 0)
+            node = super().compose_node(parent, index)
+            if event.anchor is not None:
+                self._anchored[id(node)] = (self._values - values, self._text - text)
+            return node
+        finally:
+            self._path.pop()
+
+    def _charge(self, values: int, text: int) -> None:
+        self._values += values
+        self._text += text
+        if self._values > MAX_SPEC_VALUES:
+            self._refuse(f"the spec holds more than {MAX_SPEC_VALUES:,} values (an alias counts "
+                         "as often as it is used); write it with fewer")
+        if self._text > MAX_SPEC_BYTES:
+            self._refuse(f"the spec holds more than {MAX_SPEC_BYTES:,} bytes of text (an alias "
+                         "counts as often as it is used); write it without aliases")
+
+    def _refuse(self, message: str) -> None:
+        where = "".join(f"[{i}]" if isinstance(i, int) else
+                        f".{i.value}" if isinstance(i, yaml.ScalarNode) else ""
+                        for i in self._path).removeprefix(".")
+        line = self.peek_event().start_mark.line + 1
+        raise _Refused(Problem(field=where or "(file)", value=f"line {line}", message=message))
+
+
+class _StrictLoader(_BoundedComposer, CParser, yaml.constructor.SafeConstructor,
+                    yaml.resolver.Resolver):
+    """Safe YAML (libyaml's parser) that refuses duplicate keys (PyYAML would silently keep
+    the last one) and documents over the shape limits."""
+
+    def __init__(self, stream: str) -> None:
+        CParser.__init__(self, stream)
+        _BoundedComposer.__init__(self)
+        yaml.constructor.SafeConstructor.__init__(self)
+        yaml.resolver.Resolver.__init__(self)
 
 
 def _mapping_no_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
@@ -95,10 +186,10 @@ def _mapping_no_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dic
             hash(key)
         except TypeError:
             raise yaml.constructor.ConstructorError(
-                None, None, f"unhashable key {key!r}", key_node.start_mark) from None
+                None, None, f"unhashable key {preview(key)}", key_node.start_mark) from None
         if key in seen:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark)
+                None, None, f"duplicate key {preview(key)}", key_node.start_mark)
         seen[key] = loader.construct_object(value_node, deep=True)
     return seen
 
@@ -127,18 +218,21 @@ def load_yaml(text: str | bytes) -> Any:
         raise SpecError([_too_big(len(text))])
     if text.lstrip().startswith("{"):
         try:  # JSON proper first: YAML cannot read JSON's surrogate-pair escapes
-            return json.loads(text, object_pairs_hook=_json_object)
+            return load_json(text, "(file)")
         except json.JSONDecodeError:
             pass  # a YAML flow mapping, or broken JSON: YAML's parser names the position
-        except ValueError as exc:  # a duplicate key, or a number too long to convert
-            raise SpecError([_unreadable(exc)]) from None
     try:
         docs = list(yaml.load_all(text, Loader=_StrictLoader))
+    except _Refused as exc:
+        raise SpecError([exc.problem]) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
+        if exc.context_mark and mark and mark.index >= len(text):
+            mark = exc.context_mark  # the text ended: point where the open construct began
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
-        raise SpecError([Problem(field=where, message=f"malformed YAML: {exc.problem or exc}; "
-                                 "fix it at that position")]) from None
+        context = f" ({exc.context})" if exc.context and mark is exc.context_mark else ""
+        raise SpecError([Problem(field=where, message=f"malformed YAML: {exc.problem or exc}"
+                                 f"{context}; fix it at that position")]) from None
     except (yaml.YAMLError, RecursionError, ValueError) as exc:
         raise SpecError([_unreadable(exc)]) from None
     docs = [d for d in docs if d is not None]
@@ -149,9 +243,48 @@ def load_yaml(text: str | bytes) -> Any:
     return docs[0]
 
 
-def _unreadable(exc: BaseException) -> Problem:
+def load_json(text: str | bytes, where: str) -> Any:
+    """``json.loads`` within the spec's shape limits (depth, values), duplicate keys refused.
+    Raises ``json.JSONDecodeError`` for text that is no JSON, else ``SpecError`` naming
+    ``where`` (the body) or the field at fault."""
+    try:
+        doc = json.loads(text, object_pairs_hook=_json_object)
+    except RecursionError:
+        raise SpecError([Problem(field=where, message=f"nests deeper than {MAX_SPEC_DEPTH} "
+                                 "levels; flatten it")]) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as exc:  # a duplicate key, or a number too long to convert
+        raise SpecError([_unreadable(exc, where)]) from None
+    _check_shape(doc, where)
+    return doc
+
+
+def _check_shape(doc: Any, where: str) -> None:
+    """Refuse a loaded JSON document deeper or bigger than a spec may be (a walk, no recursion,
+    that stops at the first limit)."""
+    values, todo = 1, [(doc, "", 1)]
+    while todo:
+        value, path, depth = todo.pop()
+        if not isinstance(value, dict | list) or not value:
+            continue
+        values += len(value)
+        why = (f"nests deeper than {MAX_SPEC_DEPTH} levels; flatten it"
+               if depth >= MAX_SPEC_DEPTH else
+               f"holds more than {MAX_SPEC_VALUES:,} values; write it with fewer"
+               if values > MAX_SPEC_VALUES else None)
+        if why:
+            raise SpecError([Problem(field=path or where, message=why)])
+        if isinstance(value, dict):
+            todo += [(v, f"{path}.{k}" if path else str(k), depth + 1) for k, v in value.items()]
+        else:
+            todo += [(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+
+
+def _unreadable(exc: BaseException, where: str = "(file)") -> Problem:
     text = str(exc).split(";")[0] or type(exc).__name__
-    return Problem(field="(file)", message=f"cannot read the spec: {text}; fix that value")
+    what = "the spec" if where == "(file)" else f"the {where}"
+    return Problem(field=where, message=f"cannot read {what}: {text}; fix that value")
 
 
 def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -220,11 +353,11 @@ def detect_format(doc: Mapping[str, Any]) -> str:
 def parse_spec_data(doc: Any, *, default_name: str | None = None) -> ParsedSpec:
     """Validate an already-loaded document (dict from YAML or JSON) in either format."""
     if not isinstance(doc, Mapping):
-        raise SpecError([Problem(field="(file)", value=_show(doc), message=(
+        raise SpecError([Problem(field="(file)", value=preview(doc), message=(
             "a job spec is a YAML mapping (key: value lines); see examples/jobs/"))])
     bad_keys = [k for k in doc if not isinstance(k, str)]
     if bad_keys:
-        raise SpecError([Problem(field="(top level)", value=_show(k),
+        raise SpecError([Problem(field="(top level)", value=preview(k),
                                  message="keys must be text") for k in bad_keys])
     fleet_keys, sky_keys = set(doc) & _FLEET_ONLY, set(doc) & _SKY_ONLY
     if fleet_keys and sky_keys:
@@ -239,7 +372,14 @@ def parse_spec_data(doc: Any, *, default_name: str | None = None) -> ParsedSpec:
 
 # --- the project's own format ---------------------------------------------------------------
 
-_DURATION = re.compile(r"^\s*(?:(\d+)\s*d)?\s*(?:(\d+)\s*h)?\s*(?:(\d+)\s*m)?\s*(?:(\d+)\s*s)?\s*$")
+# Whole numbers in text: ASCII digits, at most 19 of them (more is out of every range here, and
+# int() of thousands of digits is slow or refused).
+_WHOLE = re.compile(r"\s*(\d{1,19})\s*", re.ASCII)
+# Spaces only after a unit: no two quantifiers compete for the same spaces (catastrophic
+# backtracking on a long run of them).
+_DURATION = re.compile(r"(?:(\d{1,19})\s*d\s*)?(?:(\d{1,19})\s*h\s*)?(?:(\d{1,19})\s*m\s*)?"
+                       r"(?:(\d{1,19})\s*s\s*)?", re.ASCII)
+MAX_DURATION_CHARS = 64
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REGION_PATTERN = re.compile(r"^[a-z0-9*?\[\]!-]+:[a-z0-9*?\[\]!_-]+$")
 _CLOUD_REGION = re.compile(CLOUD_REGION)
@@ -253,9 +393,9 @@ def parse_duration(value: Any) -> float | None:
         return None
     if isinstance(value, int | float):
         return float(value) if math.isfinite(value) else None
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str) or not value.strip() or len(value) > MAX_DURATION_CHARS:
         return None
-    m = _DURATION.match(value)
+    m = _DURATION.fullmatch(value.strip())
     if not m or not any(m.groups()):
         return None
     d, h, mi, s = (int(g or 0) for g in m.groups())
@@ -264,8 +404,8 @@ def parse_duration(value: Any) -> float | None:
 
 def _int(p: _Problems, field: str, value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, str) and value.strip().isdigit():
-            return int(value.strip())
+        if isinstance(value, str) and (m := _WHOLE.fullmatch(value)):
+            return int(m.group(1))
         p.add(field, value, "must be a whole number")
         return None
     return value
@@ -291,8 +431,9 @@ def _parse_range(p: _Problems, field: str, value: Any) -> dict[str, int] | None:
         return out
     if isinstance(value, str) and ":" in value:
         lo_s, _, hi_s = value.partition(":")
-        if lo_s.strip().isdigit() and hi_s.strip().isdigit():
-            return {"min": int(lo_s), "max": int(hi_s)}
+        lo_m, hi_m = _WHOLE.fullmatch(lo_s), _WHOLE.fullmatch(hi_s)
+        if lo_m and hi_m:
+            return {"min": int(lo_m.group(1)), "max": int(hi_m.group(1))}
         p.add(field, value, "write N, MIN:MAX (like 2:8) or {min: 2, max: 8}")
         return None
     n = _int(p, field, value)
@@ -354,6 +495,8 @@ def _parse_envs(p: _Problems, value: Any) -> dict[str, str] | None:
     if not isinstance(value, Mapping):
         p.add("envs", value, "write a mapping NAME: value")
         return None
+    if _too_many(p, "envs", value, MAX_ENVS):
+        return None
     out: dict[str, str] = {}
     for k, v in value.items():
         field = f"envs.{k}"
@@ -369,8 +512,15 @@ def _parse_envs(p: _Problems, value: Any) -> dict[str, str] | None:
             p.add(field, v, "must be text or a number")
         elif isinstance(v, str) and "\0" in v:
             p.add(field, v, "contains a NUL character; remove it")
+        elif (size := _utf8_size(text := _env_text(v))) > MAX_ENV_VALUE_BYTES:
+            p.add(field, f"{size:,} bytes", f"may be at most {MAX_ENV_VALUE_BYTES:,} bytes; "
+                  "pass big values as a file the job fetches")
         else:
-            out[k] = _env_text(v)
+            out[k] = text
+    total = sum(_utf8_size(k) + _utf8_size(v) for k, v in out.items())
+    if total > MAX_ENVS_BYTES:
+        p.add("envs", f"{total:,} bytes", f"names and values may total at most "
+              f"{MAX_ENVS_BYTES:,} bytes; pass big values as a file the job fetches")
     return out
 
 
@@ -385,6 +535,8 @@ def _parse_accelerators(p: _Problems, field: str, value: Any) -> list[Accelerato
     if not isinstance(items, list) or not items:
         p.add(field, value,
               "write one accelerator or a list in order of preference, like [A100, V100]")
+        return None
+    if _too_many(p, field, items, MAX_LIST_ITEMS):
         return None
     before = len(p.items)
     out: list[Accelerator] = []
@@ -420,7 +572,24 @@ def _parse_text(p: _Problems, field: str, value: Any, *, required: bool) -> str 
     if "\0" in value:
         p.add(field, value, "contains a NUL character; remove it")
         return None
+    size = _utf8_size(value)
+    if size > MAX_TEXT_BYTES:
+        p.add(field, f"{size:,} bytes", f"may be at most {MAX_TEXT_BYTES:,} bytes; put the "
+              "script in a file the job fetches (in setup) and run that")
+        return None
     return value
+
+
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _too_many(p: _Problems, field: str, items: Any, limit: int) -> bool:
+    """Is ``items`` longer than ``limit`` (then a problem is added)?"""
+    if len(items) <= limit:
+        return False
+    p.add(field, f"{len(items):,} entries", f"may have at most {limit} entries")
+    return True
 
 
 def _parse_name(p: _Problems, field: str, value: Any) -> str | None:
@@ -439,9 +608,15 @@ def _parse_region_list(p: _Problems, field: str, value: Any) -> list[str] | None
     if not isinstance(items, list):
         p.add(field, value, "write a list of cloud:region patterns, like [aws:us-*, gcp:*]")
         return None
+    if _too_many(p, field, items, MAX_LIST_ITEMS):
+        return None
     out = []
     for i, item in enumerate(items):
         pat = item.strip().lower() if isinstance(item, str) else None
+        if pat is not None and len(pat) > MAX_REGION_CHARS:
+            p.add(f"{field}[{i}]", f"{len(pat):,} characters",
+                  f"a region pattern has at most {MAX_REGION_CHARS} characters")
+            continue
         if pat is not None and pat != "*" and ":" not in pat:
             pat = f"{pat}:*"  # a bare cloud name means all its regions
         if pat is None or (pat != "*" and not _REGION_PATTERN.match(pat)):
@@ -546,6 +721,7 @@ def _parse_checkpoint(p: _Problems, value: Any) -> dict[str, Any] | None:
     if region is not None:
         text = region.strip().lower() if isinstance(region, str) else ""
         why = None if not text or any(c in text for c in "*?[") else \
+            f"has at most {MAX_REGION_CHARS} characters" if len(text) > MAX_REGION_CHARS else \
             _unknown_cloud(text, bare=":" not in text) or _not_a_region(text)
         if why or not _CLOUD_REGION.fullmatch(text):
             p.add("checkpoint.region", region, why or "write the bucket's cloud:region, like "
@@ -554,7 +730,7 @@ def _parse_checkpoint(p: _Problems, value: Any) -> dict[str, Any] | None:
         out["region"] = text
     interval = value.get("interval")
     if interval is not None:
-        steps = re.fullmatch(r"\s*(\d+)\s*steps?\s*", interval) if isinstance(
+        steps = re.fullmatch(r"\s*(\d{1,19})\s*steps?\s*", interval, re.ASCII) if isinstance(
             interval, str) else None
         secs = parse_duration(interval)
         if steps and int(steps.group(1)) >= 1:
@@ -676,6 +852,11 @@ def _validate(p: _Problems, fields: dict[str, Any]) -> JobSpec:
         p.raise_if_any()
         raise  # pragma: no cover - raise_if_any always raises here
     p.raise_if_any()
+    size = _utf8_size(spec_to_json(spec))
+    if size > MAX_SPEC_BYTES:
+        raise SpecError([Problem(field="(spec)", value=f"{size:,} bytes", message=(
+            f"the job record may be at most {MAX_SPEC_BYTES:,} bytes as JSON; shorten run, "
+            "setup or envs"))])
     return spec
 
 
@@ -816,6 +997,8 @@ def _sky_alternatives(p: _Problems, resources: Mapping[str, Any],
     if not isinstance(items, list) or not items or not all(isinstance(x, Mapping) for x in items):
         p.add(f"resources.{key}", items, "write a list of resource mappings")
         return [resources]
+    if _too_many(p, f"resources.{key}", items, MAX_LIST_ITEMS):
+        return [resources]
     shared = {k: v for k, v in resources.items() if k not in ("any_of", "ordered")}
     alts = []
     for i, item in enumerate(items):
@@ -854,6 +1037,10 @@ def _sky_accelerators(p: _Problems, field: str, value: Any) -> list[tuple[Accele
     """``A100:8``, ``A100``, a list (ordered), a mapping or a set ``{A100: 8, V100: 8}``."""
     if value is None:
         return []
+    if isinstance(value, str) and len(value) > MAX_REGION_CHARS:
+        p.add(field, value, f"write NAME or NAME:COUNT, like A100:8 (at most "
+              f"{MAX_REGION_CHARS} characters)")
+        return []
     if isinstance(value, str):
         entries: list[tuple[Any, Any]] = []
         m = _SKY_ACC.match(value)
@@ -862,6 +1049,8 @@ def _sky_accelerators(p: _Problems, field: str, value: Any) -> list[tuple[Accele
         else:
             p.add(field, value, "write NAME or NAME:COUNT, like A100:8")
             return []
+    elif isinstance(value, list | Mapping) and _too_many(p, field, value, MAX_LIST_ITEMS):
+        return []
     elif isinstance(value, list):
         out: list[tuple[Accelerator, int]] = []
         for i, item in enumerate(value):
@@ -871,7 +1060,8 @@ def _sky_accelerators(p: _Problems, field: str, value: Any) -> list[tuple[Accele
         # `{A100:8, V100:8}` loads as keys "A100:8" with no value (YAML needs ": " to split).
         entries = []
         for k, v in value.items():
-            m = _SKY_ACC.match(k) if isinstance(k, str) and v is None else None
+            m = _SKY_ACC.match(k) if isinstance(k, str) and v is None and \
+                len(k) <= MAX_REGION_CHARS else None
             entries.append((m.group(1), m.group(2)) if m else (k, v))
     else:
         p.add(field, value, "write NAME:COUNT, a list or a mapping of them")

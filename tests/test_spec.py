@@ -180,7 +180,28 @@ def test_examples_all_parse() -> None:
     ("a: " + "9" * 5000, "(file)", "4300 digits"),
     ('{"a": ' + "9" * 5000 + "}", "(file)", "4300 digits"),
     ('{"run": "x", "run": "y"}', "(file)", "duplicate key 'run'"),
-    ("a: " + "[" * 3000, "(file)", "recursion"),
+    ("a: " + "[" * 3000, "line 1", "nesting depth"),
+    ("a: " + "[" * 100, "a[0]", "nests deeper than 32 levels"),
+    (BASE + "envs: &e [*e]", "envs[0]", "contains itself"),
+    (BASE + "envs: {X: &x '" + "x" * 1000 + "'}\nsetup: [" + "*x," * 300 + "]", "setup[",
+     "bytes of text"),
+    (BASE + "setup: [" + "a," * 3000 + "]", "setup[", "more than 2,000 values"),
+    ('{"run": ' + "[" * 50 + "]" * 50 + "}", "run[0]", "nests deeper than 32 levels"),
+    ('{"run": [' + "1," * 3000 + "1]}", "run", "more than 2,000 values"),
+    (BASE + "setup: '" + "s" * (64 * 1024 + 1) + "'", "setup", "at most 65,536 bytes"),
+    (BASE + "envs: {" + ", ".join(f"V{i}: v" for i in range(257)) + "}", "envs",
+     "at most 256 entries"),
+    (BASE + "envs: {BIG: '" + "e" * (16 * 1024 + 1) + "'}", "envs.BIG", "16,384 bytes"),
+    (BASE + "envs: {" + ", ".join(f"V{i}: '{'v' * 16_000}'" for i in range(5)) + "}", "envs",
+     "total at most 65,536 bytes"),
+    # each field under its cap, but tabs double in JSON: the stored record would be too big
+    ("name: t\nbatch_size: 1\nwork: {samples: 1}\nrun: '" + "\t" * 65_000 + "'\nsetup: '"
+     + "\t" * 65_000 + "'\nenvs: {" + ", ".join(f"V{i}: '{chr(9) * 15_000}'" for i in range(3))
+     + "}", "(spec)", "at most 262,144 bytes as JSON"),
+    (BASE + "accelerators: [" + "T4," * 65 + "]", "accelerators", "at most 64 entries"),
+    (BASE + "regions: ['aws:" + "a" * 70 + "']", "regions[0]", "at most 64 characters"),
+    (BASE + "deadline: '" + " " * 300 + "x'", "deadline", "write a time"),
+    (BASE + "gpus: '1:\u00b2'", "gpus", "MIN:MAX"),
     ("a: !!python/object/apply:os.system [ls]", "line 1", "could not determine a constructor"),
 ])
 def test_malformed_specs_name_field_and_fix(text: str, field: str, fix: str) -> None:
