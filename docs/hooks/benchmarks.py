@@ -35,6 +35,11 @@ def _benches() -> dict[str, str]:
             for p in sorted(BENCH.glob("bench_*.py"))}
 
 
+def _summary(doc: str) -> str:
+    """A docstring's first paragraph, on one line."""
+    return " ".join(doc.split("\n\n", 1)[0].split())
+
+
 def _constant(name: str, module: str) -> Any:
     """A literal module-level constant of a bench module, read without importing it."""
     for node in ast.parse((BENCH / f"bench_{module}.py").read_text()).body:
@@ -80,10 +85,15 @@ def _spot_modules() -> tuple[Any, Any]:
     return spot_common, bench_spot_heldout
 
 
+def _goals(rows: dict[str, dict[str, Any]], prefix: str = "") -> str:
+    """The goal line of each fleet row, as the bench prints them."""
+    spot_common, _ = _spot_modules()
+    return "".join(f"- {prefix}{spot_common.goal(rows, f)}\n" for f in spot_common.FLEET_ROWS)
+
+
 def _spot_block(rows: dict[str, dict[str, Any]]) -> str:
     spot_common, _ = _spot_modules()
-    goals = "".join(f"- {spot_common.goal(rows, f)}\n" for f in spot_common.FLEET_ROWS)
-    return _printed(spot_common.table, rows) + "\n" + goals
+    return _printed(spot_common.table, rows) + "\n" + _goals(rows)
 
 
 def simulator(data: dict[str, Any]) -> str:
@@ -152,8 +162,8 @@ def spot(data: dict[str, Any]) -> str:
            "workloads each part holds alone.\n"]
     for cluster, by_ckpt in data.items():
         for ckpt, rows in by_ckpt.items():
-            out += [f"## `{cluster}`, checkpoint every {ckpt.removeprefix('checkpoint_')}", "",
-                    _spot_block(rows)]
+            seconds = ckpt.removeprefix("checkpoint_").removesuffix("s")
+            out += [f"## `{cluster}`, checkpoint every {seconds} s", "", _spot_block(rows)]
     return "\n".join(out)
 
 
@@ -170,8 +180,7 @@ def spot_heldout(data: dict[str, Any]) -> str:
                     f"{c['spot_ceiling_saving_pct']:.0f}%)", "", _spot_block(c["variants"])]
     totals = {side: doc["totals"] for side, doc in data["sides"].items()}
     out += ["## Totals, side by side", "", _printed(heldout.side_by_side, totals)]
-    for side, t in totals.items():
-        out.append(f"- {side}, " + _spot_block(t).split("\n- ", 1)[1].replace("\n- ", f"\n- {side}, "))
+    out += [_goals(t, f"{side}, ") for side, t in totals.items()]
     out += ["", "## Held-out side by deadline set", ""]
     for k, rows in data["sides"]["held-out"]["by_deadlines"].items():
         out += [f"### {heldout.DEADLINE_SETS[k]}", "", _spot_block(rows)]
@@ -185,10 +194,10 @@ RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
 
 def page(name: str, doc: str) -> str:
     """The markdown of one benchmark's page."""
-    title, _, setup = doc.partition("\n")
+    summary, _, setup = doc.partition("\n\n")
     command = f"python -m tests.bench {name}"
     result = RESULTS / f"{name}.json"
-    out = [f"# Benchmark: {name}", "", title.strip(), "", setup.strip(), "",
+    out = [f"# Benchmark: {name}", "", " ".join(summary.split()), "", setup.strip(), "",
            "## Command", "", "```bash", f"{command}        # or: make bench (every benchmark)",
            "```", ""]
     if result.exists() and name in RENDER:
@@ -205,8 +214,11 @@ def page(name: str, doc: str) -> str:
 
 
 def index(benches: dict[str, str]) -> str:
-    rows = [f"| [{name}]({name}.md) | {doc.partition(chr(10))[0].strip()} | "
-            f"{'yes, ' + _date(RESULTS / f'{name}.json') if (RESULTS / f'{name}.json').exists() else 'no'} |"
+    def published(name: str) -> str:
+        result = RESULTS / f"{name}.json"
+        return f"yes, {_date(result)}" if result.exists() else "no"
+
+    rows = [f"| [{name}]({name}.md) | {_summary(doc)} | {published(name)} |"
             for name, doc in benches.items()]
     return "\n".join([
         "# Benchmarks", "",

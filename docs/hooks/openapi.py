@@ -68,7 +68,7 @@ def _route(method: str, path: str, op: dict[str, Any]) -> list[str]:
         content = r.get("content", {}).get("application/json", {})
         out.append(f"| {status} | {_cell(r.get('description'))} | "
                    f"{_type(content['schema']) if content.get('schema') else ''} |")
-    return out + [""]
+    return [*out, ""]
 
 
 def _schema(name: str, s: dict[str, Any]) -> list[str]:
@@ -76,14 +76,14 @@ def _schema(name: str, s: dict[str, Any]) -> list[str]:
     if s.get("description"):
         out += [_cell(s["description"]), ""]
     if "enum" in s:
-        return out + ["One of " + ", ".join(f"`{v}`" for v in s["enum"]) + ".", ""]
+        return [*out, "One of " + ", ".join(f"`{v}`" for v in s["enum"]) + ".", ""]
     required = set(s.get("required", []))
     props = s.get("properties", {})
     if props:
         out += ["| field | type | required | description |", "|---|---|---|---|"]
         out += [f"| `{k}` | {_type(v)} | {'yes' if k in required else 'no'} | "
                 f"{_cell(v.get('description'))} |" for k, v in props.items()]
-    return out + [""]
+    return [*out, ""]
 
 
 def render(doc: dict[str, Any]) -> str:
