@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # generated tasks with SkyPilot's own parser there, without it in the broker's environment.
 SKYPILOT := skypilot==0.14.1
 
-.PHONY: setup test lint bench demo chaos clean
+.PHONY: setup test lint docs bench demo chaos clean
 
 setup: $(STAMP)
 
@@ -24,7 +24,14 @@ $(STAMP): pyproject.toml infra/bootstrap.sh
 lint: setup
 	$(VENV)/bin/ruff check broker policies providers tests examples
 
-test: setup lint
+# The documentation site, built strictly into a temporary folder: a broken link, a missing page or a
+# generated page (HTTP API, CLI, prices, benchmarks) that fails to build fails the target. No -q:
+# mkdocs counts warnings for --strict only when they are logged.
+docs: setup
+	out=$$(mktemp -d) && trap 'rm -rf "$$out"' EXIT && \
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -f docs/mkdocs.yml -d "$$out"
+
+test: setup lint docs
 	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/bench -m 'not chaos'
 
 # The long fault-and-attack cases (tests/chaos); their fast cases already run in `make test`.
