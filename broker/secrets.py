@@ -10,7 +10,6 @@ failure reason (visible through the API) may hold. ``redact_url`` hides a URL's 
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import urllib.parse
@@ -94,11 +93,3 @@ def redact_url(url: str) -> str:
                                     parts.fragment))
 
 
-def write_private(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` readable by its owner only (0600, also when it existed)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)

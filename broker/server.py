@@ -36,6 +36,7 @@ from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.store import Conflict, Plan, StaleFence, Store
 from policies.migration import DEFAULT_DECAY_S
+from providers.local import write_private
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class EmbeddedRedis:
                 pass
             if self.password is None:
                 self.password = new_token()
-                secrets.write_private(path, self.password + "\n")
+                write_private(path, self.password + "\n")
         secrets.register(self.password)
 
     def start(self) -> EmbeddedRedis:
@@ -483,7 +484,7 @@ def _tokens(state_dir: Path) -> dict[str, str]:
     tokens = {"admin": os.environ.get("FLEET_ADMIN_TOKEN") or saved.get("admin") or new_token(),
               "agent": os.environ.get("FLEET_AGENT_TOKEN") or saved.get("agent") or new_token()}
     if tokens != saved:
-        secrets.write_private(path, json.dumps(tokens))
+        write_private(path, json.dumps(tokens))
     elif path.exists():
         os.chmod(path, 0o600)
     secrets.register(*tokens.values())

@@ -201,8 +201,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by its owner only (0600)."""
+def write_private(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600, also when it existed)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.fchmod(fd, 0o600)

@@ -75,7 +75,8 @@ def demo(
     fleet: Path | None = typer.Option(None, help="Fleet file (default examples/fleets/demo.yaml)"),
     plain: bool = typer.Option(False, "--plain", help="Print phases instead of a live table"),
 ) -> None:
-    """Run the scripted demo on a three-region local fleet (about 3-4 minutes on 2 cores)."""
+    """Run the scripted demo on a three-region local fleet: four real training jobs, a newcomer,
+    a spot reclaim and the cost against all-on-demand."""
     from broker.demo import DEMO_FLEET, DemoConfig, print_summary, run_demo
 
     os.umask(0o077)
