@@ -22,6 +22,7 @@ from broker.api import build_app
 from broker.store import NotDurable, Store
 from policies.models import BatchRange, JobSpec
 from tests.api_server import TOKENS, ApiServer, api_config
+from tests.chaos.conftest import Tally
 from tests.redis_server import RedisServer, free_port
 
 SPEC = "name: fill\nrun: echo {pad}\ngpus: 1\nwork_samples: 10\nbatch_size: 8\n"
@@ -50,7 +51,8 @@ def submit(client: httpx.Client, key: str) -> httpx.Response:
                        headers={"Content-Type": "application/yaml", "Idempotency-Key": key})
 
 
-def test_full_disk_gets_503_and_every_201_survives_a_redis_kill(small_disk: Path) -> None:
+def test_full_disk_gets_503_and_every_201_survives_a_redis_kill(small_disk: Path,
+                                                                 chaos: Tally) -> None:
     server = RedisServer(small_disk / "redis").start()
     store = Store.from_url(server.url)
     api = ApiServer(build_app(store, api_config())).start()
@@ -72,6 +74,7 @@ def test_full_disk_gets_503_and_every_201_survives_a_redis_kill(small_disk: Path
         server.restart(kill=True)  # kill -9: what was only in Redis's memory is gone
         after = {j.id for j in Store.from_url(server.url).list_jobs()}
         lost = set(acked.values()) - after
+        chaos.record(faults=2, acked_lost=len(lost))  # the full disk, the kill -9
         assert not lost, f"acknowledged submissions lost: {sorted(lost)}"
         assert {r.status_code for r in refused} == {503}
         first = refused[0].json()["error"]["message"]

@@ -19,6 +19,7 @@ import pytest
 from broker.models import JobState
 from broker.store import Store
 from policies.models import BatchRange, JobSpec
+from tests.chaos.conftest import Tally
 from tests.chaos.replica import HEARTBEAT_S, LEASE_TTL_S, Replica
 from tests.redis_server import RedisServer, free_port
 
@@ -74,7 +75,7 @@ def replicas(redis_server: RedisServer, tmp_path: Path) -> Iterator[tuple[Replic
 
 @pytest.mark.chaos
 def test_agents_report_to_the_other_replica_after_the_leader_dies(
-        redis_server: RedisServer, replicas: tuple[Replica, Replica]) -> None:
+        redis_server: RedisServer, replicas: tuple[Replica, Replica], chaos: Tally) -> None:
     a, b = replicas
     store = Store.from_url(redis_server.url)
     a.start()
@@ -90,6 +91,7 @@ def test_agents_report_to_the_other_replica_after_the_leader_dies(
     job = store.get_job(job_id)
     assert job is not None and job.state is JobState.RUNNING and job.fence == store.leader()[0]
     a.kill9()  # the leader that launched the job, and the API its agent reported to
+    chaos.record(faults=1)
     killed = time.time()
     wait_for(lambda: float(store.r.hget(progress, "heartbeat_at") or 0) > killed, 10,
              "a heartbeat after the kill")
@@ -98,6 +100,7 @@ def test_agents_report_to_the_other_replica_after_the_leader_dies(
     wait_for(lambda: (store.leader() or (0, ""))[1] == "b", 10, "replica b takes over")
     done = wait_for(lambda: (j := store.get_job(job_id)) is not None and j.state.terminal and j,
                     60, "the job settles")
+    chaos.record(jobs_lost=int(done.state is not JobState.COMPLETED))
     assert done.state is JobState.COMPLETED, (done.state, done.reason)
     assert (done.samples_done, done.checkpoint_step) == (STEPS * BATCH, STEPS), done
     assert done.reason == "finished"

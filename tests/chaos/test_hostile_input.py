@@ -24,6 +24,7 @@ from broker.auth import ApiConfig
 from broker.spec import MAX_ENVS, MAX_TEXT_BYTES
 from broker.store import Store
 from tests.api_server import TOKENS, ApiServer, api_config
+from tests.chaos.conftest import Tally
 from tests.chaos.hostile import CASES, Case, attack, send, timed
 from tests.redis_server import RedisServer, free_port
 
@@ -97,19 +98,22 @@ def check_answer(case: Case, r: httpx.Response) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_hostile_request_is_a_fast_4xx_naming_the_field(
-        stack: tuple[ApiServer, Store], case: Case) -> None:
+        stack: tuple[ApiServer, Store], case: Case, chaos: Tally) -> None:
     srv, store = stack
     store.r.flushdb()
     with HealthProbe(srv.url) as health, httpx.Client(base_url=srv.url, timeout=60) as c:
         send(c, Case("warm-up", "ml", "GET", "/v1/jobs"), TOKENS)
-        times = []
+        times, errors = [], 0
         for _ in range(TRIES):
             took, r = timed(lambda: send(c, case, TOKENS))
+            errors += r.status_code >= 500
+            chaos.record(faults=1, latency_s=took)
             check_answer(case, r)
             times.append(took)
         time.sleep(0.05)  # one more probe after the last answer
     print(f"hostile: {case.name}: median {statistics.median(times) * 1000:.1f} ms, worst "
           f"{max(times) * 1000:.1f} ms; /healthz worst {health.worst * 1000:.1f} ms")
+    chaos.record(server_errors=errors, latency_s=health.worst)
     assert statistics.median(times) < FAST_S, f"{case.name}: answered in {times}"
     assert not health.failures and health.latencies
     assert health.worst < 1.0, f"/healthz took {health.worst:.3f} s during {case.name}"

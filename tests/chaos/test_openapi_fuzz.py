@@ -21,6 +21,7 @@ from broker.api import build_app
 from broker.store import Store
 from policies.models import Accelerator, JobSpec, Market, Pool
 from tests.api_server import TOKENS, api_config
+from tests.chaos.conftest import Tally
 from tests.redis_server import RedisServer
 
 # Cases per generation mode, across the 13 operations: `make test` (about 10 s a mode on 2
@@ -51,11 +52,13 @@ def api_schema(tmp_path_factory: pytest.TempPathFactory) -> Iterator[schemathesi
     MAX_EXAMPLES, pytest.param(LONG_EXAMPLES, marks=pytest.mark.chaos, id="long")])
 @pytest.mark.parametrize("mode", list(GenerationMode), ids=str)
 def test_no_5xx_and_every_answer_as_declared(api_schema: schemathesis.BaseSchema,
-                                             mode: GenerationMode, examples: int) -> None:
+                                             mode: GenerationMode, examples: int,
+                                             chaos: Tally) -> None:
     """Cases drawn across all operations: ``positive`` fits the schema, ``negative`` breaks it
     (schemathesis' pytest loader for fixtures does not run on pytest 9; its strategies do)."""
 
     answered: dict[str, set[int]] = {}
+    errors = [0]
 
     @given(case=api_schema.as_strategy(mode))
     @settings(max_examples=examples, deadline=None, database=None,
@@ -64,8 +67,11 @@ def test_no_5xx_and_every_answer_as_declared(api_schema: schemathesis.BaseSchema
         r = case.call_and_validate(headers={"Authorization": f"Bearer {TOKENS['admin']}"},
                                    checks=CHECKS)
         answered.setdefault(case.operation.label, set()).add(r.status_code)
+        errors[0] += r.status_code >= 500
+        chaos.record(faults=mode is GenerationMode.NEGATIVE)
 
     fuzz()
+    chaos.record(server_errors=errors[0])
     print(f"schemathesis {mode}: " + "; ".join(f"{op} {sorted(st)}"
                                                for op, st in sorted(answered.items())))
     # every operation was tried (a negative case needs a parameter or body to break)

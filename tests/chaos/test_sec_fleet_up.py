@@ -21,6 +21,7 @@ import yaml
 
 from broker.auth import attempt_token
 from broker.server import _redis_servers_in
+from tests.chaos.conftest import Tally
 from tests.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,7 +114,8 @@ def group_or_other(path: Path) -> list[str]:
     return bad
 
 
-def test_jobs_see_no_secret_and_a_killed_fleet_up_leaves_one_redis(tmp_path: Path) -> None:
+def test_jobs_see_no_secret_and_a_killed_fleet_up_leaves_one_redis(tmp_path: Path,
+                                                                   chaos: Tally) -> None:
     (tmp_path / "fleet.yaml").write_text(FLEET)
     (tmp_path / "spy.py").write_text(SPY)
     state = tmp_path / "state"
@@ -162,6 +164,7 @@ def test_jobs_see_no_secret_and_a_killed_fleet_up_leaves_one_redis(tmp_path: Pat
                  "logs": fleet(client, "logs", ids["spy"]).stdout}
         found = [(what, place) for what, value in secrets.items()
                  for place, text in where.items() if value in text]
+        chaos.record(secrets_seen=len(found))
         assert found == []
         assert set(seen["env"]) & {"FLEET_ADMIN_TOKEN", "FLEET_TEAM_TOKENS",
                                    "AWS_SECRET_ACCESS_KEY", "FLEET_AGENT_TOKEN"} == set()
@@ -170,6 +173,7 @@ def test_jobs_see_no_secret_and_a_killed_fleet_up_leaves_one_redis(tmp_path: Pat
         assert job(client, ids["long"])["state"] == "running"
         (redis_pid,) = _redis_servers_in(state / "redis")
         first.send_signal(signal.SIGKILL)
+        chaos.record(faults=1)
         first.wait()
         deadline = time.monotonic() + 15
         while _redis_servers_in(state / "redis"):

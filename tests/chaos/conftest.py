@@ -1,0 +1,57 @@
+"""The fault-and-attack suite's one summary: each case records, through the ``chaos`` fixture,
+the faults it injected and what it found (jobs lost, duplicate launches, acknowledged
+submissions lost, 5xx answers, broker secrets a job could see, the worst API latency under
+attack); the session prints the totals, each with the number of cases that checked it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+COUNTS = ("jobs_lost", "duplicate_launches", "acked_lost", "server_errors", "secrets_seen")
+
+
+@dataclass
+class Tally:
+    faults: int = 0
+    found: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    checked: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    worst_latency_s: float | None = None
+
+    def record(self, *, faults: int = 0, latency_s: float | None = None, **found: int) -> None:
+        """``faults`` injected; ``found``: what the case checked, each count (0 when clean);
+        ``latency_s``: the slowest answer it saw under attack."""
+        self.faults += faults
+        for name, n in found.items():
+            if name not in self.found:
+                raise ValueError(f"unknown chaos count {name!r}; one of {COUNTS}")
+            self.found[name] += n
+            self.checked[name] += 1
+        if latency_s is not None:
+            self.worst_latency_s = max(self.worst_latency_s or 0.0, latency_s)
+
+
+_TALLY = Tally()
+
+
+@pytest.fixture
+def chaos() -> Tally:
+    return _TALLY
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    t = _TALLY
+    if not t.faults and not any(t.checked.values()):
+        return
+    tr = terminalreporter
+    tr.section("fault and attack summary")
+    tr.write_line(f"faults injected: {t.faults}")
+    for name in COUNTS:
+        label = name.replace("_", " ")
+        if t.checked[name]:
+            tr.write_line(f"{label}: {t.found[name]} (checked by {t.checked[name]} cases)")
+        else:
+            tr.write_line(f"{label}: not checked in this run")
+    worst = "not measured" if t.worst_latency_s is None else f"{t.worst_latency_s * 1000:.0f} ms"
+    tr.write_line(f"worst API latency under attack: {worst}")
