@@ -187,9 +187,24 @@ def spot_heldout(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def classic_heldout(data: dict[str, Any]) -> str:
+    published = _constant("PUBLISHED", "simulator")["Pollux (published)"]
+    out = ["| load | tuning (workloads 1-4) | held out (5-8) | all eight | Pollux (published) |",
+           "|---|---|---|---|---|"]
+    for load, row in data["pollux_t4"].items():
+        out.append(f"| {load}x | {row['tuning']['avg_jct_h']:.3f} h | "
+                   f"{row['held-out']['avg_jct_h']:.3f} h | {row['all_avg_jct_h']:.3f} h | "
+                   f"{published[float(load)]} h |")
+    het = data["hetero"]
+    out += ["", f"Heterogeneous cluster, Sia's conventions (held out): {het['avg_jct_h']:.3f} h "
+            "average JCT (Sia published 0.6 h, Pollux 1.0 h, Gavel 1.9 h); per trace: "
+            + ", ".join(f"{x:.3f} h" for x in het["per_workload_h"]) + "."]
+    return "\n".join(out) + "\n"
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "simulator": simulator, "seed_claim": seed_claim, "hetero": hetero, "spot": spot,
-    "spot_heldout": spot_heldout}
+    "spot_heldout": spot_heldout, "classic_heldout": classic_heldout}
 
 
 def page(name: str, doc: str) -> str:
