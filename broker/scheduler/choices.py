@@ -84,26 +84,29 @@ def job_model(job: JobRecord) -> JobModel:
 
 def _job_model(job: JobRecord) -> JobModel:
     spec = job.spec
-    init = spec.batch_size.initial
-    noise = job.grad_noise_scale
-    generic = GenericPrior(per_gpu_max=spec.batch_size.per_gpu_max, init_batch=init,
-                           noise=noise / init if noise else math.inf)
     app = _application(spec.model) if spec.model else None
-    prior: Prior = generic
-    if app is not None:
-        epoch = app.efficiency.epoch(job.samples_done / app.init_batch_size)
-        prior = TablePrior(app.name, epoch, app, generic)
+    epoch = app.efficiency.epoch(job.samples_done / app.init_batch_size) if app else None
     accel = job_accelerator(job)
     seen = measurements(job.measured, accel)
     if not seen and job.measured_gpus and job.measured_batch_size and job.samples_per_sec:
         seen = ((job.measured_gpus, job.measured_batch_size, job.samples_per_sec),)
-    return _fitted(prior, seen, accel, bool(noise))
+    return _fitted(spec.model if app else None, epoch, spec.batch_size.per_gpu_max,
+                   spec.batch_size.initial, job.grad_noise_scale, seen, accel)
 
 
 @functools.lru_cache(maxsize=65_536)
-def _fitted(prior: Prior, seen: tuple[Measurement, ...], accelerator: Accelerator | None,
-            noise_known: bool) -> JobModel:
-    return fit(prior, seen, accelerator, noise_known)
+def _fitted(model: str | None, epoch: int | None, per_gpu_max: int | None, init: int,
+            noise: float | None, seen: tuple[Measurement, ...],
+            accelerator: Accelerator | None) -> JobModel:
+    """Jobs alike in these share one model: its prior, fitted to what was measured."""
+    generic = GenericPrior(per_gpu_max=per_gpu_max, init_batch=init,
+                           noise=noise / init if noise else math.inf)
+    prior: Prior = generic
+    if model is not None and epoch is not None:
+        app = _application(model)
+        assert app is not None
+        prior = TablePrior(app.name, epoch, app, generic)
+    return fit(prior, seen, accelerator, bool(noise))
 
 
 def samples_per_sec(job: JobRecord, gpus: int, batch: int,
@@ -187,16 +190,20 @@ class UsablePools:
         self.pools = pools
         self.room = room or {}
         self._memo: dict[tuple, list[Pool]] = {}
+        self._of_spec: dict[int, tuple[JobSpec, list[Pool]]] = {}  # the same spec, asked again
         self._sizes: dict[tuple, tuple[int, frozenset[int], frozenset[int]]] = {}
 
     def __call__(self, spec: JobSpec) -> list[Pool]:
         """Pools with GPUs in the job's regions, on-demand only for ``spot: never``."""
+        if (seen := self._of_spec.get(id(spec))) is not None and seen[0] is spec:
+            return seen[1]
         r, never = spec.regions, must_not_preempt(spec.spot)
         key = (tuple(r.allow), tuple(r.deny), never)
         if (hit := self._memo.get(key)) is None:
             hit = self._memo[key] = [
                 p for p in self.pools if p.capacity > 0 and region_allowed(p, r.allow, r.deny)
                 and not (never and p.market is Market.SPOT)]
+        self._of_spec[id(spec)] = (spec, hit)
         return hit
 
     def sizes(self, spec: JobSpec, accel: Accelerator,
