@@ -1,7 +1,8 @@
 """The six reference training jobs of the Pollux/Sia traces and their per-model constants.
 
 An ``Application`` joins a model's efficiency (progress, gain) with its throughput model on every
-accelerator type it was measured on. Constants from FACTS.md section 3 (Pollux and Sia simulators).
+accelerator type it was measured on. Constants from Pollux's and Sia's simulators (their
+artifacts, cited in ``providers/data/sia-sosp23/SOURCE.md``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """The simulation's physics: a job's progress on the measured tables, restarts, completion.
 
-Conventions of Pollux's simulator (FACTS.md section 3): every round advances every running job on
-its current assignment; a job that (re)starts holds its GPUs for its restart penalty before it
-makes progress (the first start pays it too). Progress is counted in iterations at the job's
-initial batch; the gain per iteration is the statistical efficiency; a job completes at the exact
-moment its progress reaches the model's target. Who decides the assignments is not here: the
-rounds (``broker.sim.spot.SpotRounds``) run the live broker's round (``broker.sim.driver``) or a
-baseline (``broker.sim.baselines``).
-"""
+Conventions of Pollux's simulator (docs/simulator.md, "Conventions"): every round advances every
+running job on its current assignment; a job that (re)starts holds its GPUs for its restart
+penalty before it makes progress (the first start pays it too). Progress is counted in
+iterations at the job's initial batch; the gain per iteration is the statistical efficiency; a
+job completes at the exact moment its progress reaches the model's target. Who decides the
+assignments is not here: the rounds (``broker.sim.spot.SpotRounds``) run the live broker's round
+(``broker.sim.driver``) or a baseline (``broker.sim.baselines``). """
 
 from __future__ import annotations
 

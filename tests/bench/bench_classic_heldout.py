@@ -1,5 +1,5 @@
-"""The live round's value settings on data they were not chosen on (DESIGN.md: "Generalise,
-don't tune").
+"""The live round's value settings on data they were not chosen on: tuned on half of the
+workloads, reported on the other half and on a cluster nothing was tuned on.
 
 Protocol: ``SchedulerConfig.speedup_exponent`` and ``restart_horizon_s`` were chosen on Pollux's
 workloads 1-4 (TUNING); this bench reports them there and on workloads 5-8 (HELD-OUT) at every

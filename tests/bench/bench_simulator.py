@@ -34,7 +34,7 @@ VARIANTS = [
     ("static", Policy.STATIC),
     ("tiresias (baseline)", Baseline.TIRESIAS),
 ]
-PUBLISHED = {  # FACTS.md section 2: Pollux simulator, 64 T4
+PUBLISHED = {  # Pollux (OSDI'21), its simulator on 64 T4: average JCT per load
     "Pollux (published)": {0.5: 0.43, 1.0: 0.764, 1.5: 1.02, 2.0: 1.47},
     "Tiresias (published)": {0.5: 0.58, 1.0: 1.122, 1.5: 1.72, 2.0: 2.79},
 }
