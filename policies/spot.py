@@ -7,7 +7,13 @@ reacts, the work lost, the restart that follows), plus, for a job not running on
 restart onto spot (``switch_h``), paid before the risk begins. Can't Be Late's safety net of two
 restarts is this rule for a preemption that costs just a restart. A job that must not be
 preempted (``spot: never``, ``must_not_preempt``) stays on on-demand. A job close to the net
-should hold its pace on spot, without rescales (``holds_pace``). The simulator and the live
+should hold its pace on spot, without rescales (``holds_pace``).
+
+An elastic job can recover faster than it runs: after a preemption, on-demand room held for it
+(``recover_h``: its work left at a larger size there) finishes it sooner than its pace's size
+would, so the net is judged against that recovery (``recovery_slack_h``). Can't Be Late's rule
+is the case of a job that recovers at its own size; the broker holds each such size for one job
+only, so jobs preempted together do not count on the same on-demand GPUs. The simulator and the live
 broker both build a job's ``restart_h`` with ``preemption_h``.
 """
 
@@ -44,6 +50,9 @@ class DeadlineJob(BaseModel):
                                    description="one (re)start elsewhere; None: restart_h")
     must_not_preempt: bool = False
     current: Market | None = Field(default=None, description="market the job runs on now")
+    recover_h: float | None = Field(
+        default=None, ge=0, description="hours the work left takes on the on-demand room held "
+        "for the job's recovery from a preemption; None: ``remaining_h`` (its own size)")
 
     @property
     def remaining_h(self) -> float:
@@ -55,6 +64,16 @@ class DeadlineJob(BaseModel):
         if self.deadline_h is None:
             return float("inf")
         return self.deadline_h - self.elapsed_h - self.remaining_h
+
+    @property
+    def recovery_slack_h(self) -> float:
+        """The slack if the job finished on its recovery's on-demand room from now: what a
+        preemption may cost before the deadline is lost."""
+        if self.deadline_h is None:
+            return float("inf")
+        left = self.remaining_h if self.recover_h is None else min(self.recover_h,
+                                                                    self.remaining_h)
+        return self.deadline_h - self.elapsed_h - left
 
     @property
     def net_h(self) -> float:
@@ -97,7 +116,7 @@ def choose_market(job: DeadlineJob, spot_available: bool) -> Market | None:
     """The market to run on now, or ``None`` to wait (hold no capacity) for spot to come back."""
     if job.must_not_preempt:
         return Market.ON_DEMAND
-    if job.slack_h <= job.net_h:
+    if job.recovery_slack_h <= job.net_h:
         return Market.ON_DEMAND  # past the point of no return: finish on on-demand
     if spot_available:
         if job.current is Market.ON_DEMAND and job.slack_h <= job.return_h:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -123,3 +124,20 @@ def test_on_demand_job_waits_for_spot_only_once_clearly_ahead_of_pace() -> None:
     assert choose_market(ahead, spot_available=False) is None
     idle = on_od.model_copy(update={"current": None})
     assert choose_market(idle, spot_available=False) is None  # not on it: CBL's waiting rule
+
+
+def test_an_elastic_recovery_keeps_a_job_on_spot_that_the_plain_net_sends_to_on_demand() -> None:
+    # 0.15 h of slack at its own size: one preemption (0.1 h) plus the restart onto spot (0.1 h)
+    # does not fit, so Can't Be Late's net sends it to on-demand; with on-demand room held
+    # where its work left takes 2 h instead of 5, a preemption leaves it 3 h: spot is safe
+    job = DeadlineJob(total_h=10, progress_h=5, elapsed_h=9.85, deadline_h=15, restart_h=0.1)
+    assert job.recovery_slack_h == job.slack_h and choose_market(job, True) is Market.ON_DEMAND
+    held = job.model_copy(update={"recover_h": 2.0})
+    assert held.recovery_slack_h == pytest.approx(3.15) and held.recovery_slack_h > held.net_h
+    assert choose_market(held, True) is Market.SPOT
+    # the recovery covers no preemption once the deadline is closer than its hours plus a net
+    late = held.model_copy(update={"elapsed_h": 12.9})
+    assert choose_market(late, True) is Market.ON_DEMAND
+    # spot gone, behind pace: on-demand as before; a recovery never outlasts the work left
+    assert choose_market(held, False) is Market.ON_DEMAND
+    assert job.model_copy(update={"recover_h": 9.0}).recovery_slack_h == job.slack_h

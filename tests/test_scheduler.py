@@ -4,11 +4,12 @@ deadline rule's market, spot: never jobs kept whole, and moves past the stickine
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 
-from broker.models import IntentKind, JobState
+from broker.models import IntentKind, JobRecord, JobState
 from broker.scheduler import (
     WAIT_FOR_ON_DEMAND,
     WAIT_FOR_SPOT,
@@ -27,6 +28,7 @@ from broker.scheduler import (
     requested_choice,
     samples_per_sec,
 )
+from broker.scheduler.pacing import spare_on_demand, with_recovery, work_hours
 from broker.store import Plan, PoolStats, StaleFence, Store
 from policies.elastic_dp import Choice
 from policies.migration import Blocklist, mark_refused
@@ -41,6 +43,9 @@ from policies.models import (
     SpotPolicy,
 )
 from policies.spot import choose_market, holds_pace
+from policies.throughput import batch_candidates
+from policies.trace_throughput import packed_placement
+from providers.measurements import load_application
 
 
 def spec(name: str, gmax: int = 4, gpus_min: int = 1, **kw: object) -> JobSpec:
@@ -765,3 +770,118 @@ def test_regions_that_exclude_every_pool_are_named_on_the_job_once(store: Store)
     dropped = store.get_job(again.id)
     assert dropped is not None and dropped.state is JobState.DROPPED
     assert dropped.reason is not None and dropped.reason.startswith("regions allow ['gcp:*']")
+
+
+# ---- a measured model's work epoch by epoch, and the on-demand room held for a recovery -----
+
+SPOT_V100 = Pool(cloud="aws", region="east", accelerator=Accelerator.V100, market=Market.SPOT,
+                 nodes=2, gpus_per_node=8, price_per_gpu_hour=0.5)
+OD_V100 = Pool(cloud="aws", region="west", accelerator=Accelerator.V100,
+               market=Market.ON_DEMAND, nodes=1, gpus_per_node=8, price_per_gpu_hour=3.0)
+
+
+def cifar10(name: str, gpus: int, deadline_s: float | None = None) -> JobSpec:
+    """cifar10 as a user names it (``model``: the measured tables are its prior), its whole
+    training as work, asking for ``gpus`` V100s of up to 16."""
+    app = load_application("cifar10")
+    m0 = app.init_batch_size
+    return JobSpec(name=name, run="true", accelerators=[Accelerator.V100], model="cifar10",
+                   gpus=GpuRange(min=1, max=16, default=gpus),
+                   batch_size=BatchRange(min=m0, max=app.spec.max_batch_size),
+                   work_samples=math.ceil(app.efficiency.target * m0), deadline_s=deadline_s)
+
+
+def epoch_seconds(gpus: int, upto: float) -> float:
+    """Seconds cifar10 takes on ``gpus`` V100s up to ``upto`` M0-iterations of progress, each
+    epoch at its best batch, straight from the tables."""
+    app = load_application("cifar10")
+    bounds, m0 = app.efficiency.boundaries, app.init_batch_size
+    seconds = 0.0
+    for e in range(len(bounds) - 1):
+        work = min(upto, bounds[e + 1]) - bounds[e]
+        if work <= 0:
+            break
+        best = max(g for b in batch_candidates(m0, app.spec.max_batch_size, gpus)
+                   if (g := app.rate(Accelerator.V100, packed_placement(gpus, 8), b, e)[0]) > 0)
+        seconds += work / best
+    return seconds
+
+
+def test_work_hours_add_up_a_measured_models_epochs() -> None:
+    """A cifar10 job's hours at 4 GPUs are its epochs' hours at their own best batches, a
+    fraction of what the first epoch's rate alone would make them; half-way, the hours done
+    are those of the epochs behind it. A job without a model counts every sample alike."""
+    app, config = load_application("cifar10"), SchedulerConfig()
+    job = JobRecord(id="c", spec=cifar10("c", 4), team="t", submitted_at=0.0, updated_at=0.0)
+    choice = next(c for c in job_choices(job, Policy.ELASTIC, 16) if c.gpus == 4)
+    total, done = work_hours(job, choice, config)
+    target = app.efficiency.target
+    assert total == pytest.approx(epoch_seconds(4, target) / HOUR, rel=1e-6) and done == 0
+    first_rate = samples_per_sec(job, 4, choice.batch_size)
+    assert total < 0.5 * job.spec.work_samples / first_rate / HOUR
+    half = job.model_copy(update={"samples_done": int(target / 2 * app.init_batch_size)})
+    now = next(c for c in job_choices(half, Policy.ELASTIC, 16) if c.gpus == 4)
+    total_h, done_h = work_hours(half, now, config)
+    assert done_h == pytest.approx(epoch_seconds(4, target / 2) / HOUR, rel=1e-3)
+    assert total_h == pytest.approx(total, rel=1e-3)
+    plain = job.model_copy(update={"spec": job.spec.model_copy(update={"model": None})})
+    rate = samples_per_sec(plain, 4, choice.batch_size)
+    assert work_hours(plain, choice, config) == pytest.approx(
+        (plain.spec.work_samples / rate / HOUR, 0.0))
+
+
+def test_a_young_job_whose_epochs_meet_its_deadline_runs_on_spot(store: Store) -> None:
+    """cifar10 at 4 GPUs with a deadline twice its hours epoch by epoch: it runs on spot.
+    Counted at its first epoch's rate, its work would overrun the deadline (and did send it
+    to on-demand)."""
+    config = SchedulerConfig()
+    probe = JobRecord(id="p", spec=cifar10("p", 4), team="t", submitted_at=0.0, updated_at=0.0)
+    choice = next(c for c in job_choices(probe, Policy.ELASTIC, 16) if c.gpus == 4)
+    total, _ = work_hours(probe, choice, config)
+    first_rate = samples_per_sec(probe, 4, choice.batch_size)
+    assert probe.spec.work_samples / first_rate / HOUR > 2 * total  # the old view: past due
+    store.set_pools([SPOT_V100, OD_V100])
+    fence = store.acquire_lease("t", ttl_s=30)
+    job = store.submit(cifar10("young", 4, deadline_s=2 * total * HOUR), team="t")
+    Scheduler(store, config).run_round(fence)
+    got = store.get_job(job.id)
+    assert got is not None and got.state is JobState.LAUNCHING and got.pool == SPOT_V100.id
+
+
+def test_on_demand_room_is_held_for_one_recovery_at_a_time() -> None:
+    """Two cifar10 jobs at 1 GPU, whose slack no longer covers a preemption at that size and
+    whose recovery needs 5 GPUs or more: 8 spare on-demand GPUs hold the first's (its view then
+    sends it to spot, and the GPUs held leave the spare), not the second's, which stays on the
+    plain net (on-demand). A job the plain net covers holds nothing."""
+    config = SchedulerConfig()
+    spec1 = cifar10("a", 1)
+    rec = JobRecord(id="a", spec=spec1, team="t", submitted_at=0.0, updated_at=0.0)
+    opts = job_choices(rec, Policy.ELASTIC, 8)
+    one = next(c for c in opts if c.gpus == 1)
+    alone_h = work_hours(rec, one, config)[0]
+    eight_h = work_hours(rec, next(c for c in opts if c.gpus == 8), config)[0]
+    assert eight_h < 0.5 * alone_h
+    # the deadline: a preemption's net short of what 5 GPUs need, so a recovery takes 5 or more
+    five_h = work_hours(rec, next(c for c in opts if c.gpus == 5), config)[0]
+    net_h = deadline_job(rec, one, {}, config, now=0.0).net_h
+    deadline = (five_h + net_h - 1e-4) * HOUR
+    jobs = [JobRecord(id=k, spec=spec1.model_copy(update={"name": k, "deadline_s": deadline}),
+                      team="t", submitted_at=0.0, updated_at=0.0) for k in ("a", "b")]
+    spare = spare_on_demand(jobs, [SPOT_V100, OD_V100], {})
+    assert spare == {OD_V100.id: 8}
+    views = []
+    for job in jobs:
+        plain = deadline_job(job, one, {}, config, now=0.0)
+        assert plain.slack_h < 0 and choose_market(plain, True) is Market.ON_DEMAND
+        views.append(with_recovery(job, plain, opts, [SPOT_V100, OD_V100], spare, Marks(),
+                                   config))
+    assert views[0].recover_h is not None and views[0].recover_h < plain.deadline_h
+    assert choose_market(views[0], True) is Market.SPOT
+    assert views[1].recover_h is None and choose_market(views[1], True) is Market.ON_DEMAND
+    assert spare[OD_V100.id] <= 3
+    loose = jobs[0].model_copy(update={"spec": jobs[0].spec.model_copy(
+        update={"deadline_s": 10 * alone_h * HOUR})})
+    left = dict(spare)
+    view = deadline_job(loose, one, {}, config, now=0.0)
+    assert with_recovery(loose, view, opts, [OD_V100], left, Marks(), config) == view
+    assert left == spare

@@ -21,6 +21,8 @@ from broker.scheduler.pacing import (
     place_by_deadline,
     requested_choice,
     second_market,
+    spare_on_demand,
+    with_recovery,
 )
 from broker.scheduler.placing import Marks, held_gpus, placement_request
 from policies.choices import assign_types
@@ -88,14 +90,17 @@ def allocate_and_place(res: RoundResult, jobs: list[JobRecord],
     found no room in any market they may use (see :func:`place_by_deadline`) give their share
     back: the others are allocated and placed again without them, and those sent to on-demand
     on a second try that found no room there are allocated on on-demand (:func:`paced_choices`).
-    A deadline job is judged at its requested size (:func:`requested_choice`)."""
+    A deadline job is judged at its requested size (:func:`requested_choice`), its safety net
+    against the on-demand room held for its recovery (:func:`with_recovery`)."""
     room = {p.id: p.capacity - used.get(p.id, 0) for p in pools}
+    spare = spare_on_demand(jobs, pools, used)
     paced = {}
     for job in (j for j in jobs if j.spec.deadline_s is not None):
         if (c := requested_choice(job, choices[job.id], pools, marks)) is not None:
-            paced[job.id] = Paced.of(c, deadline_job(job, c, pools_by_id, config, now, accel),
-                                     on_demand_choices(job, choices[job.id], c, pools, marks,
-                                                       room, accel))
+            view = with_recovery(job, deadline_job(job, c, pools_by_id, config, now, accel),
+                                 choices[job.id], pools, spare, marks, config, accel)
+            paced[job.id] = Paced.of(c, view, on_demand_choices(
+                job, choices[job.id], c, pools, marks, room, config, view, accel))
     waiting: set[str] = set()
     missed: dict[str, PlacementRequest] = {}  # gave their share back: what they asked for
     notes: dict[str, str] = {}

@@ -4,17 +4,75 @@ placement with a second market for the jobs the first had no room for."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from broker.models import JobRecord, JobState
-from broker.scheduler.choices import samples_per_sec
-from broker.scheduler.config import SchedulerConfig
+from broker.scheduler.choices import job_accelerator, job_model, samples_per_sec
+from broker.scheduler.config import Policy, SchedulerConfig
 from broker.scheduler.placing import Marks, held_gpus, lost_work_h, on_market
 from policies.elastic_dp import Choice
+from policies.job_model import TablePrior
 from policies.models import Accelerator, Market, Pool
 from policies.placement import PlacementRequest, PlacementResult, PoolRisk, eligible, place
 from policies.spot import DeadlineJob, choose_market, holds_pace, must_not_preempt, preemption_h
+from policies.throughput import batch_candidates
+
+
+def work_hours(job: JobRecord, choice: Choice, config: SchedulerConfig,
+               accelerator: Accelerator | None = None) -> tuple[float, float]:
+    """Hours the job's whole work takes at ``choice``'s GPUs, and hours of it done, at the
+    scheduler's throughput estimate (``samples_per_sec``). A job whose spec names a measured
+    model trains through epochs whose statistical efficiency differs (the gradient noise scale
+    grows as training goes on, so larger batches pay off later): its hours add up each epoch's
+    work at that epoch's rate, the best batch there (the choice's under a fixed batch), scaled
+    as the fitted model scales the tables, and the current epoch at the rate estimated now.
+    Counting all the work at the current epoch's rate would overstate a young job's hours
+    several times over and send it to on-demand for a deadline it can meet on spot. Other jobs
+    count all the work at the current rate (nothing is known of how their efficiency moves)."""
+    spec = job.spec
+    rate = samples_per_sec(job, choice.gpus, choice.batch_size, accelerator)
+    work, done = spec.work_samples, min(job.samples_done, spec.work_samples)
+    model = job_model(job)
+    prior, accel = model.prior, accelerator or job_accelerator(job)
+    if not isinstance(prior, TablePrior) or not prior.measured_on(accel):
+        return work / rate / 3600, done / rate / 3600
+    fixed = config.policy is not Policy.ELASTIC or spec.batch_mode.value == "fixed"
+    batches = (choice.batch_size,) if fixed else tuple(
+        batch_candidates(spec.batch_size.min, spec.batch_size.max, choice.gpus))
+    rates = model.scale * _epoch_rates(replace(prior, epoch=0), accel, choice.gpus, batches)
+    rates[prior.epoch] = rate
+    rates = np.where(rates > 0, rates, rate)
+    bounds = prior.app.efficiency.boundaries  # M0-iterations at each epoch's start
+    starts, lengths = bounds[:-1], np.diff(bounds)
+    lengths[-1] = np.inf  # the last epoch's rate past the tables' end (a longer job)
+    m0 = prior.app.init_batch_size
+
+    def hours(samples: float) -> float:
+        return float(np.sum(np.clip(samples / m0 - starts, 0.0, lengths) * m0 / rates)) / 3600
+
+    return hours(work), hours(done)
+
+
+def hours_left(job: JobRecord, choice: Choice, config: SchedulerConfig,
+               accelerator: Accelerator | None = None) -> float:
+    """Hours the job's work left takes at ``choice`` (:func:`work_hours`)."""
+    total, done = work_hours(job, choice, config, accelerator)
+    return total - done
+
+
+@functools.lru_cache(maxsize=4096)
+def _epoch_rates(prior: TablePrior, accelerator: Accelerator, gpus: int,
+                 batches: tuple[int, ...]) -> np.ndarray:
+    """The tables' samples/s at ``gpus`` in every epoch, at the best of ``batches`` there."""
+    epochs = len(prior.app.efficiency.boundaries) - 1
+    out = np.array([max((replace(prior, epoch=e).rate(accelerator, gpus, b) for b in batches),
+                        default=0.0) for e in range(epochs)])
+    out.flags.writeable = False
+    return out
 
 
 def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool],
@@ -25,14 +83,13 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
     Hours of work are counted at ``choice`` (GPUs, batch), the job's requested size
     (:func:`requested_choice`: what it would get if placed, whatever this round allocates), at
     the scheduler's throughput estimate there (the agent's measurement where it has one, else the
-    calibrated model): the total is ``work_samples`` at that rate, the progress the samples done
-    at that rate (so the fraction done is exact; the hours are as good as the rate estimate).
-    One preemption costs ``reaction_s``, ``restart_s`` and the work it loses
-    (:func:`lost_work_h`). ``spot: never`` is ``must_not_preempt``."""
+    fitted model), epoch by epoch where the model's tables know them (:func:`work_hours`): the
+    total is ``work_samples``, the progress the samples done (the fraction done is exact; the
+    hours are as good as the rate estimate). One preemption costs ``reaction_s``, ``restart_s``
+    and the work it loses (:func:`lost_work_h`). ``spot: never`` is ``must_not_preempt``."""
     spec = job.spec
     rate = samples_per_sec(job, choice.gpus, choice.batch_size, accelerator)
-    total_h = spec.work_samples / rate / 3600
-    progress_h = min(job.samples_done, spec.work_samples) / rate / 3600
+    total_h, progress_h = work_hours(job, choice, config, accelerator)
     pool = pools_by_id.get(job.pool or "") if job.state is JobState.RUNNING else None
     return DeadlineJob(
         total_h=total_h, progress_h=progress_h, elapsed_h=max(0.0, now - job.submitted_at) / 3600,
@@ -42,6 +99,46 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
                                total_h - progress_h),
         switch_h=config.restart_s / 3600, must_not_preempt=must_not_preempt(spec.spot),
         current=None if pool is None else pool.market)
+
+
+def spare_on_demand(jobs: Sequence[JobRecord], pools: Sequence[Pool],
+                    used: Mapping[str, int]) -> dict[str, int]:
+    """GPUs of each on-demand pool that no job holds (pool id -> GPUs): what recoveries from
+    preemptions can be promised (:func:`with_recovery`)."""
+    spare = {p.id: p.capacity - used.get(p.id, 0) for p in pools if p.market is Market.ON_DEMAND}
+    for job in jobs:
+        if job.state is JobState.RUNNING and job.pool in spare:
+            spare[job.pool] -= job.gpus
+    return spare
+
+
+def with_recovery(job: JobRecord, view: DeadlineJob, opts: Sequence[Choice],
+                  pools: Sequence[Pool], spare: dict[str, int], marks: Marks,
+                  config: SchedulerConfig, accelerator: Accelerator | None = None,
+                  ) -> DeadlineJob:
+    """``view`` with the recovery a preemption would take (``DeadlineJob.recover_h``) for a job
+    whose slack at its pace's size no longer covers one, when an elastic recovery does: the
+    smallest size (of ``opts``) whose work left on on-demand, restarted after the preemption,
+    still meets the deadline, in an on-demand pool it may use with that many ``spare`` GPUs
+    (:func:`spare_on_demand`), which are then held for it (taken out of ``spare``), so two
+    jobs a preemption hits together never count on the same GPUs. Without such room, or for a
+    job the plain net covers, ``view`` as it is."""
+    if view.must_not_preempt or view.deadline_h is None or view.slack_h > view.net_h:
+        return view
+    probe = PlacementRequest(job.id, 0, spot=job.spec.spot, allow=job.spec.regions.allow,
+                             deny=job.spec.regions.deny, refused=frozenset(marks.refused),
+                             markets=frozenset({Market.ON_DEMAND}))
+    usable = [p for p in pools if p.id in spare and eligible(p, probe)]
+    budget = view.deadline_h - view.elapsed_h - view.net_h  # hours the recovery may take
+    for c in sorted(opts, key=lambda c: c.gpus):
+        host = next((p for p in usable if spare[p.id] >= c.gpus and p.launchable(c.gpus)), None)
+        if host is None:
+            continue
+        left = hours_left(job, c, config, accelerator)
+        if left < budget:
+            spare[host.id] -= c.gpus
+            return view.model_copy(update={"recover_h": left})
+    return view
 
 
 @dataclass
@@ -159,23 +256,33 @@ def requested_choice(job: JobRecord, opts: Sequence[Choice], pools: Sequence[Poo
 
 def on_demand_choices(job: JobRecord, opts: Sequence[Choice], requested: Choice,
                       pools: Sequence[Pool], marks: Marks, room: Mapping[str, int],
+                      config: SchedulerConfig, view: DeadlineJob,
                       accelerator: Accelerator | None = None) -> list[Choice]:
     """The sizes a deadline job takes on on-demand, largest first: the smallest that keeps its
-    pace (as fast as at ``requested``, the size its pace is judged at) and fits an on-demand
-    pool's ``room`` this round (pool id -> GPUs not held by jobs the round does not move): on
-    on-demand a job buys its pace and no more, which costs fewer on-demand hours and banks no
-    slack that would send it back to spot at once; where none fits, every size from the largest
-    one on-demand pool it may use holds (:func:`requested_choice` on that market) down to its
-    smallest: running beats idling behind pace."""
+    pace (as fast as at ``requested``, the size its pace is judged at) and, started there now
+    (``view``: where it stands), still finishes by its deadline (:func:`hours_left`: a job whose
+    slack a preemption took must run faster than its pace; so must one whose recovery
+    :func:`with_recovery` counted on) and fits an on-demand pool's ``room`` this round (pool id
+    -> GPUs not held by jobs the round does not move): on on-demand a job buys its pace and no
+    more, which costs fewer on-demand hours and banks no slack that would send it back to spot
+    at once; where none fits, every size from the largest one on-demand pool it may use holds
+    (:func:`requested_choice` on that market) down to its smallest: running beats idling
+    behind pace."""
     top = requested_choice(job, opts, pools, marks, Market.ON_DEMAND)
     if top is None:
         return []
     sizes = sorted((c for c in opts if c.gpus <= top.gpus), key=lambda c: -c.gpus)
     pace = samples_per_sec(job, requested.gpus, requested.batch_size, accelerator)
-    on_pace = [c for c in sizes
-               if samples_per_sec(job, c.gpus, c.batch_size, accelerator) >= pace]
-    fits = requested_choice(job, on_pace, pools, marks, Market.ON_DEMAND, room)
-    return [min(on_pace, key=lambda c: c.gpus)] if fits else sizes
+    budget = None if view.deadline_h is None else \
+        view.deadline_h - view.elapsed_h - config.restart_s / 3600
+    smallest = next((c for c in reversed(sizes)
+                     if samples_per_sec(job, c.gpus, c.batch_size, accelerator) >= pace
+                     and (budget is None or view.recovery_slack_h > view.net_h
+                          or hours_left(job, c, config, accelerator) <= budget)), None)
+    if smallest is not None and requested_choice(job, [smallest], pools, marks,
+                                                 Market.ON_DEMAND, room):
+        return [smallest]
+    return sizes
 
 
 def paced_choices(jobs: Sequence[JobRecord], choices: Mapping[str, list[Choice]],
