@@ -11,7 +11,6 @@ the saving beats a stickiness margin, so jobs are not moved for pennies.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from fnmatch import fnmatchcase
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -93,16 +92,6 @@ class Stickiness(BaseModel):
         return current_cost - best_cost < self.threshold(current_cost)
 
 
-class Scored(BaseModel):
-    candidate: Candidate
-    cost_usd: float
-    hazard_per_h: float
-
-    @property
-    def pool_id(self) -> str:
-        return self.candidate.pool.id
-
-
 def hazard_per_hour(c: Candidate) -> float:
     """Preemptions per node-hour: a Gamma-Poisson blend of the prior and the observed rate."""
     if c.pool.market is Market.ON_DEMAND:
@@ -143,41 +132,3 @@ def expected_cost(needs: JobNeeds, c: Candidate, egress: Egress | None = None) -
         writes = hours / needs.checkpoint_interval_h * needs.checkpoint_gb * \
             egress.per_gb(needs.bucket_cloud, needs.bucket_region, c.pool)
     return rate * hours + move + writes
-
-
-def rank(
-    needs: JobNeeds,
-    candidates: Iterable[Candidate],
-    blocklist: Blocklist | None = None,
-    now: float = 0.0,
-    egress: Egress | None = None,
-) -> list[Scored]:
-    """Eligible candidates, cheapest expected cost first (ties: lower risk, then pool id)."""
-    scored = [
-        Scored(
-            candidate=c, cost_usd=expected_cost(needs, c, egress), hazard_per_h=hazard_per_hour(c)
-        )
-        for c in candidates
-        if eligible(needs, c, blocklist, now)
-    ]
-    return sorted(scored, key=lambda s: (s.cost_usd, s.hazard_per_h, s.pool_id))
-
-
-def choose(
-    needs: JobNeeds,
-    candidates: Iterable[Candidate],
-    blocklist: Blocklist | None = None,
-    now: float = 0.0,
-    egress: Egress | None = None,
-    stickiness: Stickiness | None = None,
-) -> Scored | None:
-    """The pool for the job: the cheapest, unless staying where it runs is within the margin."""
-    ranked = rank(needs, candidates, blocklist, now, egress)
-    if not ranked:
-        return None
-    best = ranked[0]
-    current = next((s for s in ranked if s.pool_id == needs.current_pool), None)
-    if current is not None and current is not best and \
-            (stickiness or Stickiness()).keeps(current.cost_usd, best.cost_usd):
-        return current
-    return best
