@@ -7,7 +7,10 @@ all-reduced gradient over all ``B`` give two such equations, solved for ``|G|^2`
 their ratio ``tr(S) / |G|^2`` is the noise scale in samples (McCandlish et al., 2018): the batch
 size beyond which a larger batch buys little progress per sample. Both terms are smoothed over
 steps (an exponential average of each, then the ratio), as AdaptDL does, because one step's
-estimate is noisy. A job on one replica has no second batch size to compare: no estimate.
+estimate is noisy. A job on one replica has no second batch in a step: it compares the mean
+gradients of two consecutive steps instead (``update_pair``, as AdaptDL does), each over the
+step's batch, against their average over both; the parameters move between the two, which
+biases the estimate slightly, and the broker only needs the noise scale's order of magnitude.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ class NoiseScale:
         d = self.decay
         self._var = var if self._var is None else d * self._var + (1 - d) * var
         self._sqr = sqr if self._sqr is None else d * self._sqr + (1 - d) * sqr
+
+    def update_pair(self, previous: torch.Tensor, current: torch.Tensor, n: int) -> None:
+        """One step of a single-replica job: ``previous`` and ``current``, the flattened mean
+        gradients of two consecutive steps of ``n`` samples each."""
+        local_sq = (previous.pow(2).sum() + current.pow(2).sum()) / 2
+        self.update(local_sq, n, ((previous + current) / 2).pow(2).sum(), 2 * n)
 
     @property
     def value(self) -> float | None:

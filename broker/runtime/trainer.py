@@ -174,6 +174,7 @@ class Trainer:
         self.noise = NoiseScale()  # the gradient noise scale, reported with the progress
         # this step's squared norms, local and all-reduced, on the gradients' device
         self._sq: list[torch.Tensor | None] = [None, None]
+        self._previous: torch.Tensor | None = None  # a lone replica's last mean gradient
         self._accumulating = False
         self._factor = (
             1.0
@@ -314,6 +315,16 @@ class Trainer:
             share = self.global_batch_size / self._local_n
             self.noise.update(local * share**2, self._local_n, reduced, self.global_batch_size)
 
+    def _measure_noise_alone(self) -> None:
+        """One replica: steps pair up, the first's mean gradient kept until the second's, so
+        each step's gradient serves one estimate and the copy lives for one step only."""
+        flat = torch.cat([g.detach().reshape(-1) for g in self._grads()])
+        if self._previous is None or self._previous.numel() != flat.numel():
+            self._previous = flat
+            return
+        self.noise.update_pair(self._previous, flat, self.global_batch_size)
+        self._previous = None
+
     def _grads(self) -> list[torch.Tensor]:
         return [
             p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
@@ -339,6 +350,8 @@ class Trainer:
                 torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
         if self.world_size > 1:
             self._measure_noise()
+        else:
+            self._measure_noise_alone()
         lrs = [g["lr"] for g in self.optimizer.param_groups]
         if self._factor != 1.0:
             for g in self.optimizer.param_groups:

@@ -30,10 +30,24 @@ def test_the_estimate_converges_to_the_true_noise_scale() -> None:
     assert noise.value is not None and abs(noise.value / trace - 1) < 0.15
 
 
-def test_one_replica_gives_no_estimate() -> None:
+def test_one_batch_size_gives_no_estimate() -> None:
     noise = NoiseScale()
     noise.update(torch.tensor(2.0), 32, torch.tensor(2.0), 32)
     assert noise.value is None
+
+
+def test_consecutive_steps_of_one_replica_converge_to_the_true_noise_scale() -> None:
+    """One replica, 32 samples a step: pairs of steps' mean gradients stand in for two
+    replicas (the true gradient held still here, so the estimate is unbiased)."""
+    gen = torch.Generator().manual_seed(1)
+    d, batch, trace = 1024, 32, 64.0
+    true = torch.randn(d, generator=gen)
+    true /= true.norm()
+    noise = NoiseScale()
+    for _ in range(3000):
+        a, b = true + torch.randn(2, d, generator=gen) * math.sqrt(trace / d / batch)
+        noise.update_pair(a, b, batch)
+    assert noise.value is not None and abs(noise.value / trace - 1) < 0.15
 
 
 def test_a_two_rank_job_reports_its_noise_scale_and_accelerator(
@@ -57,3 +71,21 @@ def test_a_two_rank_job_reports_its_noise_scale_and_accelerator(
     last = measured[-1]
     assert math.isfinite(last["grad_noise_scale"]) and last["grad_noise_scale"] > 0
     assert last["accelerator"] == "T4" and last["world_size"] == 2
+
+
+def test_a_one_rank_job_reports_its_noise_scale(httpserver: HTTPServer, tmp_path: Path) -> None:
+    """A single replica has no second gradient in a step; consecutive steps give one."""
+    beats: list[dict] = []
+
+    def heartbeat(request: Request) -> Response:
+        beats.append(request.get_json())
+        return Response(json.dumps({}), content_type="application/json")
+
+    httpserver.expect_request("/v1/agent/heartbeat", method="POST").respond_with_handler(heartbeat)
+    env = job_env(tmp_path, nproc=1, heartbeat_interval=0.2, job_id="job-1", attempt=1,
+                  broker_url=httpserver.url_for("/"), agent_token="t", accelerator="T4")
+    run = run_job(agent_command("--steps", "120", "--batch-size", "32"), env, tmp_path)
+    assert run.code == 0, run.output
+    measured = [b["grad_noise_scale"] for b in beats if b.get("grad_noise_scale") is not None]
+    assert measured and all(math.isfinite(v) and v > 0 for v in measured), beats[-3:]
+    assert beats[-1]["world_size"] == 1
