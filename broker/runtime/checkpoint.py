@@ -177,6 +177,7 @@ class Checkpointer:
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._folder: Path | None = None  # the folder the last save wrote into
         # (step, bytes) of the newest committed or loaded checkpoint, one tuple so that a reader
         # never pairs a step with another checkpoint's size. bytes: every rank's files plus the
         # manifest, known on rank 0 (None elsewhere, and for a checkpoint without a recorded size).
@@ -232,7 +233,7 @@ class Checkpointer:
     def _raise(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            cause = failure.describe("checkpoint write failed", error)
+            cause = failure.describe("checkpoint write failed", error, self._folder)
             failure.report(cause)  # the broker shows it, not just "command exited 1"
             raise RuntimeError(cause) from error
 
@@ -268,7 +269,7 @@ class Checkpointer:
     ) -> None:
         try:
             t0 = time.perf_counter()
-            folder = self.store.write_dir(step)
+            folder = self._folder = self.store.write_dir(step)
             writer = dcp.FileSystemWriter(folder, thread_count=self.write_threads)
             dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=self._local)
             torch.save(rng, folder / f"rng-{self.rank}.pt")

@@ -32,10 +32,26 @@ def os_error(exc: BaseException | None) -> OSError | None:
     return None
 
 
-def describe(what: str, exc: BaseException) -> str:
+def probe(folder: str | os.PathLike[str]) -> OSError | None:
+    """What is wrong with writing into ``folder`` as the file system says: full (ENOSPC),
+    mounted read-only (EROFS) or not writable (EACCES). Torch's C++ writer reports a failed
+    write as a RuntimeError with no errno; the folder still tells the cause."""
+    try:
+        st = os.statvfs(folder)
+    except OSError as err:
+        return err
+    for failed, code in ((st.f_flag & os.ST_RDONLY, errno.EROFS), (st.f_bavail == 0, errno.ENOSPC),
+                         (not os.access(folder, os.W_OK), errno.EACCES)):
+        if failed:
+            return OSError(code, os.strerror(code))
+    return None
+
+
+def describe(what: str, exc: BaseException, folder: str | os.PathLike[str] | None = None) -> str:
     """``"<what>: <cause>"``: the OS's words for an OSError behind ``exc`` (lower-case, no
-    path: a path may name a user's directory), else the exception's type."""
-    err = os_error(exc)
+    path: a path may name a user's directory), else what ``folder`` (the one being written)
+    shows is wrong with it, else the exception's type."""
+    err = os_error(exc) or (probe(folder) if folder is not None else None)
     if err is not None and err.errno is not None:
         cause = (err.strerror or os.strerror(err.errno)).lower()
         name = errno.errorcode.get(err.errno)
