@@ -1,6 +1,7 @@
 """The broker's HTTP API (FastAPI; OpenAPI at ``/openapi.json``, docs at ``/docs``).
 
-``build_app(store, config)`` returns the app that ``fleet up`` serves with uvicorn. Every route
+``build_app(store, config)`` returns the app that ``fleet up`` serves with uvicorn, with the web
+dashboard under ``/ui`` (``broker.dashboard``: its pages hold no data). Every route
 needs a bearer token (``broker.auth``): a team sees only its own jobs (others' are 404), an admin
 sees all, an agent may only post heartbeats and rendezvous visits. Bad input is a 4xx whose body
 names each field.
@@ -27,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from broker import __version__
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
+from broker.dashboard import mount_ui, router
 from broker.models import JobRecord, JobState
 from broker.spec import (
     ParsedSpec,
@@ -510,6 +512,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         store.request_command("node", job_id=job.id, rank=req.rank, how=req.how)
         return {"accepted": True, "job_id": job.id, "rank": req.rank, "how": req.how}
 
+    app.include_router(router(store, user, visible_jobs, _READ))
+    mount_ui(app)
     return app
 
 
