@@ -323,14 +323,17 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
             raise ApiError(404, f"no job {job_id!r} (fleet jobs lists yours)")
         return job
 
-    def visible_jobs(who: Principal, team: str | None,
-                     states: list[JobState] | None) -> list[JobRecord]:
-        """A team token sees its own team's jobs; an admin any team's, or all."""
+    def visible_team(who: Principal, team: str | None) -> str | None:
+        """A team token sees its own team's jobs; an admin any team's, or all (None)."""
         if who.role is not Role.ADMIN:
             if team is not None and team != who.team:
                 raise ApiError(404, f"no team {team!r} visible to this token")
-            team = who.team
-        return store.list_jobs(team=team, states=states)
+            return who.team
+        return team
+
+    def visible_jobs(who: Principal, team: str | None,
+                     states: list[JobState] | None) -> list[JobRecord]:
+        return store.list_jobs(team=visible_team(who, team), states=states)
 
     @app.get("/healthz", tags=["meta"], summary="Liveness (no token needed)")
     def healthz() -> dict[str, str]:
@@ -512,7 +515,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         store.request_command("node", job_id=job.id, rank=req.rank, how=req.how)
         return {"accepted": True, "job_id": job.id, "rank": req.rank, "how": req.how}
 
-    app.include_router(router(store, user, visible_jobs, _READ))
+    app.include_router(router(store, user, visible_team, visible_jobs, _READ))
     mount_ui(app)
     return app
 
