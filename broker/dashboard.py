@@ -79,6 +79,12 @@ def cost_series(placements: Sequence[Placement], *, now: float, buckets: int = 6
             "buckets": buckets}
 
 
+def is_preemption(event: Event) -> bool:
+    """Did ``event`` count a preemption of its job (a reclaim seen before or after the nodes
+    went, or nodes lost to one)?"""
+    return event.data.get("preempted") is True or event.type == "preempted"
+
+
 def _region_at(placements: Sequence[Placement], ts: float) -> str:
     """The cloud:region a job held GPUs in at ``ts`` (the interval open then, else the last one
     that started before)."""
@@ -91,7 +97,7 @@ def _region_at(placements: Sequence[Placement], ts: float) -> str:
 def recovery_timeline(placements: Mapping[str, Sequence[Placement]],
                       preempted: Mapping[str, Sequence[Event]], *, now: float,
                       buckets: int = 60) -> dict[str, Any]:
-    """Preemptions (each job's ``preempted`` events, in the region it held then) and migrations
+    """Preemptions (each job's events that counted one, in the region it held then) and migrations
     (a relaunch in another pool than the job's previous interval, counted in the region it
     left, as ``JobRecord.migrations`` counts them) per region: the list, and counts per bucket."""
     found: list[dict[str, Any]] = []
@@ -189,7 +195,7 @@ def router(store: Store, user: Callable[..., Any],
         jobs = visible_jobs(who, team, None)
         by_job = store.placements_of([j.id for j in jobs])
         preempted = {j.id: [e for e in store.events(job_id=j.id, limit=10_000)
-                            if e.type == "preempted"] for j in jobs if j.preemptions}
+                            if is_preemption(e)] for j in jobs if j.preemptions}
         return recovery_timeline(by_job, preempted, now=time.time(), buckets=buckets)
 
     @api.get("/v1/prices", summary="The catalog's cheapest on-demand and spot price per "

@@ -62,9 +62,10 @@ def _place(store: Store, job: JobRecord, pool: Pool, gpus: int, start: float) ->
 
 
 def _close(store: Store, job: JobRecord, state: JobState, reason: str, *,
-           preempted: bool = False) -> JobRecord:
-    """End the running attempt (its interval closes now): preempted, or finished."""
-    if preempted:
+           preempted: bool = False, noticed: bool = True) -> JobRecord:
+    """End the running attempt (its interval closes now): finished, or preempted (``noticed``:
+    a notice came first and the job was stopping, else its nodes were just gone)."""
+    if preempted and noticed:
         plan = Plan()
         transitions.stopping(plan, job, event="preempted", reason=reason, fence=0,
                              preempted=True)
@@ -72,7 +73,9 @@ def _close(store: Store, job: JobRecord, state: JobState, reason: str, *,
         job = _get(store, job.id)
     open_ = next(p for p in store.placements(job.id) if p.end is None)
     plan = Plan()
-    transitions.ended(plan, job, state, reason=reason, exit_code=75 if preempted else 0, fence=0)
+    code = 0 if not preempted else 75 if noticed else None  # lost nodes report nothing
+    transitions.ended(plan, job, state, reason=reason, exit_code=code, fence=0,
+                      preempted=preempted and not noticed)
     plan.close_placement(open_.model_copy(update={"end": time.time()}))
     store.apply(plan)
     return _get(store, job.id)
@@ -112,7 +115,7 @@ def record_fleet(store: Store, submit: Callable[[dict[str, object]], str], jobs:
             first, second = rng.sample(spot_v100, 2)
             job = _place(store, job, first, gpus, start)
             job = _close(store, job, JobState.SUSPENDED, "spot capacity reclaimed",
-                         preempted=True)
+                         preempted=True, noticed=rng.random() < 0.5)
             _place(store, job, second, gpus, time.time())
             continue
         job = _place(store, job, rng.choice(pools), gpus, start)

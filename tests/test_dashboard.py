@@ -5,6 +5,7 @@ recorded history: no console errors, the numbers the API gives, the login, scree
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -16,18 +17,21 @@ from typing import Any
 import httpx
 import pytest
 
+from broker import transitions
 from broker.costs import job_cost
-from broker.dashboard import catalog_prices, cost_series, recovery_timeline
-from broker.models import Event, Placement
-from broker.store import Store
-from policies.models import Market
+from broker.dashboard import catalog_prices, cost_series, is_preemption, recovery_timeline
+from broker.models import Event, JobRecord, JobState, Placement
+from broker.store import Plan, Store
+from policies.models import BatchRange, JobSpec, Market
 from providers.catalog import cheapest, load_offers
 from tests.api_server import TOKENS, ApiServer, api_stack
 from tests.dashboard_fleet import POOLS, record_fleet
 
 HOUR = 3600.0
 PAGES = ("index", "costs", "recoveries", "prices", "queue")
-SPOT, SPOT_WEST, OD = POOLS[0], POOLS[1], POOLS[2]
+SPOT = POOLS[0]
+SPEC = JobSpec(name="x", run="true", batch_size=BatchRange(min=32, max=64, default=32),
+               work_samples=1000)
 
 
 def interval(job: str, attempt: int, pool: int, start: float, end: float | None, gpus: int,
@@ -81,6 +85,30 @@ def test_recovery_timeline_puts_each_preemption_in_the_region_held_then() -> Non
     assert t["series"]["aws:us-east-1"] == {"preemptions": [1, 0, 0], "migrations": [1, 0, 0]}
     assert t["series"]["aws:us-west-2"] == {"preemptions": [0, 0, 1], "migrations": [0, 0, 0]}
     assert recovery_timeline({"b": b}, {}, now=400)["regions"] == []
+
+
+def test_every_transition_that_counts_a_preemption_marks_its_event() -> None:
+    job = JobRecord(id="j", team="ml", spec=SPEC, state=JobState.RUNNING, pool=SPOT.id)
+    stopping = job.model_copy(update={"state": JobState.SUSPENDING})
+    marked, plain = Plan(), Plan()
+    transitions.stopping(marked, job, event="nodes-lost", reason="r", preempted=True)
+    transitions.ended(marked, job, JobState.SUSPENDED, reason="node lost", exit_code=None,
+                      fence=1, preempted=True)
+    transitions.replacing_nodes(marked, job, ranks=[1], alive=["n0"], reason="r",
+                                recovery="replace-node", fence=1, preempted=True)
+    transitions.stopping(plain, job, event="nodes-lost", reason="r")
+    transitions.ended(plain, stopping, JobState.SUSPENDED, reason="checkpointed", exit_code=75,
+                      fence=1)
+    transitions.replacing_nodes(plain, job, ranks=[1], alive=["n0"], reason="r",
+                                recovery="replace-node", fence=1, preempted=False)
+
+    def events(plan: Plan) -> list[Event]:
+        return [Event(id="0-1", ts=0, type=e["type"], job_id="j", data=json.loads(e["data"]))
+                for e in plan.events]
+
+    assert [is_preemption(e) for e in events(marked)] == [True, True, True]
+    assert [is_preemption(e) for e in events(plain)] == [False, False, False]
+    assert is_preemption(Event(id="0-1", ts=0, type="preempted"))  # records from before
 
 
 def test_catalog_prices_are_the_cheapest_offer_per_accelerator() -> None:
