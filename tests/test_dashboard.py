@@ -1,7 +1,8 @@
 """The web dashboard: its series (cost over time, preemptions and migrations per region, catalog
 prices), its routes behind the API's auth, and its pages in a real headless Chromium (the
 system's, driven by Playwright) against the API over a real redis-server holding a fleet's
-recorded history: no console errors, the numbers the API gives, the login, screenshots."""
+recorded history, and against a live broker running real jobs on the local fleet: no console
+errors, the numbers the API gives, the login, screenshots."""
 
 from __future__ import annotations
 
@@ -26,8 +27,12 @@ from policies.models import BatchRange, JobSpec, Market
 from providers.catalog import cheapest, load_offers
 from tests.api_server import TOKENS, ApiServer, api_stack
 from tests.dashboard_fleet import POOLS, record_fleet
+from tests.test_api_e2e import env, wait_for
 
 HOUR = 3600.0
+# A live broker: redis, the API, the scheduler and actuator over the local provider (the e2e
+# tests' fixture; its team token is ml's).
+live_broker = env
 PAGES = ("index", "costs", "recoveries", "prices", "queue")
 SPOT = POOLS[0]
 SPEC = JobSpec(name="x", run="true", batch_size=BatchRange(min=32, max=64, default=32),
@@ -341,3 +346,45 @@ def test_a_team_sees_its_own_and_signing_out_forgets_the_token(tab: Tab, fleet: 
     tab.page.goto(f"{tab.base}/ui/costs.html")
     tab.page.wait_for_url("**/ui/login.html")
     assert tab.problems == []
+
+
+@pytest.mark.slow
+def test_a_live_brokers_jobs_on_the_pages(live_broker: dict[str, str], store: Store,
+                                          browser: Any, tmp_path: Path) -> None:
+    """``fleet up``'s parts (scheduler, actuator, local provider, agents over HTTP) run a job
+    to completion and keep another running; the pages show both as the API does."""
+    url, auth = live_broker["FLEET_URL"], {
+        "Authorization": f"Bearer {live_broker['FLEET_TOKEN']}"}
+    sleeper = "python -c 'import time; time.sleep({})'"
+    ids = {}
+    for name, seconds in (("short", 1), ("long", 600)):
+        r = httpx.post(url + "/v1/jobs", headers=auth, json={
+            "name": name, "run": sleeper.format(seconds), "gpus": 1,
+            "batch_size": {"min": 32, "max": 32}, "work": {"samples": 10**6}})
+        assert r.status_code == 201, r.text
+        ids[name] = r.json()["job"]["id"]
+    wait_for(store, ids["short"], lambda j: j.state.terminal)
+    wait_for(store, ids["long"], lambda j: j.state is JobState.RUNNING)
+
+    tab = Tab(browser, url)
+    try:
+        tab.page.goto(tab.base + "/ui/login.html")
+        tab.page.fill("#token", live_broker["FLEET_TOKEN"])
+        tab.page.click("button[type=submit]")
+        tab.page.wait_for_selector("body[data-ready='1']")
+        holding = httpx.get(url + "/v1/jobs?state=running", headers=auth).json()
+        assert tab.column("holding", 1) == [ids["long"]]
+        assert tab.column("holding", 4) == [j["pool"] for j in holding["jobs"]]
+        tab.page.screenshot(path=str(tmp_path / "live-index.png"), full_page=True)
+        tab.open("costs")
+        report = httpx.get(url + "/v1/costs", headers=auth).json()
+        rows = dict(zip(tab.column("jobs", 1), tab.column("jobs", 4), strict=True))
+        assert rows == {r["job"]: ", ".join(r["regions"]) for r in report["jobs"]}
+        done = next(r for r in report["jobs"] if r["job"] == ids["short"])
+        assert done["state"] == "completed" and done["intervals"] == 1
+        shown = dict(zip(tab.column("jobs", 1), tab.column("jobs", 6), strict=True))
+        assert shown[ids["short"]] == usd(done["cost_usd"])  # a closed interval: fixed
+        tab.page.screenshot(path=str(tmp_path / "live-costs.png"), full_page=True)
+        assert tab.problems == []
+    finally:
+        tab.close()
