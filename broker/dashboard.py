@@ -33,6 +33,7 @@ from providers.catalog import CLOUDS, CatalogOffer, cheapest, load_offers, user_
 UI_DIR = Path(__file__).with_name("ui")
 TEAM = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 MAX_BUCKETS = 1000
+EVENTS_LISTED = 500  # the newest preemptions and migrations listed one by one (all are counted)
 # The pages load only their own files and talk only to this origin: an injected script or a
 # framing page gets nowhere.
 UI_HEADERS = {
@@ -99,7 +100,8 @@ def recovery_timeline(placements: Mapping[str, Sequence[Placement]],
                       buckets: int = 60) -> dict[str, Any]:
     """Preemptions (each job's events that counted one, in the region it held then) and migrations
     (a relaunch in another pool than the job's previous interval, counted in the region it
-    left, as ``JobRecord.migrations`` counts them) per region: the list, and counts per bucket."""
+    left, as ``JobRecord.migrations`` counts them) per region: totals, counts per bucket, and
+    the newest ``EVENTS_LISTED`` one by one."""
     found: list[dict[str, Any]] = []
     for job_id, events in preempted.items():
         ps = sorted(placements.get(job_id, []), key=lambda p: p.start)
@@ -118,7 +120,8 @@ def recovery_timeline(placements: Mapping[str, Sequence[Placement]],
     for e in found:
         totals[e["region"]][e["kind"] + "s"] += 1
     if not found:
-        return {"t": [], "regions": [], "series": {}, "totals": {}, "events": []}
+        return {"t": [], "regions": [], "series": {}, "totals": {}, "events": [],
+                "events_total": 0}
     start = min(e["ts"] for e in found)
     end = max(now, start + 1.0)
     edges = _edges(start, end, buckets)
@@ -128,7 +131,7 @@ def recovery_timeline(placements: Mapping[str, Sequence[Placement]],
         i = min(buckets - 1, int((e["ts"] - start) / step))
         series[e["region"]][e["kind"] + "s"][i] += 1
     return {"t": edges[1:], "regions": regions, "series": series, "totals": totals,
-            "events": found}
+            "events": found[-EVENTS_LISTED:], "events_total": len(found)}
 
 
 def _catalog_stamp() -> tuple[int | None, ...]:

@@ -20,7 +20,13 @@ import pytest
 
 from broker import transitions
 from broker.costs import job_cost
-from broker.dashboard import catalog_prices, cost_series, is_preemption, recovery_timeline
+from broker.dashboard import (
+    EVENTS_LISTED,
+    catalog_prices,
+    cost_series,
+    is_preemption,
+    recovery_timeline,
+)
 from broker.models import Event, JobRecord, JobState, Placement
 from broker.store import Plan, Store
 from policies.models import BatchRange, JobSpec, Market
@@ -89,7 +95,15 @@ def test_recovery_timeline_puts_each_preemption_in_the_region_held_then() -> Non
     assert t["t"] == pytest.approx([200, 300, 400])
     assert t["series"]["aws:us-east-1"] == {"preemptions": [1, 0, 0], "migrations": [1, 0, 0]}
     assert t["series"]["aws:us-west-2"] == {"preemptions": [0, 0, 1], "migrations": [0, 0, 0]}
+    assert t["events_total"] == 3
     assert recovery_timeline({"b": b}, {}, now=400)["regions"] == []
+    many = {f"j{i}": [interval(f"j{i}", 1, 0, i, i + 1, 1), interval(f"j{i}", 2, 1, i + 2, None, 1)]
+            for i in range(EVENTS_LISTED + 10)}
+    listed = recovery_timeline(many, {}, now=10_000)
+    assert listed["events_total"] == EVENTS_LISTED + 10  # all counted, the newest listed
+    assert len(listed["events"]) == EVENTS_LISTED
+    assert listed["events"][-1]["job"] == f"j{EVENTS_LISTED + 9}"
+    assert listed["totals"]["aws:us-east-1"]["migrations"] == EVENTS_LISTED + 10
 
 
 def test_every_transition_that_counts_a_preemption_marks_its_event() -> None:

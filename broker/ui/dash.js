@@ -243,7 +243,7 @@ async function recoveriesPage(main) {
   main.append(table("events", "Latest", [
     ["when (UTC)", (e) => when(e.ts)], ["what", (e) => e.kind], ["job", (e) => e.job],
     ["region", (e) => e.region], ["moved to", (e) => e.to || "–"],
-  ], recent, `the latest ${recent.length} of ${num(data.events.length)}`));
+  ], recent, `the latest ${recent.length} of ${num(data.events_total)}`));
 }
 
 async function pricesPage(main) {
