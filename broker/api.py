@@ -1,6 +1,7 @@
 """The broker's HTTP API (FastAPI; OpenAPI at ``/openapi.json``, docs at ``/docs``).
 
-``build_app(store, config)`` returns the app that ``fleet up`` serves with uvicorn. Every route
+``build_app(store, config)`` returns the app that ``fleet up`` serves with uvicorn, with the web
+dashboard under ``/ui`` (``broker.dashboard``: its pages hold no data). Every route
 needs a bearer token (``broker.auth``): a team sees only its own jobs (others' are 404), an admin
 sees all, an agent may only post heartbeats and rendezvous visits. Bad input is a 4xx whose body
 names each field.
@@ -27,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from broker import __version__
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
+from broker.dashboard import mount_ui, router
 from broker.models import JobRecord, JobState
 from broker.spec import (
     ParsedSpec,
@@ -321,14 +323,17 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
             raise ApiError(404, f"no job {job_id!r} (fleet jobs lists yours)")
         return job
 
-    def visible_jobs(who: Principal, team: str | None,
-                     states: list[JobState] | None) -> list[JobRecord]:
-        """A team token sees its own team's jobs; an admin any team's, or all."""
+    def visible_team(who: Principal, team: str | None) -> str | None:
+        """A team token sees its own team's jobs; an admin any team's, or all (None)."""
         if who.role is not Role.ADMIN:
             if team is not None and team != who.team:
                 raise ApiError(404, f"no team {team!r} visible to this token")
-            team = who.team
-        return store.list_jobs(team=team, states=states)
+            return who.team
+        return team
+
+    def visible_jobs(who: Principal, team: str | None,
+                     states: list[JobState] | None) -> list[JobRecord]:
+        return store.list_jobs(team=visible_team(who, team), states=states)
 
     @app.get("/healthz", tags=["meta"], summary="Liveness (no token needed)")
     def healthz() -> dict[str, str]:
@@ -510,6 +515,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         store.request_command("node", job_id=job.id, rank=req.rank, how=req.how)
         return {"accepted": True, "job_id": job.id, "rank": req.rank, "how": req.how}
 
+    app.include_router(router(store, user, visible_team, visible_jobs, _READ))
+    mount_ui(app)
     return app
 
 

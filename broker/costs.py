@@ -78,17 +78,20 @@ class CostLine(BaseModel):
 
 
 def job_cost(placements: Sequence[Placement]) -> CostLine:
-    """Every placement interval of one job: each attempt, region and market, open ones until now.
-
-    An interval recorded without an on-demand reference counts at its own price (no saving).
-    """
+    """Every placement interval of one job: each attempt, region and market, open ones until now,
+    each against its on-demand ``reference_price``."""
     line = CostLine()
     for p in placements:
-        reference = p.price_per_gpu_hour if p.ondemand_price_per_gpu_hour is None \
-            else p.ondemand_price_per_gpu_hour
         line = line.add(CostLine(gpu_hours=p.gpu_hours, cost_usd=p.cost,
-                                 ondemand_cost_usd=p.gpu_hours * reference, intervals=1))
+                                 ondemand_cost_usd=p.gpu_hours * reference_price(p), intervals=1))
     return line
+
+
+def reference_price(p: Placement) -> float:
+    """The on-demand $/GPU-h an interval is compared with: the one recorded at launch, else (a
+    record from before it was kept) its own price, which shows no saving."""
+    return p.price_per_gpu_hour if p.ondemand_price_per_gpu_hour is None \
+        else p.ondemand_price_per_gpu_hour
 
 
 def cost_report(jobs: Sequence[JobRecord], placements: Mapping[str, Sequence[Placement]],

@@ -363,11 +363,15 @@ class Store:
     def list_jobs(self, *, team: str | None = None,
                   states: Iterable[JobState | str] | None = None) -> list[JobRecord]:
         """Jobs in submission order, optionally of one team and in some states."""
-        ids: list[str] = self.r.zrange(f"{self.p}team:{team}" if team else f"{self.p}jobs", 0, -1)
+        ids = self.list_ids(team=team)
         if states is not None:
             members = self.job_ids(states)
             ids = [i for i in ids if i in members]
         return self._get_many(ids)
+
+    def list_ids(self, *, team: str | None = None) -> list[str]:
+        """The ids of every job (or one team's) in submission order (no record is read)."""
+        return self.r.zrange(f"{self.p}team:{team}" if team else f"{self.p}jobs", 0, -1)
 
     def job_ids(self, states: Iterable[JobState | str]) -> set[str]:
         """The ids of the jobs in ``states`` (no record is read)."""

@@ -15,6 +15,10 @@ from policies.models import JobSpec
 if TYPE_CHECKING:  # the store writes plans and makes its own transitions with these
     from broker.store import Plan
 
+# In the event of every transition that counts a preemption (the dashboard's timeline finds
+# them by it, whatever the event's type).
+PREEMPTED = {"preempted": True}
+
 
 def launching(plan: Plan, job: JobRecord, intent: Intent, *, nodes: int, moved: bool,
               resized: bool) -> None:
@@ -50,6 +54,7 @@ def stopping(plan: Plan, job: JobRecord, *, event: str, reason: str, fence: int 
         fields["fence"] = fence
     if preempted:
         fields["preemptions"] = job.preemptions + 1
+        data = {**(data or {}), **PREEMPTED}
     if failed:
         fields["failures"] = job.failures + 1
     plan.change(job, JobState.SUSPENDING, event=event, event_data=data, **fields)
@@ -75,7 +80,8 @@ def ended(plan: Plan, job: JobRecord, state: JobState, *, reason: str, exit_code
         fields["preemptions"] = job.preemptions + 1
     if failed:
         fields["failures"] = job.failures + 1
-    plan.change(job, state, event=event, reason=reason, **fields)
+    plan.change(job, state, event=event, event_data=PREEMPTED if preempted else None,
+                reason=reason, **fields)
 
 
 def cancelled(plan: Plan, job: JobRecord, reason: str, *, fence: int | None = None) -> None:
@@ -110,7 +116,8 @@ def replacing_nodes(plan: Plan, job: JobRecord, *, ranks: list[int], alive: list
     if preempted:
         fields["preemptions"] = job.preemptions + 1
     plan.change(job, event="nodes-lost",
-                event_data={"ranks": ranks, "round": round_, "recovery": recovery},
+                event_data={"ranks": ranks, "round": round_, "recovery": recovery,
+                            **(PREEMPTED if preempted else {})},
                 reason=reason, round=round_, node_ids=alive,
                 stand_ins={**job.stand_ins, **dict.fromkeys(ranks, round_)}, **fields)
     return round_

@@ -74,11 +74,14 @@ def test_fleet_up_serves_runs_and_stops(tmp_path: Path) -> None:
         logs = fleet("logs", job_id, env=env)
         assert f"hello from {job_id}" in logs.stdout
         assert (tmp_path / "state" / "redis" / "appendonlydir").is_dir()  # AOF on, in state dir
+        ui = httpx.get(f"http://127.0.0.1:{port}/", follow_redirects=True, timeout=10)
+        assert ui.status_code == 200 and "dash.js" in ui.text  # the dashboard's sign-in way
     finally:
         up.send_signal(signal.SIGINT)
         out, _ = up.communicate(timeout=60)
     assert up.returncode == 0, out
-    assert "stopping" in out
+    assert "stopping" in out and f"dashboard at http://127.0.0.1:{port}/ui/" in " ".join(
+        out.split())  # the console wraps long lines
     # The embedded redis-server is gone with it.
     redis_pids = subprocess.run(["pgrep", "-f", str(tmp_path / "state" / "redis")],
                                 capture_output=True, text=True).stdout.split()

@@ -59,7 +59,8 @@ def up(
     where = f"embedded, port {stack.redis.port}" if stack.redis is not None else \
         redact_url(redis_url or "")
     console.print(f"FleetBroker up at [bold]{stack.url}[/] (Redis {where}, "
-                  f"fleet {fleet}); admin token saved to {saved}. Ctrl-C stops.",
+                  f"fleet {fleet}); admin token saved to {saved}; dashboard at "
+                  f"{stack.url}/ui/. Ctrl-C stops.",
                   markup=True, highlight=False)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -202,9 +202,25 @@ def classic_heldout(data: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def dashboard(data: dict[str, Any]) -> str:
+    states = ", ".join(f"{n} {s}" for s, n in data["states"].items())
+    out = [f"{data['jobs']:,} jobs ({states}); Chromium {data['chromium']}; {data['cpus']} CPUs "
+           f"at a load average of {data['load_average'][0]}-{data['load_average'][1]}; "
+           f"{data['loads_per_page']} loads per page after a first one.", "",
+           "| page | first (wall) | median (wall) | max (wall) | median (in browser) |",
+           "|---|---|---|---|---|"]
+    for name, p in data["pages"].items():
+        out.append(f"| {name} | {p['first_wall_ms']:.0f} ms | {p['median_wall_ms']:.0f} ms | "
+                   f"{p['max_wall_ms']:.0f} ms | {p['median_in_browser_ms']:.0f} ms |")
+    out += ["", f"Target under {data['target_ms']:.0f} ms: slowest median "
+            f"{data['worst_median_wall_ms']:.0f} ms, slowest single load "
+            f"{data['worst_wall_ms']:.0f} ms."]
+    return "\n".join(out) + "\n"
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "simulator": simulator, "seed_claim": seed_claim, "hetero": hetero, "spot": spot,
-    "spot_heldout": spot_heldout, "classic_heldout": classic_heldout}
+    "spot_heldout": spot_heldout, "classic_heldout": classic_heldout, "dashboard": dashboard}
 
 
 def page(name: str, doc: str) -> str:

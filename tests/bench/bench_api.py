@@ -39,9 +39,12 @@ def serve(redis_url: str, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-def _start_api(redis_url: str) -> tuple[subprocess.Popen[bytes], str]:
+def _start_api(redis_url: str, tokens: dict[str, str] | None = None,
+               ) -> tuple[subprocess.Popen[bytes], str]:
+    """The API in its own process; ``tokens``: its token settings (env), team ml's by default."""
     port = free_port()
-    env = {**os.environ, "FLEET_TEAM_TOKENS": f"ml={TOKEN}", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **(tokens or {"FLEET_TEAM_TOKENS": f"ml={TOKEN}"}),
+           "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "tests.bench.bench_api", "--serve", redis_url,
                              str(port)], cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
