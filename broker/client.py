@@ -108,6 +108,11 @@ class BrokerClient:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def preview(self, spec_json: str) -> dict[str, Any]:
+        """What the job would get, without submitting it (``POST /v1/jobs/preview``)."""
+        return self._call("POST", "/v1/jobs/preview", content=spec_json,
+                          headers={"Content-Type": "application/json"})
+
     def jobs(self, *, states: list[str] | None = None, team: str | None = None
              ) -> dict[str, Any]:
         params: dict[str, Any] = {"state": states or []}
