@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from broker import __version__
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
-from broker.models import JobRecord, JobState
+from broker.models import MAX_NOTE_CHARS, MAX_NOTES, JobRecord, JobState
 from broker.preview import placement_preview
 from broker.spec import (
     FORMAT_SKYPILOT,
@@ -380,6 +380,9 @@ def build_app(store: Store, config: ApiConfig,
                                           description="never|allowed|preferred")] = None,
         idempotency_key: Annotated[str | None, Header(max_length=128,
                                                       pattern=r"^[\x21-\x7e]+$")] = None,
+        note: Annotated[list[Annotated[str, Field(max_length=MAX_NOTE_CHARS)]] | None, Query(
+            max_length=MAX_NOTES, description="notes of a translation the client made (fleet "
+            "launch sends a SkyPilot task's), kept on the job with the body's own")] = None,
     ) -> dict[str, Any]:
         """Body: the job spec as YAML (own format or SkyPilot task) or JSON. A retry with the
         same ``Idempotency-Key`` returns the first job instead of a second one."""
@@ -394,7 +397,8 @@ def build_app(store: Store, config: ApiConfig,
         if spec.team != team:
             spec = spec.model_copy(update={"team": team})
         job = await run_in_threadpool(store.submit, spec, team=team,
-                                      request_key=idempotency_key)
+                                      request_key=idempotency_key,
+                                      notes=[*(note or []), *parsed.warnings])
         return {"job": job_view(job), "format": parsed.format, "warnings": parsed.warnings}
 
     @app.get("/v1/jobs", tags=["jobs"], summary="List jobs (yours; an admin sees all)",

@@ -1,12 +1,20 @@
-"""SkyPilot fields with no meaning here are accepted with a note; accelerators are never read as
-another; CPU-only tasks are refused with the reason (issue 15, item 4)."""
+"""SkyPilot fields with no meaning here are accepted with a note kept on the job; accelerators
+are never read as another; CPU-only tasks are refused with the reason (issue 15, item 4). The
+notes travel through the real CLI and API (uvicorn on loopback, redis-server)."""
 
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
 
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from broker.cli import app
 from broker.spec import SpecError, parse_spec_text
 from policies.models import Accelerator
+from tests.api_server import TOKENS, api_stack
 
 
 def _problems(text: str) -> list[str]:
@@ -89,3 +97,30 @@ def test_unknown_keys_get_a_did_you_mean() -> None:
     assert any(p.startswith("num_node") and "did you mean 'num_nodes'" in p for p in found)
     assert any(p.startswith("resources.use_spott") and "did you mean 'use_spot'" in p
                for p in found), found
+
+
+def test_notes_are_kept_on_the_job_and_shown(tmp_path: Path) -> None:
+    task = tmp_path / "task.yaml"
+    task.write_text("name: noted\nrun: echo hi\nresources: {accelerators: T4:1, "
+                    "autostop: 10m, ports: 8888}\n")
+    with api_stack(tmp_path / "stack") as (srv, store):
+        env = {"FLEET_URL": srv.url, "FLEET_TOKEN": TOKENS["ml"],
+               "FLEET_CONFIG": str(tmp_path / "client.yaml")}
+        runner = CliRunner()
+        got = runner.invoke(app, ["launch", str(task), "--json"], env=env)
+        assert got.exit_code == 0, got.stderr
+        job = json.loads(got.stdout)
+        assert [n.split(":")[0] for n in job["notes"]] == ["resources.autostop",
+                                                           "resources.ports"]
+        stored = store.get_job(job["id"])
+        assert stored is not None and stored.notes == job["notes"]
+        got = runner.invoke(app, ["job", job["id"]], env=env)
+        assert got.exit_code == 0 and "note: resources.autostop: ignored" in got.stdout
+        # a task posted to the API as YAML: the API's own translation notes it
+        headers = {"Authorization": f"Bearer {TOKENS['ml']}",
+                   "Content-Type": "application/yaml"}
+        r = httpx.post(f"{srv.url}/v1/jobs", content=task.read_text(), headers=headers)
+        assert r.status_code == 201 and r.json()["job"]["notes"] == job["notes"]
+        r = httpx.post(f"{srv.url}/v1/jobs", params={"note": "x" * 301},
+                       content=task.read_text(), headers=headers)
+        assert r.status_code == 422 and "note" in r.text

@@ -132,7 +132,7 @@ def launch(
     for note in parsed.warnings:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     with _client(url, token) as client:
-        out = _call(client, "submit", job_spec.model_dump_json())
+        out = _call(client, "submit", job_spec.model_dump_json(), notes=parsed.warnings)
         job = out["job"]
         if as_json:
             print_json(job)
@@ -264,6 +264,8 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
     ]
     for line in lines:
         console.print(line, highlight=False)
+    for note in j.get("notes", []):
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
     if out["placements"]:
         table = Table("ATTEMPT", "POOL", "MARKET", "GPUS", "BATCH", "HOURS", "$/GPU-H", "COST",
                       box=None, header_style="bold")
