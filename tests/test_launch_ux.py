@@ -139,6 +139,15 @@ def test_launch_cancel_and_events_against_fleet_up(files: Path, broker: dict[str
     assert "local:here:on-demand:T4" in got.stdout
     assert json.loads(fleet("jobs", "--json", env=env).stdout) == []  # nothing submitted
 
+    # the fleet file has no A100: refused at submission, and the dry run says so
+    (files / "a100.yaml").write_text(SKY.replace("T4:1", "A100:1"))
+    got = fleet("launch", str(files / "a100.yaml"), env=env)
+    assert got.returncode == 2, got.stderr
+    assert "no pool of this fleet offers A100; it has T4" in " ".join(got.stderr.split())
+    got = fleet("launch", "--dryrun", str(files / "a100.yaml"), env=env)
+    assert got.returncode == 0 and "never runs: accelerators" in got.stdout
+    assert json.loads(fleet("jobs", "--json", env=env).stdout) == []
+
     # --follow: the log streams until the job ends
     got = fleet("launch", "--follow", str(files / "hello.yaml"), env=env)
     assert got.returncode == 0, got.stderr
