@@ -118,7 +118,7 @@ def test_dryrun_works_without_a_broker(files: Path, env: dict[str, str]) -> None
     assert doc["job"]["env_names"] == ["MODEL", "STEPS"] and doc["preview"] is None
     assert doc["job"]["gpus"]["min"] == 1 and doc["job"]["accelerators"] == ["T4"]
     assert any(n.startswith("resources.autostop") for n in doc["job"]["notes"])
-    assert "cannot reach the broker" in doc["broker_unreachable"]
+    assert "cannot reach the broker" in doc["preview_skipped"]
 
 
 def test_launch_cancel_and_events_against_fleet_up(files: Path, broker: dict[str, str]) -> None:

@@ -165,7 +165,7 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
     preview = None if found is None else {"broker": broker, "never_runs": found["never_runs"],
                                           "pools": found["pools"]}
     if as_json:
-        print_json({"job": job, "preview": preview, "broker_unreachable": unreached})
+        print_json({"job": job, "preview": preview, "preview_skipped": unreached})
         return
     g, b = s.gpus, s.batch_size
     lines = [f"[bold]{s.name}[/] ({parsed.format} format): dry run, nothing submitted",
@@ -181,11 +181,12 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
     for note in parsed.warnings:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     if found is None:
-        console.print(f"placement preview skipped: {unreached}", highlight=False)
+        console.print(f"placement preview skipped: {unreached}", highlight=False,
+                      soft_wrap=True)
         return
     for p in found["never_runs"]:
         console.print(f"[bold red]never runs:[/] {p['field']}: {p['message']}",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
     if not found["pools"]:
         if not found["never_runs"]:
             console.print(f"no pool of {broker} fits it now", highlight=False)
