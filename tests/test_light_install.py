@@ -70,3 +70,23 @@ def test_the_fleet_script_runs_the_cli_where_the_control_plane_is_installed() ->
                           "from broker.console import main; main()"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert got.returncode == 0 and got.stdout.startswith("fleet "), got.stderr
+
+
+def test_the_whole_runtime_imports_with_the_control_plane_refused() -> None:
+    """With torch (the runtime extra) but every control-plane package refused by a meta path
+    finder, the trainer, checkpointing and the agent all import."""
+    code = (
+        "import importlib.abc, sys\n"
+        "from broker.console import CONTROL_PLANE_PACKAGES\n"
+        "class Refuse(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in CONTROL_PLANE_PACKAGES:\n"
+        "            raise ModuleNotFoundError(f'refused: {name}', name=name)\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+        "import broker.runtime, broker.runtime.agent, broker.runtime.trainer\n"
+        "import broker.runtime.checkpoint, broker.runtime.data, broker.runtime.store\n"
+        "leaked = sorted({m.split('.')[0] for m in sys.modules} & CONTROL_PLANE_PACKAGES)\n"
+        "print('leaked', leaked)\n")
+    got = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert got.returncode == 0 and "leaked []" in got.stdout, got.stderr
