@@ -119,6 +119,10 @@ def test_dryrun_works_without_a_broker(files: Path, env: dict[str, str]) -> None
     assert doc["job"]["gpus"]["min"] == 1 and doc["job"]["accelerators"] == ["T4"]
     assert any(n.startswith("resources.autostop") for n in doc["job"]["notes"])
     assert "cannot reach the broker" in doc["preview_skipped"]
+    # user text is printed as it is, never read as markup
+    (files / "brackets.yaml").write_text(HELLO + 'regions: ["aws:us-[ew]*"]\n')
+    got = fleet("launch", "--dryrun", str(files / "brackets.yaml"), env=env)
+    assert got.returncode == 0 and "regions allow aws:us-[ew]*" in got.stdout
 
 
 def test_launch_cancel_and_events_against_fleet_up(files: Path, broker: dict[str, str]) -> None:

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from broker.cli.app import app, console, err_console, fail, print_json
@@ -130,7 +131,7 @@ def launch(
         _dryrun(parsed.model_copy(update={"spec": job_spec}), as_json, url, token)
         return
     for note in parsed.warnings:
-        err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+        err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     with _client(url, token) as client:
         out = _call(client, "submit", job_spec.model_dump_json(), notes=parsed.warnings)
         job = out["job"]
@@ -168,24 +169,25 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
         print_json({"job": job, "preview": preview, "preview_skipped": unreached})
         return
     g, b = s.gpus, s.batch_size
-    lines = [f"[bold]{s.name}[/] ({parsed.format} format): dry run, nothing submitted",
-             f"accelerators {', '.join(job['accelerators'])}  gpus {g.min}-{g.max}"
+    console.print(f"[bold]{s.name}[/] ({parsed.format} format): dry run, nothing submitted",
+                  highlight=False)
+    lines = [f"accelerators {', '.join(job['accelerators'])}  gpus {g.min}-{g.max}"
              + (f" (asks for {g.default})" if g.default else "")
              + f"  batch {b.min}-{b.max} ({s.batch_mode.value})  spot {s.spot.value}",
              f"regions allow {', '.join(s.regions.allow)}"
              + (f" deny {', '.join(s.regions.deny)}" if s.regions.deny else ""),
              f"env {', '.join(job['env_names']) or '-'}  checkpoint "
              f"{s.checkpoint.uri or 'the broker default'} every {s.checkpoint.interval}"]
-    for line in lines:
-        console.print(line, highlight=False)
+    for line in lines:  # user text (region patterns, URIs) is never read as markup
+        console.print(line, highlight=False, markup=False)
     for note in parsed.warnings:
-        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     if found is None:
         console.print(f"placement preview skipped: {unreached}", highlight=False,
-                      soft_wrap=True)
+                      soft_wrap=True, markup=False)
         return
     for p in found["never_runs"]:
-        console.print(f"[bold red]never runs:[/] {p['field']}: {p['message']}",
+        console.print(f"[bold red]never runs:[/] {escape(p['field'])}: {escape(p['message'])}",
                       highlight=False, soft_wrap=True)
     if not found["pools"]:
         if not found["never_runs"]:
@@ -228,7 +230,8 @@ def list_jobs(
     if waiting:
         console.print("why waiting:", highlight=False)
     for j in waiting:
-        console.print(f"  {j['id']}: {_why(j)}", highlight=False, soft_wrap=True)
+        console.print(f"  {j['id']}: {_why(j)}", highlight=False, soft_wrap=True,
+                      markup=False)
 
 
 @app.command("job")
@@ -244,8 +247,8 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
     j, s = out["job"], out["job"]["spec"]
     lines = [
         f"[bold]{j['id']}[/]  team {j['team']}  state [bold]{j['state']}[/]"
-        + (f" ({_why(j) if j['state'] in _WAITING else j['reason']})" if j.get("reason")
-           else ""),
+        + (f" ({escape(_why(j) if j['state'] in _WAITING else j['reason'])})"
+           if j.get("reason") else ""),
         f"accelerators {', '.join(s['accelerators'])}  gpus {s['gpus']['min']}-"
         f"{s['gpus']['max']}  batch {s['batch_size']['min']}-{s['batch_size']['max']} "
         f"({s['batch_mode']})  spot {s['spot']}  priority {s['priority']}",
@@ -266,7 +269,7 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
     for line in lines:
         console.print(line, highlight=False)
     for note in j.get("notes", []):
-        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        console.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)
     if out["placements"]:
         table = Table("ATTEMPT", "POOL", "MARKET", "GPUS", "BATCH", "HOURS", "$/GPU-H", "COST",
                       box=None, header_style="bold")
