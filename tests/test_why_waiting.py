@@ -140,3 +140,21 @@ def test_a_job_the_fleet_can_host_is_accepted(store: Store, server: ApiServer) -
                             "Content-Type": "application/yaml"})
     assert r.status_code == 201, r.text
     assert r.json()["job"]["reason"] == "submitted; the next scheduling round considers it"
+
+
+def test_the_fleet_ceiling_is_what_the_fleet_file_declares() -> None:
+    """A cloud's pools at their ``max_gpus`` whatever its quota or offers say now, local regions
+    unreclaimed: the bound a submission is judged against."""
+    from broker.fleet import CloudConfig, FleetProvider
+    from broker.waiting import never_runs
+
+    config = CloudConfig(regions=["us-east-1", "us-west-2"], accelerators=[Accelerator.A100],
+                         markets=[Market.SPOT], max_gpus=16)
+    ceiling = FleetProvider(None, {}, {"aws": config}).ceiling()
+    assert sorted((p.id, p.capacity) for p in ceiling) == [
+        ("aws:us-east-1:spot:A100", 16), ("aws:us-west-2:spot:A100", 16)]
+    fits = spec("fits", 16, 16, accelerators=[Accelerator.A100])
+    assert never_runs(fits, ceiling) == []
+    big = spec("big", 32, 32, accelerators=[Accelerator.A100])
+    [problem] = never_runs(big, ceiling)
+    assert problem.field == "gpus.min" and "holds 16" in problem.message
