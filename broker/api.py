@@ -12,6 +12,7 @@ names each field.
 import ipaddress
 import math
 import re
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 import redis
@@ -29,8 +30,10 @@ from broker import __version__
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
 from broker.dashboard import mount_ui, router
-from broker.models import JobRecord, JobState
+from broker.models import MAX_NOTE_CHARS, MAX_NOTES, JobRecord, JobState
+from broker.preview import placement_preview
 from broker.spec import (
+    FORMAT_SKYPILOT,
     ParsedSpec,
     Problem,
     SpecError,
@@ -40,7 +43,14 @@ from broker.spec import (
     preview,
 )
 from broker.store import CHECKPOINT_EXIT, JobNotFound, NotDurable, Store
-from policies.models import Accelerator, JobSpec, Market
+from broker.waiting import (
+    NOT_YET_SEEN,
+    WAITING_STATES,
+    QueuePlace,
+    never_runs,
+    queue_positions,
+)
+from policies.models import Accelerator, JobSpec, Market, Pool
 
 JOB_ID = r"^[a-z0-9][a-z0-9_.-]{0,80}$"
 # A node's idempotency key (FLEET_LAUNCH_KEY): "<job>:<fence>:<attempt>", a stand-in's with
@@ -251,13 +261,22 @@ class NodeChaosRequest(BaseModel):
         "the machine dies at once")
 
 
-def job_view(job: JobRecord) -> dict[str, Any]:
-    """A job as the API shows it: the record plus its name and progress."""
-    return {**job.model_dump(mode="json"), "name": job.name, "progress": job.progress}
+def job_view(job: JobRecord, place: QueuePlace | None = None) -> dict[str, Any]:
+    """A job as the API shows it: the record plus its name, progress and, while it waits, why
+    and its place in the queue of its accelerators."""
+    view = {**job.model_dump(mode="json"), "name": job.name, "progress": job.progress,
+            "queue_position": None if place is None else {"position": place.position,
+                                                          "of": place.of}}
+    if job.state is JobState.QUEUED and not job.reason:
+        view["reason"] = NOT_YET_SEEN
+    return view
 
 
-def build_app(store: Store, config: ApiConfig) -> FastAPI:
-    """The API over ``store`` with ``config``'s tokens and limits."""
+def build_app(store: Store, config: ApiConfig,
+              ceiling: Callable[[], Sequence[Pool]] | None = None) -> FastAPI:
+    """The API over ``store`` with ``config``'s tokens and limits. ``ceiling``: the fleet's
+    pools at their most (``FleetProvider.ceiling``); a submission that can never run on them
+    is refused. Without it nothing is refused for that reason."""
     app = FastAPI(title="FleetBroker", version=__version__,
                   description="Submit and follow elastic training jobs across clouds. Errors: "
                               "docs/api-errors.md.")
@@ -335,6 +354,21 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                      states: list[JobState] | None) -> list[JobRecord]:
         return store.list_jobs(team=visible_team(who, team), states=states)
 
+    def queue() -> dict[str, QueuePlace]:
+        return queue_positions(store.list_jobs(states=list(WAITING_STATES)))
+
+    def used_gpus() -> dict[str, int]:
+        used: dict[str, int] = {}
+        for job in store.list_jobs(states=[s for s in JobState if s.holds_gpus]):
+            if job.pool:
+                used[job.pool] = used.get(job.pool, 0) + job.gpus
+        return used
+
+    def admit(parsed: ParsedSpec, spec: JobSpec) -> list[Problem]:
+        if ceiling is None:
+            return []
+        return never_runs(spec, ceiling(), skypilot=parsed.format == FORMAT_SKYPILOT)
+
     @app.get("/healthz", tags=["meta"], summary="Liveness (no token needed)")
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
@@ -351,6 +385,9 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                                           description="never|allowed|preferred")] = None,
         idempotency_key: Annotated[str | None, Header(max_length=128,
                                                       pattern=r"^[\x21-\x7e]+$")] = None,
+        note: Annotated[list[Annotated[str, Field(max_length=MAX_NOTE_CHARS)]] | None, Query(
+            max_length=MAX_NOTES, description="notes of a translation the client made (fleet "
+            "launch sends a SkyPilot task's), kept on the job with the body's own")] = None,
     ) -> dict[str, Any]:
         """Body: the job spec as YAML (own format or SkyPilot task) or JSON. A retry with the
         same ``Idempotency-Key`` returns the first job instead of a second one."""
@@ -359,11 +396,14 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
             parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot)
         except SpecError as exc:
             raise ApiError(422, "invalid job spec", exc.problems) from None
+        if never := admit(parsed, spec):
+            raise ApiError(422, "the job can never run on this fleet", never)
         team = _submit_team(spec, who)
         if spec.team != team:
             spec = spec.model_copy(update={"team": team})
         job = await run_in_threadpool(store.submit, spec, team=team,
-                                      request_key=idempotency_key)
+                                      request_key=idempotency_key,
+                                      notes=[*(note or []), *parsed.warnings])
         return {"job": job_view(job), "format": parsed.format, "warnings": parsed.warnings}
 
     @app.get("/v1/jobs", tags=["jobs"], summary="List jobs (yours; an admin sees all)",
@@ -376,7 +416,32 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     ) -> dict[str, Any]:
         jobs = visible_jobs(who, team, state)
         shown = jobs[-min(limit, config.max_list):]
-        return {"jobs": [job_view(j) for j in shown], "total": len(jobs)}
+        places = queue()
+        return {"jobs": [job_view(j, places.get(j.id)) for j in shown], "total": len(jobs)}
+
+    @app.post("/v1/jobs/preview", tags=["jobs"], responses=_errors(401, 403, 413, 415, 422, 503),
+              summary="What a job would get (nothing is submitted): its translation, whether "
+              "it can ever run, and the pools it may use with price and cost per hour",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  m: {"schema": {"type": "string" if m != "application/json" else "object"}}
+                  for m in SPEC_MEDIA}}})
+    async def preview_job(
+        request: Request, who: User,
+        gpus: Annotated[str | None, Query(max_length=16, description="N or MIN:MAX")] = None,
+        spot: Annotated[str | None, Query(max_length=16,
+                                          description="never|allowed|preferred")] = None,
+    ) -> dict[str, Any]:
+        """Body: a job spec, as for submitting one."""
+        body = await _read_spec_body(request)
+        try:
+            parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot)
+        except SpecError as exc:
+            raise ApiError(422, "invalid job spec", exc.problems) from None
+        never = admit(parsed, spec)
+        return {"spec": spec.model_dump(mode="json"), "format": parsed.format,
+                "warnings": parsed.warnings,
+                "never_runs": [p.model_dump() for p in never],
+                "pools": [] if never else placement_preview(spec, store.pools(), used_gpus())}
 
     @app.get("/v1/jobs/{job_id}", tags=["jobs"], summary="One job with its placements and cost",
              responses=_READ)
@@ -384,7 +449,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         job = visible_job(job_id, who)
         placements = store.placements(job_id)
         total = job_cost(placements)
-        return {"job": job_view(job),
+        return {"job": job_view(job, queue().get(job.id)),
                 "placements": [{**p.model_dump(mode="json"), "gpu_hours": p.gpu_hours,
                                 "cost": p.cost} for p in placements],
                 "gpu_hours": total.gpu_hours, "cost": total.cost_usd,
@@ -393,12 +458,14 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"], summary="Cancel a job",
               responses=_POST)
     def cancel(job_id: JobId, who: User) -> dict[str, Any]:
-        visible_job(job_id, who)
+        """``finished``: the job had already ended (completed, failed, cancelled, dropped)
+        before this call, which then changed nothing."""
+        before = visible_job(job_id, who)
         try:
             job = store.request_cancel(job_id)
         except JobNotFound:
             raise ApiError(404, f"no job {job_id!r}") from None
-        return {"job": job_view(job)}
+        return {"job": job_view(job), "finished": before.state.terminal}
 
     @app.get("/v1/jobs/{job_id}/logs", tags=["jobs"], summary="Log lines from an offset",
              responses=_READ)
@@ -413,11 +480,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     @app.get("/v1/capacity", tags=["fleet"], summary="Pools: capacity, GPUs in use, prices",
              responses=_errors(401, 403, 422, 503))
     def capacity(who: User) -> dict[str, Any]:
-        used: dict[str, int] = {}
-        holding = [s for s in JobState if s.holds_gpus]
-        for job in store.list_jobs(states=holding):
-            if job.pool:
-                used[job.pool] = used.get(job.pool, 0) + job.gpus
+        used = used_gpus()
         pools = []
         for pool in sorted(store.pools(), key=lambda p: p.id):
             busy = used.get(pool.id, 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -17,6 +17,7 @@ from urllib.parse import quote
 import httpx
 import yaml
 
+from broker.models import MAX_NOTE_CHARS, MAX_NOTES
 from broker.spec import Problem
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -96,17 +97,26 @@ class BrokerClient:
 
     # ---- calls --------------------------------------------------------------------------
 
-    def submit(self, spec_json: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
+    def submit(self, spec_json: str, *, idempotency_key: str | None = None,
+               notes: Sequence[str] = ()) -> dict[str, Any]:
+        """``notes``: what translating the spec left out or changed, kept on the job."""
         key = idempotency_key or uuid.uuid4().hex
         headers = {"Content-Type": "application/json", "Idempotency-Key": key}
         # The key makes one retry after a dropped connection safe: no second job.
         for attempt in (1, 2):
             try:
-                return self._call("POST", "/v1/jobs", content=spec_json, headers=headers)
+                return self._call("POST", "/v1/jobs", content=spec_json, headers=headers,
+                                  params={"note": [n[:MAX_NOTE_CHARS]
+                                                   for n in notes[:MAX_NOTES]]})
             except ClientError as exc:
                 if attempt == 2 or exc.status is not None or exc.exit_code != EXIT_UNREACHABLE:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def preview(self, spec_json: str) -> dict[str, Any]:
+        """What the job would get, without submitting it (``POST /v1/jobs/preview``)."""
+        return self._call("POST", "/v1/jobs/preview", content=spec_json,
+                          headers={"Content-Type": "application/json"})
 
     def jobs(self, *, states: list[str] | None = None, team: str | None = None
              ) -> dict[str, Any]:

@@ -219,6 +219,17 @@ class FleetProvider(Provider):
         cloud = [p for pools in self._cloud_pools[1].values() for p in pools]
         return (self.local.pools() if self.local else []) + cloud
 
+    def ceiling(self) -> list[Pool]:
+        """The pools the fleet file declares at their most: every local region unreclaimed,
+        every cloud's (region, accelerator, market) at its ``max_gpus``, priced or not. A job
+        that none of them can host never runs on this fleet (``broker.waiting.never_runs``)."""
+        local = [r.pool() for r in self.local.fleet.regions] if self.local else []
+        return local + [
+            Pool(cloud=name, region=region, accelerator=acc, market=market, nodes=1,
+                 gpus_per_node=config.max_gpus)
+            for name, config in self.configs.items() for region in config.regions
+            for acc in config.accelerators for market in config.markets]
+
     def offers(self) -> list[Offer]:
         return [o for b in self.backends for o in b.offers()]
 

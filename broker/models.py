@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policies.models import JobSpec, Market
 
+# A job's translation notes as a client sends them (``POST /v1/jobs?note=``): at most this many,
+# each at most this long; the API adds its own translation's.
+MAX_NOTES, MAX_NOTE_CHARS = 32, 300
+
 
 class JobState(StrEnum):
     """Life cycle of a job. ``TRANSITIONS`` lists every legal step; the store enforces it."""
@@ -126,6 +130,8 @@ class JobRecord(BaseModel):
     preemptions: int = 0
     cancel_requested: bool = False
     reason: str | None = None  # why the last transition happened
+    # what translating its spec left out or changed (a SkyPilot field with no meaning here)
+    notes: list[str] = Field(default_factory=list, max_length=2 * MAX_NOTES)
     exit_code: int | None = None
     submitted_at: float = Field(default_factory=time.time)
     started_at: float | None = None  # first time it ran

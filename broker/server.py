@@ -537,7 +537,7 @@ class Stack:
         except Exception:
             self.stop()  # no embedded redis-server left behind
             raise
-        app = build_app(self.broker.store, api_config)
+        app = build_app(self.broker.store, api_config, self.broker.provider.ceiling)
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=self.host, port=self.port, log_level="warning", access_log=False,
             lifespan="off"))

@@ -541,21 +541,23 @@ def _parse_accelerators(p: _Problems, field: str, value: Any) -> list[Accelerato
     before = len(p.items)
     out: list[Accelerator] = []
     for i, item in enumerate(items):
-        if not isinstance(item, str):
-            p.add(f"{field}[{i}]", item, _known_accelerators())
-            continue
-        try:
-            acc = Accelerator.parse(item)
-        except ValueError:
-            p.add(f"{field}[{i}]", item, _known_accelerators())
-            continue
-        if acc not in out:
+        acc = _accelerator(p, f"{field}[{i}]", item)
+        if acc is not None and acc not in out:
             out.append(acc)
     return out if len(p.items) == before else None
 
 
-def _known_accelerators() -> str:
-    return "unknown accelerator; use one of: " + ", ".join(a.value for a in Accelerator)
+def _accelerator(p: _Problems, field: str, name: Any) -> Accelerator | None:
+    """A known accelerator, or a problem with the closest known name (never read as another)."""
+    if isinstance(name, str):
+        try:
+            return Accelerator.parse(name)
+        except ValueError as exc:
+            p.add(field, name, "unknown accelerator; " + str(exc).split("; ", 1)[1])
+            return None
+    p.add(field, name, "unknown accelerator; use one of: "
+          + ", ".join(a.value for a in Accelerator))
+    return None
 
 
 def _parse_text(p: _Problems, field: str, value: Any, *, required: bool) -> str | None:
@@ -865,8 +867,18 @@ def _validate(p: _Problems, fields: dict[str, Any]) -> JobSpec:
 _SKY_RESOURCE_KEYS = {
     "accelerators", "use_spot", "infra", "cloud", "region", "zone", "any_of", "ordered",
     "job_recovery", "spot_recovery", "cpus", "memory", "disk_size", "disk_tier",
+    "network_tier", "autostop", "ports", "image_id",
 }
-_SKY_IGNORED_RESOURCES = {"cpus", "memory", "disk_size", "disk_tier"}
+# Resource keys with no meaning here: accepted, and the job carries a note saying so.
+_SKY_NOTED_RESOURCES = {
+    "cpus": "ignored; FleetBroker sizes nodes by accelerator",
+    "memory": "ignored; FleetBroker sizes nodes by accelerator",
+    "disk_size": "ignored; nodes get the fleet's disk",
+    "disk_tier": "ignored; nodes get the fleet's disk",
+    "network_tier": "ignored; nodes get the fleet's network",
+    "autostop": "ignored; FleetBroker releases a job's nodes as soon as it ends",
+    "ports": "not opened; a training job's nodes take no inbound traffic here",
+}
 _SKY_UNSUPPORTED_TOP = {
     "workdir": "FleetBroker runs `run` in the job's own directory on the node and ships no "
                "files; remove workdir and fetch code in setup",
@@ -922,10 +934,17 @@ def _parse_skypilot(doc: Mapping[str, Any], *, default_name: str | None) -> Pars
     allow: list[str] = []
     spot_flags: list[bool] = []
     per_alt: set[frozenset[Accelerator]] = set()
+    kept = 0
     for i, alt in enumerate(alternatives):
         where = "resources" if len(alternatives) == 1 and not (
             "any_of" in resources or "ordered" in resources) else (
             f"resources.{'ordered' if 'ordered' in resources else 'any_of'}[{i}]")
+        cloud = _sky_cloud(alt)
+        if len(alternatives) > 1 and cloud is not None and cloud not in CLOUDS:
+            warnings.append(f"{where}: dropped; FleetBroker has no cloud {cloud!r} (its clouds "
+                            f"are {', '.join(CLOUDS)})")
+            continue
+        kept += 1
         found = _sky_accelerators(p, f"{where}.accelerators", alt.get("accelerators"))
         per_alt.add(frozenset(acc for acc, _ in found))
         for acc, count in found:
@@ -939,9 +958,16 @@ def _parse_skypilot(doc: Mapping[str, Any], *, default_name: str | None) -> Pars
         if not isinstance(use_spot, bool):
             p.add(f"{where}.use_spot", use_spot, "write true or false")
         spot_flags.append(use_spot is True)
-        for key in sorted(set(alt) & _SKY_IGNORED_RESOURCES):
-            warnings.append(f"{where}.{key}: ignored; FleetBroker sizes nodes by accelerator")
+        for key in sorted(set(alt) & set(_SKY_NOTED_RESOURCES)):
+            warnings.append(f"{where}.{key}: {_SKY_NOTED_RESOURCES[key]}")
+        _sky_image(p, where, alt.get("image_id"), warnings)
 
+    if alternatives and not kept:
+        p.add(f"resources.{'ordered' if 'ordered' in resources else 'any_of'}",
+              resources.get("any_of", resources.get("ordered")),
+              f"every alternative names a cloud FleetBroker does not have; add one on "
+              f"{', '.join(CLOUDS)}")
+    _sky_cpu_only(p, resources, alternatives, accelerators, warnings)
     if accelerators:
         out["accelerators"] = accelerators
     if nodes is not None:
@@ -979,10 +1005,13 @@ def _sky_alternatives(p: _Problems, resources: Mapping[str, Any],
                       warnings: list[str]) -> list[Mapping[str, Any]]:
     """Expand ``any_of``/``ordered`` into full resource mappings (shared keys merged in)."""
     for key in resources:
-        if key not in _SKY_RESOURCE_KEYS:
-            fix = ("FleetBroker picks instance types itself; name accelerators instead"
-                   if key == "instance_type" else "remove it")
-            p.add(f"resources.{key}", resources[key], f"not supported; {fix}")
+        if key == "instance_type":
+            p.add(f"resources.{key}", resources[key], "not supported; FleetBroker picks "
+                  "instance types itself; name accelerators instead")
+        elif key not in _SKY_RESOURCE_KEYS:
+            close = difflib.get_close_matches(str(key), sorted(_SKY_RESOURCE_KEYS), n=1)
+            fix = f"did you mean {close[0]!r}?" if close else "remove it"
+            p.add(f"resources.{key}", resources[key], f"unknown key; {fix}")
     recovery = resources.get("job_recovery", resources.get("spot_recovery"))
     if recovery is not None:
         _sky_recovery(p, recovery, warnings)
@@ -1009,6 +1038,50 @@ def _sky_alternatives(p: _Problems, resources: Mapping[str, Any],
                       f"{key}; put it under resources or remove it")
         alts.append({**shared, **item})
     return alts
+
+
+def _sky_cloud(alt: Mapping[str, Any]) -> str | None:
+    """The cloud a resource alternative names (``infra: k8s/...`` or ``cloud: lambda``)."""
+    value = alt.get("infra", alt.get("cloud"))
+    if not isinstance(value, str) or not value.strip():
+        return None
+    cloud = value.strip().lower().split("/")[0]
+    return None if cloud == "*" else cloud
+
+
+def _sky_image(p: _Problems, where: str, image: Any, warnings: list[str]) -> None:
+    """A container image is what the task's commands run in: it cannot be dropped. A cloud's
+    machine image (an AMI, a GCP image) is replaced by the fleet's node image, with a note."""
+    if image is None:
+        return
+    images = image.values() if isinstance(image, Mapping) else [image]
+    if any(isinstance(i, str) and i.strip().lower().startswith("docker:") for i in images):
+        p.add(f"{where}.image_id", image, "a container image is not supported: FleetBroker "
+              "runs the task on the fleet's node image; install what it needs in setup "
+              "(like pip install -r requirements.txt) and remove image_id")
+    else:
+        warnings.append(f"{where}.image_id: not used; every node boots the fleet's own image "
+                        "(install what the task needs in setup)")
+
+
+def _sky_cpu_only(p: _Problems, resources: Mapping[str, Any],
+                  alternatives: list[Mapping[str, Any]], accelerators: list[Accelerator],
+                  warnings: list[str]) -> None:
+    """A task naming no accelerator is a CPU task in SkyPilot. FleetBroker's pools are GPU pools,
+    so one that asks for CPUs or memory is refused with the reason; one that asks for nothing
+    at all runs on the default GPU, and says so."""
+    if accelerators or p.items:
+        return
+    asked = sorted({k for alt in alternatives for k in ("cpus", "memory") if k in alt})
+    if asked:
+        where = "resources" if asked[0] in resources else "resources.any_of"
+        p.add(f"{where}.{asked[0]}", next(a[asked[0]] for a in alternatives if asked[0] in a),
+              "a CPU-only task (no accelerators): no FleetBroker pool offers CPU-only "
+              "capacity, and it is not put on a GPU unasked; name the GPU it may use "
+              "(resources.accelerators: T4:1) or run it on CPU machines elsewhere")
+    else:
+        warnings.append("resources.accelerators: not given; the task runs on "
+                        f"{Accelerator.T4.value}:1 per node (FleetBroker's pools are GPU pools)")
 
 
 def _sky_recovery(p: _Problems, value: Any, warnings: list[str]) -> None:
@@ -1068,13 +1141,8 @@ def _sky_accelerators(p: _Problems, field: str, value: Any) -> list[tuple[Accele
         return []
     result = []
     for name, count in entries:
-        if not isinstance(name, str):
-            p.add(field, name, _known_accelerators())
-            continue
-        try:
-            acc = Accelerator.parse(name)
-        except ValueError:
-            p.add(field, name, _known_accelerators())
+        acc = _accelerator(p, field, name)
+        if acc is None:
             continue
         n = 1 if count is None else count
         if isinstance(n, str):

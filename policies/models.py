@@ -5,7 +5,9 @@ Every package may import this module; it holds types only, no I/O.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import re
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -37,14 +39,21 @@ class Accelerator(StrEnum):
     def parse(cls, name: str) -> Accelerator:
         """Case- and punctuation-insensitive lookup: ``t4``, ``A100-80GB``, ``rtx_2080ti``."""
         key = _norm(name)
-        for member in cls:
-            if _norm(member.value) == key:
+        # A name is a known one, or one with a variant suffix (A100-80GB-SXM4, H100-PCIe);
+        # anything else (A100X) is refused rather than read as its prefix.
+        for known, member in (*((_norm(m.value), m) for m in cls), *_ALIASES.items()):
+            if key == known or (key.startswith(known)
+                                and _VARIANT.fullmatch(key[len(known):])):
                 return member
-        for alias, member in _ALIASES.items():
-            if key.startswith(alias):
-                return member
-        known = ", ".join(m.value for m in cls)
-        raise ValueError(f"unknown accelerator {name!r}; use one of: {known}")
+        names = [m.value for m in cls]
+        close = difflib.get_close_matches(name.strip().upper(), [n.upper() for n in names], 1, 0.75)
+        hint = f"did you mean {names[[n.upper() for n in names].index(close[0])]}? " \
+            if close else ""
+        raise ValueError(f"unknown accelerator {name!r}; {hint}use one of: {', '.join(names)}")
+
+
+# What clouds append to an accelerator's name: memory size, form factor, interconnect.
+_VARIANT = re.compile(r"(\d+gb)?(sxm\d?|pcie|nvl|mega)?")
 
 
 def _norm(name: str) -> str:

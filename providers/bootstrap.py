@@ -39,7 +39,8 @@ NOTICE_URLS = {
 AWS_METADATA_URL = ("FLEET_METADATA_AWS_URL", "http://169.254.169.254")
 
 
-# What a start script pip-installs when the image lacks the agent (see ``agent_install_spec``).
+# What a start script pip-installs when the image lacks the agent (see ``agent_install_spec``):
+# fleetbroker's base install, the agent and runtime without the control plane's packages.
 AGENT_INSTALL_ENV = "FLEET_AGENT_INSTALL"
 # The start script's power-off once the agent exited; empty keeps the VM up.
 SHUTDOWN_ENV = "FLEET_SHUTDOWN_COMMAND"

@@ -21,8 +21,18 @@ console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # an error line stays one line in logs
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from broker import __version__
+
+        typer.echo(f"fleet {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", is_eager=True,
+                                       callback=_print_version,
+                                       help="Print the version and exit")) -> None:
     """Keeps ``fleet`` a command group even while only one subcommand is registered."""
 
 EXIT_USAGE = 2  # bad input: a spec, a flag or a file the user must fix

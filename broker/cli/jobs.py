@@ -1,17 +1,21 @@
 """``fleet launch/jobs/job/logs/cancel/capacity/events/chaos/login/token``: the API's client side.
 
-Exit codes: 0 ok, 2 bad input, 3 not found, 4 auth, 5 broker unreachable.
+Exit codes: 0 ok, 1 nothing done (cancelling a job that had already ended), 2 bad input,
+3 not found, 4 auth, 5 broker unreachable.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from broker.cli.app import app, console, err_console, fail, print_json
@@ -22,7 +26,15 @@ from broker.client import (
     config_path,
     write_client_config,
 )
-from broker.spec import UNBOUNDED_WORK, Problem, SpecError, apply_overrides, load_spec_file
+from broker.models import JobState
+from broker.spec import (
+    UNBOUNDED_WORK,
+    ParsedSpec,
+    Problem,
+    SpecError,
+    apply_overrides,
+    load_spec_file,
+)
 
 UrlOpt = typer.Option(None, "--url", envvar="FLEET_URL", show_envvar=True,
                       help="Broker URL (default: client config, else http://127.0.0.1:8470)")
@@ -65,6 +77,8 @@ def _print_table(renderable: Any) -> None:
 
 
 _PIPE_WIDTH = 200
+EXIT_NOTHING_DONE = 1
+_WAITING = (JobState.QUEUED.value, JobState.SUSPENDED.value)
 
 
 def _progress(job: dict[str, Any]) -> str:
@@ -85,11 +99,26 @@ def _where(job: dict[str, Any]) -> str:
     return job.get("pool") or "-"
 
 
+def _why(job: dict[str, Any]) -> str:
+    """Why a waiting job waits, with its place in the queue of its accelerators."""
+    if job["state"] not in _WAITING:
+        return "-"
+    place = job.get("queue_position")
+    where = f" (#{place['position']} of {place['of']} in queue)" if place else ""
+    return (job.get("reason") or "-") + where
+
+
 @app.command()
 def launch(
     spec: Path = typer.Argument(..., help="Job spec: FleetBroker YAML or a SkyPilot task YAML"),
     gpus: str | None = typer.Option(None, "--gpus", help="Override the GPU range: N or MIN:MAX"),
     spot: str | None = typer.Option(None, "--spot", help="Override: never|allowed|preferred"),
+    dryrun: bool = typer.Option(False, "--dryrun", "--dry-run",
+                                help="Print the translated job and, when a broker answers, "
+                                "where it would run and at what price; submit nothing"),
+    follow: bool = typer.Option(False, "--follow", "-f",
+                                help="After submitting, print the job's log until it ends"),
+    interval: float = typer.Option(1.0, "--interval", min=0.05, hidden=True),
     as_json: bool = JsonOpt, url: str | None = UrlOpt, token: str | None = TokenOpt,
 ) -> None:
     """Submit a job to the broker."""
@@ -98,17 +127,81 @@ def launch(
         job_spec = apply_overrides(parsed.spec, gpus=gpus, spot=spot)
     except SpecError as exc:
         _fail_problems(f"{spec}: invalid job spec", exc.problems, EXIT_BAD_INPUT)
-    for note in parsed.warnings:
-        err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-    with _client(url, token) as client:
-        out = _call(client, "submit", job_spec.model_dump_json())
-    job = out["job"]
-    if as_json:
-        print_json(job)
+    if dryrun:
+        _dryrun(parsed.model_copy(update={"spec": job_spec}), as_json, url, token)
         return
-    console.print(f"submitted [bold]{job['id']}[/] (team {job['team']}, {job['state']}, "
-                  f"{job['spec']['gpus']['min']}-{job['spec']['gpus']['max']} GPUs)",
+    for note in parsed.warnings:
+        err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
+    with _client(url, token) as client:
+        out = _call(client, "submit", job_spec.model_dump_json(), notes=parsed.warnings)
+        job = out["job"]
+        if as_json:
+            print_json(job)
+        else:
+            console.print(f"submitted [bold]{job['id']}[/] (team {job['team']}, "
+                          f"{job['state']}, {job['spec']['gpus']['min']}-"
+                          f"{job['spec']['gpus']['max']} GPUs)", highlight=False)
+        if follow:
+            _print_logs(client, job["id"], 0, follow=True, interval=interval)
+
+
+def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | None) -> None:
+    """The job as the broker would take it, and the broker's preview when one answers (a dry
+    run needs no broker: without one it says so and still exits 0)."""
+    try:
+        with BrokerClient(url, token, timeout=5.0) as client:
+            found: dict[str, Any] | None = client.preview(parsed.spec.model_dump_json())
+            broker, unreached = client.url, None
+    except ClientError as exc:
+        if exc.problems:  # the broker answered: the job cannot run there
+            _fail_problems(str(exc), exc.problems, exc.exit_code)
+        found, broker, unreached = None, None, str(exc)
+    s = parsed.spec
+    job = {"name": s.name, "format": parsed.format,
+           "accelerators": [a.value for a in s.accelerators],
+           "gpus": s.gpus.model_dump(), "batch_size": s.batch_size.model_dump(),
+           "batch_mode": s.batch_mode.value, "spot": s.spot.value,
+           "regions": s.regions.model_dump(), "env_names": sorted(s.envs),
+           "checkpoint": s.checkpoint.model_dump(), "notes": parsed.warnings}
+    preview = None if found is None else {"broker": broker, "never_runs": found["never_runs"],
+                                          "pools": found["pools"]}
+    if as_json:
+        print_json({"job": job, "preview": preview, "preview_skipped": unreached})
+        return
+    g, b = s.gpus, s.batch_size
+    console.print(f"[bold]{s.name}[/] ({parsed.format} format): dry run, nothing submitted",
                   highlight=False)
+    lines = [f"accelerators {', '.join(job['accelerators'])}  gpus {g.min}-{g.max}"
+             + (f" (asks for {g.default})" if g.default else "")
+             + f"  batch {b.min}-{b.max} ({s.batch_mode.value})  spot {s.spot.value}",
+             f"regions allow {', '.join(s.regions.allow)}"
+             + (f" deny {', '.join(s.regions.deny)}" if s.regions.deny else ""),
+             f"env {', '.join(job['env_names']) or '-'}  checkpoint "
+             f"{s.checkpoint.uri or 'the broker default'} every {s.checkpoint.interval}"]
+    for line in lines:  # user text (region patterns, URIs) is never read as markup
+        console.print(line, highlight=False, markup=False)
+    for note in parsed.warnings:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
+    if found is None:
+        console.print(f"placement preview skipped: {unreached}", highlight=False,
+                      soft_wrap=True, markup=False)
+        return
+    for p in found["never_runs"]:
+        console.print(f"[bold red]never runs:[/] {escape(p['field'])}: {escape(p['message'])}",
+                      highlight=False, soft_wrap=True)
+    if not found["pools"]:
+        if not found["never_runs"]:
+            console.print(f"no pool of {broker} fits it now", highlight=False)
+        return
+    table = Table("POOL", "MARKET", "NODES", "GPUS", "$/GPU-H", "$/H", "FREE", "FITS NOW",
+                  box=None, header_style="bold")
+    for r in found["pools"]:
+        table.add_row(r["pool"], r["market"], str(r["nodes"]), str(r["gpus"]),
+                      f"{r['price_per_gpu_hour']:.3f}",
+                      f"{r['cost_per_hour']:.3f}", str(r["free_gpus"]),
+                      "yes" if r["fits_now"] else "no")
+    console.print(f"placement preview from {broker} (cheapest first):", highlight=False)
+    _print_table(table)
 
 
 @app.command("jobs")
@@ -132,6 +225,13 @@ def list_jobs(
                       str(j["batch_size"] or "-"), _where(j), _progress(j), str(j["rescales"]),
                       str(j["migrations"]))
     _print_table(table if out["jobs"] else "no jobs")
+    # Reasons are sentences: one line each under the table, never folded into a column.
+    waiting = [j for j in out["jobs"] if j["state"] in _WAITING]
+    if waiting:
+        console.print("why waiting:", highlight=False)
+    for j in waiting:
+        console.print(f"  {j['id']}: {_why(j)}", highlight=False, soft_wrap=True,
+                      markup=False)
 
 
 @app.command("job")
@@ -147,7 +247,8 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
     j, s = out["job"], out["job"]["spec"]
     lines = [
         f"[bold]{j['id']}[/]  team {j['team']}  state [bold]{j['state']}[/]"
-        + (f" ({j['reason']})" if j.get("reason") else ""),
+        + (f" ({escape(_why(j) if j['state'] in _WAITING else j['reason'])})"
+           if j.get("reason") else ""),
         f"accelerators {', '.join(s['accelerators'])}  gpus {s['gpus']['min']}-"
         f"{s['gpus']['max']}  batch {s['batch_size']['min']}-{s['batch_size']['max']} "
         f"({s['batch_mode']})  spot {s['spot']}  priority {s['priority']}",
@@ -167,6 +268,8 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
     ]
     for line in lines:
         console.print(line, highlight=False)
+    for note in j.get("notes", []):
+        console.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)
     if out["placements"]:
         table = Table("ATTEMPT", "POOL", "MARKET", "GPUS", "BATCH", "HOURS", "$/GPU-H", "COST",
                       box=None, header_style="bold")
@@ -187,29 +290,61 @@ def logs(job_id: str = typer.Argument(..., help="Job ID"),
          url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
     """Print a job's log lines."""
     with _client(url, token) as client:
-        while True:
-            out = _call(client, "logs", job_id, offset)
-            for line in out["lines"]:
-                typer.echo(line)
-            offset = out["next_offset"]
-            if out["lines"]:
-                continue  # drain what is there before waiting
-            if not follow or out["terminal"]:
-                return
-            time.sleep(interval)
+        _print_logs(client, job_id, offset, follow=follow, interval=interval)
+
+
+def _print_logs(client: BrokerClient, job_id: str, offset: int, *, follow: bool,
+                interval: float) -> None:
+    while True:
+        out = _call(client, "logs", job_id, offset)
+        for line in out["lines"]:
+            typer.echo(line)
+        offset = out["next_offset"]
+        if out["lines"]:
+            continue  # drain what is there before waiting
+        if not follow or out["terminal"]:
+            return
+        time.sleep(interval)
 
 
 @app.command()
-def cancel(job_id: str = typer.Argument(..., help="Job ID"), as_json: bool = JsonOpt,
-           url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
-    """Cancel a job (it checkpoints and stops if it is running)."""
+def cancel(job_ids: list[str] | None = typer.Argument(None, help="Job IDs"),
+           all_jobs: bool = typer.Option(False, "--all",
+                                         help="Every unfinished job of your team"),
+           team: str | None = typer.Option(None, "--team",
+                                           help="With --all and an admin token: that team"),
+           as_json: bool = JsonOpt, url: str | None = UrlOpt,
+           token: str | None = TokenOpt) -> None:
+    """Cancel jobs (each checkpoints and stops if it is running). Exits 1 when one of them
+    had already ended."""
+    if bool(job_ids) == all_jobs:
+        fail("give job IDs or --all (not both)")
+    results = []
     with _client(url, token) as client:
-        job = _call(client, "cancel", job_id)["job"]
+        if all_jobs:
+            live = [s.value for s in JobState if not s.terminal]
+            found = _call(client, "jobs", states=live, team=team)["jobs"]
+            if not team and len({j["team"] for j in found}) > 1:
+                fail("this token sees several teams' jobs; name one with --team")
+            job_ids = [j["id"] for j in found]
+        for job_id in job_ids or []:
+            results.append(_call(client, "cancel", job_id))
     if as_json:
-        print_json(job)
-        return
-    note = "" if job["state"] == "cancelled" else " (cancel requested; it stops shortly)"
-    console.print(f"{job['id']}: {job['state']}{note}", highlight=False)
+        print_json([{**r["job"], "finished_before": r["finished"]} for r in results])
+    for r in results:
+        job = r["job"]
+        if as_json:
+            continue
+        if r["finished"]:
+            err_console.print(f"{job['id']}: already {job['state']}; nothing to cancel",
+                              highlight=False)
+            continue
+        note = "" if job["state"] == "cancelled" else " (cancel requested; it stops shortly)"
+        console.print(f"{job['id']}: {job['state']}{note}", highlight=False)
+    if all_jobs and not results and not as_json:
+        console.print("no unfinished jobs to cancel", highlight=False)
+    if any(r["finished"] for r in results):
+        raise typer.Exit(EXIT_NOTHING_DONE)
 
 
 @app.command()
@@ -235,29 +370,42 @@ def capacity(as_json: bool = JsonOpt, url: str | None = UrlOpt,
 @app.command()
 def events(job_id: str | None = typer.Option(None, "--job", help="Only this job's events"),
            follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new ones"),
-           limit: int = typer.Option(100, "--limit", min=1, max=10_000,
-                                     help="Most events per request"),
+           limit: int | None = typer.Option(None, "--limit", min=1, max=100_000,
+                                            help="Only the last N events (then, with "
+                                            "--follow, every new one)"),
            interval: float = typer.Option(1.0, "--interval", min=0.05, hidden=True),
            as_json: bool = typer.Option(False, "--json", help="One JSON object per line"),
            url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
     """Print the event stream (submissions, launches, rescales, migrations, preemptions)."""
-    since = "0"
-    with _client(url, token) as client:
+    since, page = "0", 1000
+
+    def pages(client: BrokerClient) -> Iterator[dict[str, Any]]:
+        """Every event after ``since``, oldest first, page by page."""
+        nonlocal since
         while True:
-            out = _call(client, "events", since=since, job_id=job_id, limit=limit)
-            for e in out["events"]:
-                if as_json:
-                    typer.echo(json.dumps(e))
-                    continue
-                stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
-                data = " ".join(f"{k}={v}" for k, v in e["data"].items())
-                typer.echo(f"{stamp} {e['type']:<18} {e['job_id'] or '-'} {data}".rstrip())
+            out = _call(client, "events", since=since, job_id=job_id, limit=page)
+            yield from out["events"]
             since = out["next"]
-            if len(out["events"]) == limit:
-                continue  # more are waiting
-            if not follow:
+            if len(out["events"]) < page:
                 return
+
+    with _client(url, token) as client:
+        # The stream is read oldest first: the last N are what a bounded queue keeps of it.
+        for e in deque(pages(client), maxlen=limit) if limit else pages(client):
+            _print_event(e, as_json)
+        while follow:
             time.sleep(interval)
+            for e in pages(client):
+                _print_event(e, as_json)
+
+
+def _print_event(e: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(e))
+        return
+    stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
+    data = " ".join(f"{k}={v}" for k, v in e["data"].items())
+    typer.echo(f"{stamp} {e['type']:<18} {e['job_id'] or '-'} {data}".rstrip())
 
 
 @chaos_app.command("preempt")

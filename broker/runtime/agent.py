@@ -133,12 +133,13 @@ class AgentConfig:
 def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[str]]:
     """Options (which win) and FLEET_* variables -> config; the words after ``--``: the command."""
     argv = list(argv)
-    if "--" not in argv or argv.index("--") == len(argv) - 1:
+    split = argv.index("--") if "--" in argv else len(argv)
+    if split >= len(argv) - 1 and not {"-h", "--help"} & set(argv[:split]):
         raise AssignmentError(
             "no command: use python -m broker.runtime.agent [options] -- CMD ARGS..."
         )
-    split = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m broker.runtime.agent", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m broker.runtime.agent", description=__doc__,
+                                usage="%(prog)s [options] -- CMD ARGS...")
     p.add_argument("--job-id", default=env.get("FLEET_JOB_ID") or "local")
     p.add_argument("--attempt", type=int, default=env_int(env, "FLEET_ATTEMPT", 0))
     p.add_argument("--round", type=int, default=env_int(env, "FLEET_ROUND", 0))
@@ -158,7 +159,7 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
     )
     p.add_argument("--broker-url", default=env.get("FLEET_BROKER_URL") or None,
                    help="the broker's URL, or every replica's, comma-separated")
-    opts = p.parse_args(argv[:split])
+    opts = p.parse_args(argv[:split])  # --help prints the options and exits 0
     urls = tuple(dict.fromkeys(u.strip().rstrip("/") for u in (opts.broker_url or "").split(",")
                                if u.strip()))
     opts.broker_url = urls[0] if urls else None

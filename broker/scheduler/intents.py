@@ -10,6 +10,7 @@ from broker import transitions
 from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.scheduler.config import Admission, SchedulerConfig
 from broker.store import Plan
+from broker.waiting import UNSCHEDULABLE, no_pool_reason
 from policies.models import Accelerator, Market, Pool
 from policies.placement import region_allowed
 
@@ -124,14 +125,15 @@ def unlaunchable(res: RoundResult, job: JobRecord, accel: Accelerator, sizes: li
 
 def no_pool(res: RoundResult, job: JobRecord, region_reason: str | None,
             config: SchedulerConfig) -> None:
-    """No pool offers a queued job's accelerators in its regions: with a reason from its region
-    filters, say so on the job (once) or drop it under admission drop, as
-    :func:`unlaunchable` does; without one (no pool offers them at all) only admission drop
-    acts, as a cloud may add such pools."""
-    if config.admission is Admission.DROP:
+    """No pool offers a waiting job's accelerators in its regions: say why on the job (once),
+    from its region filters or, where no pool offers them at all, as unschedulable (a cloud
+    may add such pools); a queued one is dropped instead under admission drop."""
+    if job.state is JobState.QUEUED and config.admission is Admission.DROP:
         _drop(res, job, region_reason or "no pool offers its accelerators")
     elif region_reason is not None:
         note(res, job, "no-region", region_reason)
+    else:
+        note(res, job, UNSCHEDULABLE, no_pool_reason(job.spec))
 
 
 def on_demand_launches(job: JobRecord, pools: Sequence[Pool]) -> bool:

@@ -25,6 +25,7 @@ from broker.scheduler.intents import (
 )
 from broker.scheduler.placing import Marks, blocked_pools, pool_risk, refused_pools
 from broker.store import Plan, PoolStats, Snapshot, Store
+from broker.waiting import UNSCHEDULABLE, WAITING_STATES, too_big_reason, waiting_for_capacity
 from policies.elastic_dp import Choice
 from policies.migration import Blocklist
 from policies.models import Accelerator, Pool
@@ -65,8 +66,15 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
             continue
         types = offered_types(job, usable)
         if not types:
-            if job.state is JobState.QUEUED:
+            if job.state in WAITING_STATES:
                 no_pool(res, job, no_region_reason(job, snap.pools), config)
+            continue
+        if job.state in WAITING_STATES and (why := too_big_reason(
+                job.spec, max(usable.sizes(job.spec, a)[0] for a in types))):
+            if job.state is JobState.QUEUED:
+                unlaunchable(res, job, types[0], [], config, reason=why)
+            else:
+                note(res, job, UNSCHEDULABLE, why)
             continue
         offered[job.id] = types
         jobs.append(job)
@@ -131,14 +139,17 @@ def _plan_type(res: RoundResult, accel: Accelerator, jobs: list[JobRecord],
             target = (where.pool, where.gpus, batch)
             if job.state is not JobState.RUNNING:
                 if free_now[where.pool] < where.gpus:
-                    continue  # deferred, not dropped: it waits for the GPUs to free up
+                    # deferred, not dropped: it waits for the GPUs to free up
+                    note(res, job, "waiting", f"waiting for capacity: {where.gpus} GPUs of "
+                         f"{where.pool} free up once the jobs there have checkpointed")
+                    continue
                 free_now[where.pool] -= where.gpus
         if job.id in placed.waits:
             wait_for_spot(res, job, fence)
             continue
-        if target is None and job.state is not JobState.RUNNING and \
-                job.id in placed.notes and not dropped_if_left_out(job, config):
-            note(res, job, "waiting", placed.notes[job.id])
+        if target is None and job.state is not JobState.RUNNING and job not in unfit and \
+                not dropped_if_left_out(job, config):
+            note(res, job, "waiting", placed.notes.get(job.id) or waiting_for_capacity(accel))
         diff(res, job, target, fence, config, pools_by_id)
 
 

@@ -24,7 +24,7 @@ from tests.api_server import TOKENS, api_config
 from tests.chaos.conftest import Tally
 from tests.redis_server import RedisServer
 
-# Cases per generation mode, across the 13 operations: `make test` (about 10 s a mode on 2
+# Cases per generation mode, across every operation: `make test` (about 10 s a mode on 2
 # cores) and `make chaos`.
 MAX_EXAMPLES = 300
 LONG_EXAMPLES = 5000

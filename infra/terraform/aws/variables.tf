@@ -50,7 +50,7 @@ variable "redis_node_type" {
 variable "fleetbroker_version" {
   description = "pip requirement installed on the broker host."
   type        = string
-  default     = "fleetbroker[aws]"
+  default     = "fleetbroker[broker,aws]"
 }
 
 variable "api_token" {

@@ -1,0 +1,126 @@
+"""SkyPilot fields with no meaning here are accepted with a note kept on the job; accelerators
+are never read as another; CPU-only tasks are refused with the reason (issue 15, item 4). The
+notes travel through the real CLI and API (uvicorn on loopback, redis-server)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from broker.cli import app
+from broker.spec import SpecError, parse_spec_text
+from policies.models import Accelerator
+from tests.api_server import TOKENS, api_stack
+
+
+def _problems(text: str) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        parse_spec_text(text)
+    return [str(p) for p in info.value.problems]
+
+
+@pytest.mark.parametrize(("key", "value", "note"), [
+    ("autostop", "10m", "releases a job's nodes"),
+    ("network_tier", "best", "network"),
+    ("disk_tier", "high", "disk"),
+    ("ports", 8080, "not opened"),
+    ("image_id", "ami-0123456789abcdef0", "fleet's own image"),
+])
+def test_meaningless_resource_fields_are_accepted_with_a_note(key: str, value: object,
+                                                              note: str) -> None:
+    parsed = parse_spec_text(f"run: x\nresources: {{accelerators: T4:1, {key}: {value}}}")
+    assert parsed.spec.accelerators == [Accelerator.T4]
+    assert [w for w in parsed.warnings if w.startswith(f"resources.{key}:") and note in w]
+
+
+def test_a_container_image_is_refused_with_the_fix() -> None:
+    found = _problems("run: x\nresources: {accelerators: T4, image_id: 'docker:pytorch/x'}")
+    assert any(p.startswith("resources.image_id") and "setup" in p for p in found), found
+
+
+def test_any_of_drops_alternatives_on_clouds_it_does_not_have() -> None:
+    parsed = parse_spec_text(
+        "run: x\nresources:\n  any_of:\n"
+        "    - {infra: k8s, accelerators: H100:8}\n"
+        "    - {cloud: lambda, accelerators: H100:8}\n"
+        "    - {infra: gcp/us-central1, accelerators: A100:8}\n")
+    assert parsed.spec.accelerators == [Accelerator.A100]
+    assert parsed.spec.regions.allow == ["gcp:us-central1"]
+    dropped = [w for w in parsed.warnings if "dropped" in w]
+    assert len(dropped) == 2 and "'k8s'" in dropped[0] and "'lambda'" in dropped[1]
+
+
+def test_any_of_with_no_supported_cloud_is_refused() -> None:
+    found = _problems("run: x\nresources:\n  any_of:\n    - {infra: k8s}\n"
+                      "    - {cloud: runpod}\n")
+    assert any(p.startswith("resources.any_of") and "aws, gcp, azure, local" in p
+               for p in found), found
+
+
+@pytest.mark.parametrize(("value", "hint"), [("A100X", "did you mean A100?"),
+                                            ("H1000", "did you mean H100?"),
+                                            ("TPU-v4", "use one of")])
+def test_an_unknown_accelerator_gets_a_did_you_mean(value: str, hint: str) -> None:
+    for text in (f"run: x\nresources: {{accelerators: {value}:8}}",
+                 f"name: j\nrun: x\naccelerators: [{value}]\nbatch_size: 8\n"
+                 "work: {samples: 8}"):
+        found = _problems(text)
+        assert any("unknown accelerator" in p and hint in p and value in p for p in found), \
+            found
+
+
+def test_accelerator_variants_still_read_as_their_type() -> None:
+    for name, want in (("A100-80GB-SXM4", Accelerator.A100), ("H100-PCIe", Accelerator.H100),
+                       ("V100-32GB", Accelerator.V100), ("A10G", Accelerator.A10G)):
+        assert Accelerator.parse(name) is want
+
+
+@pytest.mark.parametrize("resources", ["{cpus: 4+}", "{cpus: 8, memory: 32+}",
+                                       "{any_of: [{cpus: 4+, infra: aws}]}"])
+def test_a_cpu_only_task_is_refused_not_given_a_gpu(resources: str) -> None:
+    found = _problems(f"run: x\nresources: {resources}")
+    assert any("CPU-only" in p and "accelerators" in p for p in found), found
+
+
+def test_a_task_without_resources_says_it_gets_the_default_gpu() -> None:
+    parsed = parse_spec_text("run: echo hi")
+    assert parsed.spec.accelerators == [Accelerator.T4]
+    assert any("T4:1 per node" in w for w in parsed.warnings)
+
+
+def test_unknown_keys_get_a_did_you_mean() -> None:
+    found = _problems("run: x\nnum_node: 2\nresources: {use_spott: true}")
+    assert any(p.startswith("num_node") and "did you mean 'num_nodes'" in p for p in found)
+    assert any(p.startswith("resources.use_spott") and "did you mean 'use_spot'" in p
+               for p in found), found
+
+
+def test_notes_are_kept_on_the_job_and_shown(tmp_path: Path) -> None:
+    task = tmp_path / "task.yaml"
+    task.write_text("name: noted\nrun: echo hi\nresources: {accelerators: T4:1, "
+                    "autostop: 10m, ports: 8888}\n")
+    with api_stack(tmp_path / "stack") as (srv, store):
+        env = {"FLEET_URL": srv.url, "FLEET_TOKEN": TOKENS["ml"],
+               "FLEET_CONFIG": str(tmp_path / "client.yaml")}
+        runner = CliRunner()
+        got = runner.invoke(app, ["launch", str(task), "--json"], env=env)
+        assert got.exit_code == 0, got.stderr
+        job = json.loads(got.stdout)
+        assert [n.split(":")[0] for n in job["notes"]] == ["resources.autostop",
+                                                           "resources.ports"]
+        stored = store.get_job(job["id"])
+        assert stored is not None and stored.notes == job["notes"]
+        got = runner.invoke(app, ["job", job["id"]], env=env)
+        assert got.exit_code == 0 and "note: resources.autostop: ignored" in got.stdout
+        # a task posted to the API as YAML: the API's own translation notes it
+        headers = {"Authorization": f"Bearer {TOKENS['ml']}",
+                   "Content-Type": "application/yaml"}
+        r = httpx.post(f"{srv.url}/v1/jobs", content=task.read_text(), headers=headers)
+        assert r.status_code == 201 and r.json()["job"]["notes"] == job["notes"]
+        r = httpx.post(f"{srv.url}/v1/jobs", params={"note": "x" * 301},
+                       content=task.read_text(), headers=headers)
+        assert r.status_code == 422 and "note" in r.text

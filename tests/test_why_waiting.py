@@ -1,0 +1,160 @@
+"""Why a job waits (issue 15, item 5): the round gives every waiting job a reason (no pool
+offers its accelerator, more GPUs than its pools hold, waiting for capacity), the API and the
+CLI show it with the job's place in its queue, and a job the fleet file can never host is
+refused at submission with the field and the fix. Real redis-server, real uvicorn on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from broker.api import build_app
+from broker.cli import app
+from broker.models import JobState
+from broker.scheduler import Scheduler, SchedulerConfig
+from broker.store import Store
+from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
+from tests.api_server import TOKENS, ApiServer, api_config
+
+EAST = Pool(cloud="aws", region="us-east-1", accelerator=Accelerator.T4, market=Market.SPOT,
+            nodes=1, gpus_per_node=4, price_per_gpu_hour=0.2)
+WEST = Pool(cloud="aws", region="us-west-2", accelerator=Accelerator.T4,
+            market=Market.ON_DEMAND, nodes=1, gpus_per_node=2, price_per_gpu_hour=0.9)
+L4 = Pool(cloud="gcp", region="us-central1", accelerator=Accelerator.L4,
+          market=Market.ON_DEMAND, nodes=1, gpus_per_node=1, price_per_gpu_hour=0.7)
+FLEET = [EAST, WEST, L4]
+
+
+def spec(name: str, gmin: int = 1, gmax: int = 4, **kw: object) -> JobSpec:
+    return JobSpec(name=name, run="true", gpus=GpuRange(min=gmin, max=gmax),
+                   batch_size=BatchRange(min=32, max=512), work_samples=1000, team="ml", **kw)
+
+
+@pytest.fixture
+def server(store: Store) -> Iterator[ApiServer]:
+    srv = ApiServer(build_app(store, api_config(), lambda: FLEET)).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def fleet(srv: ApiServer, *args: str) -> tuple[int, str, str]:
+    env = {"FLEET_URL": srv.url, "FLEET_TOKEN": TOKENS["ml"], "FLEET_CONFIG": "/nonexistent"}
+    result = CliRunner().invoke(app, list(args), env=env)
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_every_waiting_job_carries_a_reason_the_api_and_cli_show(
+        store: Store, server: ApiServer) -> None:
+    store.set_pools([EAST, WEST])  # the L4 pool is gone for now (a reclaim, an outage)
+    fence = store.acquire_lease("t", ttl_s=30)
+    first = store.submit(spec("first", 4, 4), team="ml")
+    second = store.submit(spec("second", 4, 4), team="ml")
+    third = store.submit(spec("third", 4, 4), team="ml")
+    l4 = store.submit(spec("l4", accelerators=[Accelerator.L4]), team="ml")
+    huge = store.submit(spec("huge", 6, 8), team="ml")
+    fresh = store.submit(spec("fresh"), team="ml")
+    Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
+    store.submit(spec("late"), team="ml")  # submitted after the round: not yet seen
+
+    got = {j.id: j for j in store.list_jobs()}
+    assert got[first.id].state is JobState.LAUNCHING
+    assert got[fresh.id].state is JobState.LAUNCHING  # 1-4 GPUs: west's 2
+    assert got[second.id].reason == got[third.id].reason == (
+        "waiting for capacity: every T4 GPU in its regions is in use or given to a job ahead "
+        "of it")
+    assert got[l4.id].reason == ("unschedulable: no pool offers L4 now; it waits until one "
+                                 "does (or change its accelerators)")
+    assert got[huge.id].reason is not None and got[huge.id].reason.startswith(
+        "unschedulable: needs at least 6 GPUs in one pool, and the largest T4 pool in its "
+        "regions holds 4 now")
+
+    jobs = httpx.get(f"{server.url}/v1/jobs", headers={
+        "Authorization": f"Bearer {TOKENS['ml']}"}).json()["jobs"]
+    queued = [j for j in jobs if j["state"] == "queued"]
+    assert len(queued) == 5 and all(j["reason"] for j in queued)
+    by_name = {j["name"]: j for j in jobs}
+    assert by_name["late"]["reason"] == "submitted; the next scheduling round considers it"
+    # T4 queue: second, third, huge, late (submission order); L4 has its own
+    assert by_name["second"]["queue_position"] == {"position": 1, "of": 4}
+    assert by_name["third"]["queue_position"] == {"position": 2, "of": 4}
+    assert by_name["late"]["queue_position"] == {"position": 4, "of": 4}
+    assert by_name["l4"]["queue_position"] == {"position": 1, "of": 1}
+    assert by_name["first"]["queue_position"] is None
+
+    code, out, _ = fleet(server, "jobs")
+    assert code == 0 and "why waiting:" in out
+    assert "waiting for capacity" in out and "(#2 of 4 in queue)" in out
+    assert "unschedulable: no pool offers L4" in out
+    code, out, _ = fleet(server, "job", third.id)
+    assert code == 0 and "state queued (waiting for capacity" in out and "#2 of 4" in out
+
+    # the same round again changes nothing: a reason is written once
+    before = store.get_job(second.id)
+    Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
+    assert store.get_job(second.id).version == before.version  # type: ignore[union-attr]
+
+
+SKY_TWO_L4 = "name: two-l4\nnum_nodes: 2\nresources: {accelerators: L4:1}\nrun: echo hi\n"
+
+
+@pytest.mark.parametrize(("body", "field", "fix"), [
+    ("name: a\nrun: x\naccelerators: [A100]\nbatch_size: 8\nwork: {samples: 8}",
+     "accelerators", "no pool of this fleet offers A100; it has L4, T4"),
+    ("name: a\nrun: x\ngpus: 64\nbatch_size: 64\nwork: {samples: 8}",
+     "gpus.min", "lower gpus.min to at most 4"),
+    ("name: a\nrun: x\nregions: [azure:*]\nbatch_size: 8\nwork: {samples: 8}",
+     "regions", "T4 is offered in aws:us-east-1, aws:us-west-2"),
+    (SKY_TWO_L4, "resources.accelerators", "lower the GPU count or num_nodes"),
+])
+def test_a_job_that_can_never_run_is_refused_at_submission(
+        store: Store, server: ApiServer, tmp_path: Path, body: str, field: str,
+        fix: str) -> None:
+    r = httpx.post(f"{server.url}/v1/jobs", content=body, headers={
+        "Authorization": f"Bearer {TOKENS['ml']}", "Content-Type": "application/yaml"})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["message"] == "the job can never run on this fleet"
+    assert [p["field"] for p in err["problems"]] == [field] and fix in err["problems"][0][
+        "message"]
+    assert store.list_jobs() == []
+    path = tmp_path / "job.yaml"
+    path.write_text(body)
+    code, _, errout = fleet(server, "launch", str(path))
+    # the CLI sends the translated spec: a SkyPilot task's fix names both forms
+    assert code == 2 and "can never run on this fleet" in errout
+    assert (field if field != "resources.accelerators" else "num_nodes") in errout
+    assert store.list_jobs() == []
+
+
+def test_a_job_the_fleet_can_host_is_accepted(store: Store, server: ApiServer) -> None:
+    r = httpx.post(f"{server.url}/v1/jobs", content=SKY_TWO_L4.replace("L4:1", "T4:2"),
+                   headers={"Authorization": f"Bearer {TOKENS['ml']}",
+                            "Content-Type": "application/yaml"})
+    assert r.status_code == 201, r.text
+    assert r.json()["job"]["reason"] == "submitted; the next scheduling round considers it"
+
+
+def test_the_fleet_ceiling_is_what_the_fleet_file_declares() -> None:
+    """A cloud's pools at their ``max_gpus`` whatever its quota or offers say now, local regions
+    unreclaimed: the bound a submission is judged against."""
+    from broker.fleet import CloudConfig, FleetProvider
+    from broker.waiting import never_runs
+
+    config = CloudConfig(regions=["us-east-1", "us-west-2"], accelerators=[Accelerator.A100],
+                         markets=[Market.SPOT], max_gpus=16)
+    ceiling = FleetProvider(None, {}, {"aws": config}).ceiling()
+    assert sorted((p.id, p.capacity) for p in ceiling) == [
+        ("aws:us-east-1:spot:A100", 16), ("aws:us-west-2:spot:A100", 16)]
+    fits = spec("fits", 16, 16, accelerators=[Accelerator.A100])
+    assert never_runs(fits, ceiling) == []
+    big = spec("big", 32, 32, accelerators=[Accelerator.A100])
+    [problem] = never_runs(big, ceiling)
+    assert problem.field == "gpus.min" and "holds 16" in problem.message
