@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from broker import secrets, transitions
+from broker import secrets, skyenv, transitions
 from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
@@ -26,7 +26,7 @@ from policies.migration import (
     refusal_key,
     refused_zones,
 )
-from policies.models import Market, Pool
+from policies.models import JobSpec, Market, Pool
 from providers.base import (
     CapacityError,
     LaunchRequest,
@@ -75,8 +75,9 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     was launched (whatever the pool sells now) and in the survivors' ``zone``."""
     spec = job.spec
     if ranks is None:  # the gang the scheduler placed (its node count), else the pool's shape
-        nodes, per_node = (job.nodes, intent.gpus // job.nodes) \
-            if job.nodes > 1 and intent.gpus % job.nodes == 0 else \
+        gang = spec.nodes or job.nodes
+        nodes, per_node = (gang, intent.gpus // gang) \
+            if (gang > 1 or spec.nodes) and intent.gpus % gang == 0 else \
             pool.shape(intent.gpus) or (1, intent.gpus)
         first_rank, count, key = 0, nodes, intent.key
     else:
@@ -96,6 +97,7 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
         "FLEET_BATCH_MODE": spec.batch_mode.value,
         "FLEET_CHECKPOINT_URI": checkpoint,
         "FLEET_RUN": spec.run,
+        **({"FLEET_SETUP": spec.setup} if spec.setup and spec.run_per_node else {}),
         "FLEET_HEARTBEAT_INTERVAL": str(config.heartbeat_interval_s),
     }
     if nodes == 1:  # one node is its own master; a gang meets at the broker's rendezvous
@@ -112,9 +114,12 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     if config.agent_token and agent:  # the key, never handed out: the agent gets its attempt's
         # token (the provider hands it over in a way the job cannot read back, see docs/security)
         env["FLEET_AGENT_TOKEN"] = attempt_token(config.agent_token, job.id, intent.attempt)
+    if spec.run_per_node:
+        env.update(skyenv.task_env(job, pool, nodes=nodes, gpus_per_node=per_node,
+                                   zone=zone or pool.zone))
     # The agent starts first, so that it has taken its token before any of the job's code (its
     # setup included) runs; setup then runs in each worker before run, as on the clouds.
-    script = (f"{spec.setup}\n" if spec.setup else "") + 'exec sh -c "$FLEET_RUN"'
+    script = _script(spec)
     command = [sys.executable, "-m", "broker.runtime.agent", "--", "sh", "-c", script] \
         if config.use_agent and not backend_starts_agent else ["sh", "-c", script]
     return LaunchRequest(idempotency_key=key, job_id=job.id, cloud=pool.cloud,
@@ -122,6 +127,16 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
                          accelerator=pool.accelerator, gpus_per_node=per_node, nodes=count,
                          first_rank=first_rank, market=pool.market, env=env,
                          command=command)
+
+
+def _script(spec: JobSpec) -> str:
+    """The shell line a worker runs: setup, then run. A SkyPilot task's run as SkyPilot runs it:
+    under bash (its examples use bash syntax), setup in a process of its own whose failure fails
+    the node, the script text read from the environment (never spliced into a command line)."""
+    if spec.run_per_node:
+        setup = 'bash -c "$FLEET_SETUP" || exit $?\n' if spec.setup else ""
+        return setup + 'exec bash -c "$FLEET_RUN"'
+    return (f"{spec.setup}\n" if spec.setup else "") + 'exec sh -c "$FLEET_RUN"'
 
 
 def launch_price(nodes: list[Node], pool_price: float) -> float:

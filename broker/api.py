@@ -227,6 +227,8 @@ class RendezvousReply(BaseModel):
     nnodes: int = Field(description="nodes in the job")
     master: str | None = Field(description="'host:port' rank 0 registered for that round, "
                                            "once every node checked in for it; null until then")
+    addrs: list[str] | None = Field(default=None, description="every node's 'host:port' by "
+                                    "rank ('' where a node gave none), with master")
     action: str | None = Field(description="null: keep going; 'checkpoint-exit': exit 75")
 
 

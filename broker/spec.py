@@ -329,9 +329,12 @@ def _name_from_stem(stem: str) -> str | None:
 _FLEET_KEYS = {
     "name", "run", "setup", "envs", "accelerators", "gpus", "batch_size", "batch_mode", "work",
     "work_samples", "spot", "regions", "checkpoint", "priority", "team", "deadline", "deadline_s",
-    "model",
+    "model", "nodes", "run_per_node", "secret_envs",
 }
-_FLEET_ONLY = _FLEET_KEYS - {"name", "run", "setup", "envs"}
+# nodes, run_per_node and secret_envs are what a SkyPilot task becomes (the canonical JSON has
+# them): they do not make a document the project's own format.
+_FLEET_ONLY = _FLEET_KEYS - {"name", "run", "setup", "envs", "nodes", "run_per_node",
+                             "secret_envs"}
 _SKY_KEYS = {
     "name", "run", "setup", "envs", "num_nodes", "resources", "workdir", "file_mounts", "secrets",
     "service", "config", "event_callback", "inputs", "outputs", "volumes",
@@ -522,6 +525,22 @@ def _parse_envs(p: _Problems, value: Any) -> dict[str, str] | None:
         p.add("envs", f"{total:,} bytes", f"names and values may total at most "
               f"{MAX_ENVS_BYTES:,} bytes; pass big values as a file the job fetches")
     return out
+
+
+def _parse_secret_names(p: _Problems, field: str, value: Any) -> list[str] | None:
+    """A list of secret environment variable names (their values never sit in a spec)."""
+    if not isinstance(value, list):
+        p.add(field, value, "write a list of environment variable names")
+        return None
+    if _too_many(p, field, value, MAX_ENVS):
+        return None
+    bad = [v for v in value if not isinstance(v, str) or not _ENV_NAME.match(v)
+           or v.startswith(_RESERVED_ENV_PREFIX)]
+    if bad:
+        p.add(field, bad[0], "an environment variable name is letters, digits and '_', not "
+              f"starting with a digit or {_RESERVED_ENV_PREFIX}")
+        return None
+    return list(dict.fromkeys(value))
 
 
 def _env_text(v: Any) -> str:
@@ -819,6 +838,12 @@ def _parse_fleet(doc: Mapping[str, Any]) -> ParsedSpec:
         out["team"] = _parse_name(p, "team", doc["team"])
     if "model" in doc and doc["model"] is not None:
         out["model"] = _parse_name(p, "model", doc["model"])
+    if doc.get("nodes") is not None:
+        out["nodes"] = _int(p, "nodes", doc["nodes"])
+    if "run_per_node" in doc:
+        out["run_per_node"] = doc["run_per_node"]  # the model names a value that is no bool
+    if doc.get("secret_envs") is not None:
+        out["secret_envs"] = _parse_secret_names(p, "secret_envs", doc["secret_envs"])
     deadline_key = "deadline" if "deadline" in doc else "deadline_s"
     if doc.get(deadline_key) is not None:
         secs = parse_duration(doc[deadline_key])
@@ -955,6 +980,8 @@ def _parse_skypilot(doc: Mapping[str, Any], *, default_name: str | None) -> Pars
                   "lower the count or num_nodes")
         else:
             out["gpus"] = {"min": lo, "max": hi}
+            out["nodes"] = nodes
+            out["run_per_node"] = True
             # SkyPilot knows no batch sizes: a fixed-size job, one unit of batch per GPU.
             out["batch_size"] = {"min": lo, "max": hi, "default": lo}
             out["batch_mode"] = "fixed"

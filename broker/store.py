@@ -446,17 +446,20 @@ class Store:
         must send its own, the round's master; another rank may) and the node holds the rank's
         current ``launch_key`` (its FLEET_LAUNCH_KEY: the launch's, or its stand-in's; None, an
         agent from before keys, only while the job has no stand-ins), and returns ``{"round",
-        "nnodes", "master", "action"}``: the job's current round and node count, the address rank
-        0 registered for that round once every rank of the job checked in for it (None until
-        then, for a stale attempt and for a node the broker replaced; it never changes once
-        given) and the action, as for a heartbeat (``continue`` or ``checkpoint-exit``)."""
+        "nnodes", "master", "addrs", "action"}``: the job's current round and node count, the
+        address rank 0 registered for that round once every rank of the job checked in for it
+        (None until then, for a stale attempt and for a node the broker replaced; it never
+        changes once given), every rank's address by rank ('' where it gave none) once the
+        master is named, and the action, as for a heartbeat (``continue`` or
+        ``checkpoint-exit``)."""
         reply = self._rendezvous(args=[self.p, job_id, int(attempt), int(round),
                                        int(node_rank), addr or "", RENDEZVOUS_TTL_S,
                                        launch_key or ""])
         if reply[0] == "missing":
             raise JobNotFound(job_id)
-        state, cancel, current, nodes, master = reply
-        return {"round": int(current), "nnodes": int(nodes), "master": master,
+        state, cancel, current, nodes, master, *rest = reply
+        addrs = [str(a) for a in rest[0]] if rest and rest[0] else None
+        return {"round": int(current), "nnodes": int(nodes), "master": master, "addrs": addrs,
                 "action": _action(state, cancel)}
 
     def checked_in(self, jobs: Iterable[JobRecord]) -> dict[str, set[int]]:

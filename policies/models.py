@@ -293,6 +293,27 @@ class JobSpec(BaseModel):
     team: str = "default"
     deadline_s: float | None = Field(default=None, gt=0, description="seconds after submission")
     model: str | None = Field(default=None, description="throughput-table model name, if known")
+    # A SkyPilot task's meaning: exactly ``nodes`` nodes (its num_nodes), each with an equal share
+    # of the GPUs, and setup and run once per node (not once per GPU) with SkyPilot's SKYPILOT_*
+    # environment. None: the pool's instance sizes decide the nodes, and run starts per GPU.
+    nodes: int | None = Field(default=None, ge=1, le=512,
+                              description="run as exactly this many nodes (SkyPilot num_nodes)")
+    run_per_node: bool = Field(default=False, description="setup and run execute once per node "
+                               "(SkyPilot semantics), not once per GPU worker")
+    secret_envs: list[str] = Field(default_factory=list, max_length=256,
+                               description="names of secret environment variables: their values "
+                               "travel beside the spec, encrypted at rest, never shown")
+
+    @model_validator(mode="after")
+    def _gpus_split_over_nodes(self) -> JobSpec:
+        if self.nodes is not None and (self.gpus.min % self.nodes or self.gpus.max % self.nodes):
+            raise ValueError(f"gpus ({self.gpus.min}..{self.gpus.max}) must split evenly over "
+                             f"nodes ({self.nodes}); give a multiple of nodes")
+        clash = set(self.secret_envs) & set(self.envs)
+        if clash:
+            raise ValueError(f"{sorted(clash)[0]} is both in envs and secret_envs; keep it in "
+                             "one")
+        return self
 
     @field_validator("name", "team")
     @classmethod
