@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -17,6 +17,7 @@ from broker import secrets, skyenv, transitions
 from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
+from broker.sealed import Sealer, SealError
 from broker.store import Conflict, Plan, Store
 from policies.migration import (
     expire,
@@ -53,6 +54,7 @@ class ActuatorConfig(BaseModel):
     # the broker's launch deadline (``Reconciler``): a gang's agents wait longer at the
     # rendezvous, so the broker, not a survivor, decides that a stand-in is not coming
     launch_deadline_s: float | None = None
+    secrets_dir: Path | None = None  # where the key that opens the jobs' secrets is (its state dir)
 
 
 RENDEZVOUS_MARGIN_S = 600.0  # a stand-in's launch, after the deadline, and its boot
@@ -62,7 +64,8 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
                    backend_starts_agent: bool = False,
                    avoid_zones: tuple[str, ...] = (),
                    ranks: tuple[int, int] | None = None,
-                   zone: str | None = None) -> LaunchRequest:
+                   zone: str | None = None,
+                   secret_env: Mapping[str, str] | None = None) -> LaunchRequest:
     """The provider request for a launch intent: the job's command under the runtime agent with
     the assigned world size, batch size and checkpoint location in its environment. Where the
     backend's start script runs the agent itself (cloud VMs) the command is not wrapped again.
@@ -72,7 +75,8 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     gives each its rank, and their agents find rank 0 through the broker's rendezvous.
     ``ranks`` (first rank, nodes): a REPLACE intent's stand-ins for lost nodes of the job's
     current launch, under their own key (``providers.base.replacement_key``), shaped as the gang
-    was launched (whatever the pool sells now) and in the survivors' ``zone``."""
+    was launched (whatever the pool sells now) and in the survivors' ``zone``. ``secret_env``:
+    the job's opened secrets, in its environment beside its envs."""
     spec = job.spec
     if ranks is None:  # the gang the scheduler placed (its node count), else the pool's shape
         gang = spec.nodes or job.nodes
@@ -87,6 +91,7 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     checkpoint = spec.checkpoint.uri or str((config.checkpoint_root / job.id).resolve())
     env = {
         **spec.envs,
+        **(secret_env or {}),
         "FLEET_JOB_ID": job.id,
         "FLEET_ATTEMPT": str(intent.attempt),
         "FLEET_LAUNCH_KEY": key,
@@ -152,6 +157,20 @@ class Actuator:
         self.store = store
         self.provider = provider
         self.config = config or ActuatorConfig()
+        self._sealer: Sealer | None = None  # opens the jobs' secrets, once one has them
+
+    def _secret_env(self, job: JobRecord) -> dict[str, str]:
+        """The job's secrets, opened for its launch; ``ProviderError`` (the launch fails with the
+        reason) when this broker cannot open them."""
+        if not job.sealed_secrets:
+            return {}
+        if self.config.secrets_dir is None:
+            raise ProviderError("the job has secrets and this broker has no secrets key")
+        try:
+            self._sealer = self._sealer or Sealer.load(self.config.secrets_dir)
+            return self._sealer.open(job.sealed_secrets)
+        except SealError as exc:
+            raise ProviderError(str(exc)) from None
 
     def run(self, fence: int) -> int:
         """Carry out every pending intent; returns how many were settled."""
@@ -240,7 +259,8 @@ class Actuator:
             starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
             request = launch_request(job, intent, pool, self.config,
                                      backend_starts_agent=starts_agent,
-                                     avoid_zones=self._refused_zones(pool))
+                                     avoid_zones=self._refused_zones(pool),
+                                     secret_env=self._secret_env(job))
             if request.nodes > 1 and starts_agent and not self.config.broker_url:
                 raise ProviderError(
                     f"a {request.nodes}-node gang on {pool.cloud} meets at the broker's "
@@ -303,10 +323,11 @@ class Actuator:
             if pool is None:
                 raise ProviderError(f"pool {job.pool} is gone")
             starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
+            secret_env = self._secret_env(job)
             for rank in intent.ranks:
                 nodes += self.provider.launch(launch_request(
                     job, intent, pool, self.config, backend_starts_agent=starts_agent,
-                    ranks=(rank, 1), zone=zone))
+                    ranks=(rank, 1), zone=zone, secret_env=secret_env))
         except ProviderError as exc:
             if pool is not None and isinstance(exc, CapacityError | QuotaError):
                 self._mark_refused(job, pool, exc, plan)

@@ -9,6 +9,7 @@ names each field.
 # No `from __future__ import annotations`: FastAPI resolves the local Annotated aliases.
 
 import ipaddress
+import json
 import math
 import re
 from typing import Annotated, Any, Literal
@@ -19,7 +20,15 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -28,7 +37,11 @@ from broker import __version__
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
 from broker.models import JobRecord, JobState
+from broker.sealed import Sealer
 from broker.spec import (
+    LAUNCH_MEDIA,
+    MAX_SPEC_BYTES,
+    LaunchEnv,
     ParsedSpec,
     Problem,
     SpecError,
@@ -51,7 +64,7 @@ LAUNCH_KEY_FIELD = Field(
                 "to stop; none (an agent from before keys) only while no rank was replaced")
 DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 SPEC_MEDIA = ("application/yaml", "application/x-yaml", "text/yaml", "text/plain",
-              "application/json")
+              "application/json", LAUNCH_MEDIA)
 STREAM_ID_PART_MAX = 2**64 - 1  # Redis stream ids are <ms>-<seq>, each an unsigned 64-bit number
 
 
@@ -253,11 +266,24 @@ class NodeChaosRequest(BaseModel):
 
 def job_view(job: JobRecord) -> dict[str, Any]:
     """A job as the API shows it: the record plus its name and progress."""
-    return {**job.model_dump(mode="json"), "name": job.name, "progress": job.progress}
+    return {**job.model_dump(mode="json", exclude={"sealed_secrets"}), "name": job.name,
+            "progress": job.progress}
 
 
-def build_app(store: Store, config: ApiConfig) -> FastAPI:
-    """The API over ``store`` with ``config``'s tokens and limits."""
+class LaunchBody(BaseModel):
+    """A submission with values given at launch (``fleet launch --env K=V --secret K``): the
+    secrets are sealed into the job, never stored or shown in clear."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    spec: str = Field(max_length=MAX_SPEC_BYTES, description="the job spec: YAML or JSON text")
+    envs: dict[str, str] = Field(default_factory=dict, max_length=256)
+    secrets: dict[str, SecretStr] = Field(default_factory=dict, max_length=256)
+
+
+def build_app(store: Store, config: ApiConfig, sealer: Sealer | None = None) -> FastAPI:
+    """The API over ``store`` with ``config``'s tokens and limits; ``sealer`` seals the jobs'
+    secrets (none: a job with secrets is refused)."""
     app = FastAPI(title="FleetBroker", version=__version__,
                   description="Submit and follow elastic training jobs across clouds. Errors: "
                               "docs/api-errors.md.")
@@ -339,7 +365,9 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     @app.post("/v1/jobs", status_code=201, tags=["jobs"], summary="Submit a job",
               responses=_errors(401, 403, 413, 415, 422, 503),
               openapi_extra={"requestBody": {"required": True, "content": {
-                  m: {"schema": {"type": "string" if m != "application/json" else "object"}}
+                  m: {"schema": {"type": "string"} if m not in ("application/json", LAUNCH_MEDIA)
+                      else LaunchBody.model_json_schema() if m == LAUNCH_MEDIA
+                      else {"type": "object"}}
                   for m in SPEC_MEDIA}}})
     async def submit(
         request: Request, who: User,
@@ -353,14 +381,21 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         same ``Idempotency-Key`` returns the first job instead of a second one."""
         body = await _read_spec_body(request)
         try:  # in a worker thread: a big spec never holds up the event loop
-            parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot)
+            parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot,
+                                                   _is_launch(request))
         except SpecError as exc:
             raise ApiError(422, "invalid job spec", exc.problems) from None
         team = _submit_team(spec, who)
         if spec.team != team:
             spec = spec.model_copy(update={"team": team})
+        sealed = None
+        if parsed.secrets:
+            if sealer is None:
+                raise ApiError(422, "this broker keeps no secrets key, so it takes no secrets; "
+                               "start it with a state dir (fleet up) or FLEET_SECRETS_KEY")
+            sealed = sealer.seal({k: v.get_secret_value() for k, v in parsed.secrets.items()})
         job = await run_in_threadpool(store.submit, spec, team=team,
-                                      request_key=idempotency_key)
+                                      request_key=idempotency_key, sealed_secrets=sealed)
         return {"job": job_view(job), "format": parsed.format, "warnings": parsed.warnings}
 
     @app.get("/v1/jobs", tags=["jobs"], summary="List jobs (yours; an admin sees all)",
@@ -515,10 +550,27 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     return app
 
 
-def _parse_submission(body: bytes, gpus: str | None,
-                      spot: str | None) -> tuple[ParsedSpec, JobSpec]:
-    """A submitted body's parsed spec and the spec with the query's overrides applied."""
-    parsed = parse_spec_text(body)
+def _is_launch(request: Request) -> bool:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower() == LAUNCH_MEDIA
+
+
+def _parse_submission(body: bytes, gpus: str | None, spot: str | None,
+                      launch: bool = False) -> tuple[ParsedSpec, JobSpec]:
+    """A submitted body's parsed spec (with the values given at launch, for a ``LaunchBody``)
+    and the spec with the query's overrides applied."""
+    if launch:
+        try:
+            got = LaunchBody.model_validate(load_json(body, "(body)"))
+        except json.JSONDecodeError as exc:
+            raise SpecError([Problem(field="(body)", message=(
+                f"not JSON ({exc.msg}); a launch is a JSON object {{spec, envs, secrets}}"))]
+                            ) from None
+        except ValidationError as exc:  # never the input: it may hold a secret
+            raise SpecError([Problem(field=".".join(map(str, e["loc"])) or "(body)",
+                                     message=e["msg"]) for e in exc.errors()]) from None
+        parsed = parse_spec_text(got.spec, launch=LaunchEnv(envs=got.envs, secrets=got.secrets))
+    else:
+        parsed = parse_spec_text(body)
     spec = parsed.spec
     if gpus is not None or spot is not None:
         spec = apply_overrides(spec, gpus=gpus, spot=spot)

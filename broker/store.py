@@ -287,13 +287,16 @@ class Store:
 
     # ---- jobs (API side) ------------------------------------------------------------------
 
-    def submit(self, spec: JobSpec, *, team: str, request_key: str | None = None) -> JobRecord:
-        """Queue a job atomically. With ``request_key`` a retried submission returns the first
-        job instead of making a second one. Durable once it returns (``_confirm_durable``);
-        ``NotDurable`` when that cannot be confirmed (the job may exist all the same: a retry
-        with the same ``request_key`` confirms it)."""
+    def submit(self, spec: JobSpec, *, team: str, request_key: str | None = None,
+               sealed_secrets: str | None = None) -> JobRecord:
+        """Queue a job atomically, with its ``sealed_secrets`` (``broker.sealed``: the values
+        of its ``secret_envs``, never in clear). With ``request_key`` a retried submission
+        returns the first job instead of making a second one. Durable once it returns
+        (``_confirm_durable``); ``NotDurable`` when that cannot be confirmed (the job may exist
+        all the same: a retry with the same ``request_key`` confirms it)."""
         now = time.time()
-        rec = JobRecord(id="pending", spec=spec, team=team, submitted_at=now, updated_at=now)
+        rec = JobRecord(id="pending", spec=spec, team=team, submitted_at=now, updated_at=now,
+                        sealed_secrets=sealed_secrets)
         doc = rec.model_dump_json(exclude={"id", *_NOT_IN_DOC})
         try:
             job_id = self._submit(args=[self.p, team, spec.name, now, request_key or "", doc])
