@@ -5,6 +5,7 @@ under the current leader's fence. Replaying an intent after a crash is always sa
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -17,6 +18,7 @@ from broker import secrets, skyenv, transitions
 from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
+from broker.runtime.files import FILES_ENV
 from broker.sealed import Sealer, SealError
 from broker.store import Conflict, Plan, Store
 from policies.migration import (
@@ -119,6 +121,9 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     if config.agent_token and agent:  # the key, never handed out: the agent gets its attempt's
         # token (the provider hands it over in a way the job cannot read back, see docs/security)
         env["FLEET_AGENT_TOKEN"] = attempt_token(config.agent_token, job.id, intent.attempt)
+    if spec.workdir or spec.file_mounts:  # the agent places them before setup (runtime.files)
+        env[FILES_ENV] = json.dumps({"workdir": spec.workdir, "mounts": [
+            m.model_dump(mode="json") for m in spec.file_mounts]})
     if spec.run_per_node:
         env.update(skyenv.task_env(job, pool, nodes=nodes, gpus_per_node=per_node,
                                    zone=zone or pool.zone))

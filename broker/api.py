@@ -18,7 +18,7 @@ import redis
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import (
     AfterValidator,
@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from broker import __version__
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
+from broker.files import MAX_BLOB_BYTES, BlobStore
 from broker.models import JobRecord, JobState
 from broker.sealed import Sealer
 from broker.spec import (
@@ -51,7 +52,7 @@ from broker.spec import (
     preview,
 )
 from broker.store import CHECKPOINT_EXIT, JobNotFound, NotDurable, Store
-from policies.models import Accelerator, JobSpec, Market
+from policies.models import BLOB_PREFIX, REMOTE_SCHEMES, Accelerator, JobSpec, Market
 
 JOB_ID = r"^[a-z0-9][a-z0-9_.-]{0,80}$"
 # A node's idempotency key (FLEET_LAUNCH_KEY): "<job>:<fence>:<attempt>", a stand-in's with
@@ -281,15 +282,18 @@ class LaunchBody(BaseModel):
     secrets: dict[str, SecretStr] = Field(default_factory=dict, max_length=256)
 
 
-def build_app(store: Store, config: ApiConfig, sealer: Sealer | None = None) -> FastAPI:
+def build_app(store: Store, config: ApiConfig, sealer: Sealer | None = None,
+              blobs: BlobStore | None = None) -> FastAPI:
     """The API over ``store`` with ``config``'s tokens and limits; ``sealer`` seals the jobs'
-    secrets (none: a job with secrets is refused)."""
+    secrets (none: a job with secrets is refused); ``blobs`` keeps the packed workdirs and
+    local file mounts (none: a job with them is refused)."""
     app = FastAPI(title="FleetBroker", version=__version__,
                   description="Submit and follow elastic training jobs across clouds. Errors: "
                               "docs/api-errors.md.")
     app.router.route_class = _BoundedJsonRoute
     _install_error_handlers(app)
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes,
+                       wider={"/v1/blobs": MAX_BLOB_BYTES})
 
     # The auth dependencies are async: pure CPU, so no worker-thread hop per request.
     def bearer(authorization: str | None) -> str | None:
@@ -388,6 +392,7 @@ def build_app(store: Store, config: ApiConfig, sealer: Sealer | None = None) -> 
         team = _submit_team(spec, who)
         if spec.team != team:
             spec = spec.model_copy(update={"team": team})
+        _check_files(spec, blobs)
         sealed = None
         if parsed.secrets:
             if sealer is None:
@@ -397,6 +402,38 @@ def build_app(store: Store, config: ApiConfig, sealer: Sealer | None = None) -> 
         job = await run_in_threadpool(store.submit, spec, team=team,
                                       request_key=idempotency_key, sealed_secrets=sealed)
         return {"job": job_view(job), "format": parsed.format, "warnings": parsed.warnings}
+
+    @app.post("/v1/blobs", status_code=201, tags=["jobs"], responses=_POST,
+              summary="Keep a packed workdir or local file mount (tar.gz) for a launch",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/gzip": {"schema": {"type": "string", "format": "binary"}}}}})
+    async def put_blob(request: Request, who: User) -> dict[str, Any]:
+        """Body: the tar.gz ``fleet launch`` packs; returns its ``ref`` for the spec."""
+        if blobs is None:
+            raise ApiError(422, "this broker keeps no files; launch without workdir and local "
+                           "file_mounts, or start it with a state dir (fleet up)")
+        data = await request.body()
+        if data[:2] != b"\x1f\x8b":
+            raise ApiError(422, "the body is not gzip data; send what `fleet launch` packs")
+        return {"ref": await run_in_threadpool(blobs.put, data), "bytes": len(data)}
+
+    @app.get("/v1/agent/blobs/{digest}", tags=["agent"], responses=_READ,
+             response_class=FileResponse,
+             summary="A pack of the job's files, for the job's own agent")
+    def get_blob(digest: Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")],
+                 job_id: Annotated[str, Query(pattern=JOB_ID)],
+                 attempt: Annotated[int, Query(ge=0, le=10**9)],
+                 caller: Reporter) -> FileResponse:
+        for_attempt(caller, job_id, attempt)
+        job = store.get_job(job_id)
+        ref = BLOB_PREFIX + digest
+        if job is None or ref not in {job.spec.workdir, *(m.source for m in
+                                                          job.spec.file_mounts)}:
+            raise ApiError(404, f"job {job_id!r} has no file {ref}")
+        path = blobs.path(digest) if blobs is not None else None
+        if path is None:
+            raise ApiError(404, f"{ref} is not kept here; launch the job again")
+        return FileResponse(path, media_type="application/gzip")
 
     @app.get("/v1/jobs", tags=["jobs"], summary="List jobs (yours; an admin sees all)",
              responses=_READ)
@@ -550,6 +587,26 @@ def build_app(store: Store, config: ApiConfig, sealer: Sealer | None = None) -> 
     return app
 
 
+def _check_files(spec: JobSpec, blobs: BlobStore | None) -> None:
+    """A submitted spec's workdir and file mounts: packed and kept here, or remote."""
+    problems = []
+    for field, source in [("workdir", spec.workdir),
+                          *((f"file_mounts.{m.path}", m.source) for m in spec.file_mounts)]:
+        if source is None:
+            continue
+        if not source.startswith(BLOB_PREFIX) and (field == "workdir" or not source.startswith(
+                REMOTE_SCHEMES)):
+            problems.append(Problem(field=field, value=preview(source), message=(
+                "a local path the broker cannot read: submit with `fleet launch`, which packs "
+                "it and uploads it (POST /v1/blobs), and give the ref it returns")))
+        elif source.startswith(BLOB_PREFIX) and (
+                blobs is None or blobs.path(source.removeprefix(BLOB_PREFIX)) is None):
+            problems.append(Problem(field=field, value=source, message=(
+                "not kept by this broker; upload it first (POST /v1/blobs)")))
+    if problems:
+        raise ApiError(422, "invalid job spec", problems)
+
+
 def _is_launch(request: Request) -> bool:
     return request.headers.get("content-type", "").split(";")[0].strip().lower() == LAUNCH_MEDIA
 
@@ -650,17 +707,19 @@ class BodyLimit:
     """ASGI middleware: refuse request bodies over ``limit`` bytes (declared or streamed) with
     413 on every route, before anything parses them (auth runs after FastAPI reads a body)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, wider: dict[str, int] | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.wider = wider or {}  # a path's own, larger limit (uploads of packed files)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.wider.get(scope.get("path", ""), self.limit)
         declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.limit:
-            response = JSONResponse(self._error(), status_code=413)
+        if declared.isdigit() and int(declared) > limit:
+            response = JSONResponse(self._error(limit), status_code=413)
             await response(scope, receive, send)
             return
         seen = 0
@@ -670,14 +729,15 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:  # a chunked upload: stop reading at the limit
-                    raise ApiError(413, self._error()["error"]["message"])
+                if seen > limit:  # a chunked upload: stop reading at the limit
+                    raise ApiError(413, self._error(limit)["error"]["message"])
             return message
 
         await self.app(scope, limited, send)
 
-    def _error(self) -> dict[str, Any]:
-        return _error_body(413, f"request body is over the {self.limit}-byte limit", [])
+    @staticmethod
+    def _error(limit: int) -> dict[str, Any]:
+        return _error_body(413, f"request body is over the {limit}-byte limit", [])
 
 
 def _install_error_handlers(app: FastAPI) -> None:

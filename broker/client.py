@@ -115,6 +115,11 @@ class BrokerClient:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def put_blob(self, data: bytes) -> dict[str, Any]:
+        """Upload a packed workdir or file mount; ``{"ref", "bytes"}``."""
+        return self._call("POST", "/v1/blobs", content=data,
+                          headers={"Content-Type": "application/gzip"})
+
     def jobs(self, *, states: list[str] | None = None, team: str | None = None
              ) -> dict[str, Any]:
         params: dict[str, Any] = {"state": states or []}

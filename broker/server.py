@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 
 from broker import secrets, transitions
 from broker.actuator import Actuator, ActuatorConfig
+from broker.files import BlobStore
 from broker.fleet import FleetProvider, build_fleet_provider
 from broker.models import JobState
 from broker.reconciler import Reconciler
@@ -539,7 +540,8 @@ class Stack:
         except Exception:
             self.stop()  # no embedded redis-server left behind
             raise
-        app = build_app(self.broker.store, api_config, Sealer.load(state))
+        app = build_app(self.broker.store, api_config, Sealer.load(state),
+                        BlobStore(state / "blobs"))
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=self.host, port=self.port, log_level="warning", access_log=False,
             lifespan="off"))

@@ -20,7 +20,16 @@ import yaml
 from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError
 from yaml.cyaml import CParser
 
-from policies.models import CLOUD_REGION, Accelerator, JobSpec, SpotPolicy, check_name
+from policies.models import (
+    CLOUD_REGION,
+    REMOTE_SCHEMES,
+    Accelerator,
+    FileMount,
+    JobSpec,
+    MountMode,
+    SpotPolicy,
+    check_name,
+)
 
 MAX_SPEC_BYTES = 256 * 1024
 # The shape a spec may have once its YAML aliases are expanded: an anchor bomb or an alias flood
@@ -346,17 +355,18 @@ def _name_from_stem(stem: str) -> str | None:
 _FLEET_KEYS = {
     "name", "run", "setup", "envs", "accelerators", "gpus", "batch_size", "batch_mode", "work",
     "work_samples", "spot", "regions", "checkpoint", "priority", "team", "deadline", "deadline_s",
-    "model", "nodes", "run_per_node", "secret_envs",
+    "model", "nodes", "run_per_node", "secret_envs", "workdir", "file_mounts",
 }
 # nodes, run_per_node and secret_envs are what a SkyPilot task becomes (the canonical JSON has
 # them): they do not make a document the project's own format.
 _FLEET_ONLY = _FLEET_KEYS - {"name", "run", "setup", "envs", "nodes", "run_per_node",
-                             "secret_envs"}
+                             "secret_envs", "workdir", "file_mounts"}
 _SKY_KEYS = {
     "name", "run", "setup", "envs", "num_nodes", "resources", "workdir", "file_mounts", "secrets",
     "service", "config", "event_callback", "inputs", "outputs", "volumes",
 }
-_SKY_ONLY = _SKY_KEYS - {"name", "run", "setup", "envs"}
+# workdir and file_mounts are in the canonical JSON of a translated task too.
+_SKY_ONLY = _SKY_KEYS - {"name", "run", "setup", "envs", "workdir", "file_mounts"}
 
 
 def detect_format(doc: Mapping[str, Any]) -> str:
@@ -546,6 +556,66 @@ def _parse_envs(p: _Problems, value: Any, where: str = "envs") -> dict[str, str 
         p.add(where, f"{total:,} bytes", f"names and values may total at most "
               f"{MAX_ENVS_BYTES:,} bytes; pass big values as a file the job fetches")
     return out
+
+
+_MOUNT_KEYS = {"source", "mode", "name", "store", "persistent", "path"}
+
+
+def _parse_files(p: _Problems, doc: Mapping[str, Any], out: dict[str, Any]) -> None:
+    """``workdir`` (a local directory, packed at launch) and ``file_mounts``: SkyPilot's
+    mapping ``{node path: source or {source, mode}}``, or the canonical list of FileMount."""
+    workdir = doc.get("workdir")
+    if workdir is not None:
+        if not isinstance(workdir, str) or not workdir.strip() or \
+                workdir.startswith(REMOTE_SCHEMES):
+            p.add("workdir", workdir, "write a local directory (it is packed at launch); for a "
+                  "bucket use file_mounts")
+        else:
+            out["workdir"] = workdir.strip()
+    mounts = doc.get("file_mounts")
+    if mounts is None:
+        return
+    if isinstance(mounts, list):
+        items = [(m.get("path") if isinstance(m, Mapping) else None, m) for m in mounts]
+    elif isinstance(mounts, Mapping):
+        items = list(mounts.items())
+    else:
+        p.add("file_mounts", mounts, "write a mapping {node path: source}")
+        return
+    if _too_many(p, "file_mounts", items, 64):
+        return
+    found = []
+    for path, entry in items:
+        field = f"file_mounts.{path}"
+        if not isinstance(path, str) or not path.strip():
+            p.add("file_mounts", path, "each key is a path on the node, like /data")
+            continue
+        spec = entry if isinstance(entry, Mapping) else {"source": entry}
+        bad = set(spec) - _MOUNT_KEYS
+        if bad:
+            p.add(f"{field}.{sorted(map(str, bad))[0]}", None, "unknown key; a mount takes "
+                  "source and mode", show=False)
+            continue
+        source, mode = spec.get("source"), str(spec.get("mode") or "COPY").upper()
+        if isinstance(source, list) and len(source) == 1:
+            source = source[0]
+        if not isinstance(source, str) or not source.strip():
+            why = ("FleetBroker creates no buckets: give source (s3://, gs://, az://, https:// "
+                   "or a local path)" if "name" in spec else
+                   "write a source: a local path, s3://, gs://, az:// or https://")
+            p.add(f"{field}.source", source, why)
+            continue
+        if mode not in MountMode.__members__:
+            p.add(f"{field}.mode", spec.get("mode"), "use COPY, MOUNT or MOUNT_CACHED")
+            continue
+        mount = FileMount(path=path.strip(), source=source.strip(), mode=MountMode[mode])
+        if mount.mode is not MountMode.COPY and not mount.source.startswith(
+                ("s3://", "gs://", "az://")):
+            p.add(f"{field}.mode", mode, "only a bucket (s3://, gs://, az://) can be mounted; "
+                  "use COPY")
+            continue
+        found.append(mount)
+    out["file_mounts"] = found
 
 
 def _resolve_envs(p: _Problems, envs: dict[str, str | None] | None,
@@ -898,6 +968,7 @@ def _parse_fleet(doc: Mapping[str, Any], launch: LaunchEnv) -> ParsedSpec:
         out["team"] = _parse_name(p, "team", doc["team"])
     if "model" in doc and doc["model"] is not None:
         out["model"] = _parse_name(p, "model", doc["model"])
+    _parse_files(p, doc, out)
     if doc.get("nodes") is not None:
         out["nodes"] = _int(p, "nodes", doc["nodes"])
     if "run_per_node" in doc:
@@ -951,9 +1022,6 @@ _SKY_RESOURCE_KEYS = {
 }
 _SKY_IGNORED_RESOURCES = {"cpus", "memory", "disk_size", "disk_tier"}
 _SKY_UNSUPPORTED_TOP = {
-    "workdir": "FleetBroker runs `run` in the job's own directory on the node and ships no "
-               "files; remove workdir and fetch code in setup",
-    "file_mounts": "FleetBroker mounts no files; remove file_mounts and fetch data in setup",
     "volumes": "FleetBroker mounts no volumes; remove volumes and fetch data in setup",
     "service": "SkyServe services are not jobs; FleetBroker runs training jobs only",
     "config": "per-task SkyPilot config has no FleetBroker meaning; remove it",
@@ -988,6 +1056,7 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
     envs, secret_values = _resolve_envs(p, _parse_envs(p, doc.get("envs")),
                                         _parse_envs(p, doc.get("secrets"), "secrets"), launch)
     out["envs"], out["secret_envs"] = envs, list(secret_values)
+    _parse_files(p, doc, out)
     nodes = _int(p, "num_nodes", doc.get("num_nodes", 1))
     if nodes is not None and not 1 <= nodes <= 512:
         p.add("num_nodes", nodes, "must lie in [1, 512]")

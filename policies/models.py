@@ -272,6 +272,34 @@ class CheckpointSpec(BaseModel):
         return int(self.interval.removesuffix("steps" if in_steps else "s")), in_steps
 
 
+class MountMode(StrEnum):
+    """SkyPilot's file_mounts modes: copy once onto the node, or mount the bucket (FUSE)."""
+
+    COPY = "COPY"
+    MOUNT = "MOUNT"
+    MOUNT_CACHED = "MOUNT_CACHED"
+
+
+BLOB_PREFIX = "blob:sha256:"  # a local path packed at launch and kept in the broker's store
+REMOTE_SCHEMES = ("s3://", "gs://", "az://", "https://")
+
+
+class FileMount(BaseModel):
+    """One file_mounts entry: ``source`` (a bucket path, an https URL, or a packed local path:
+    ``blob:sha256:<hex>``; a local path before it is packed) put at ``path`` on every node."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(min_length=1, max_length=1024)
+    source: str = Field(min_length=1, max_length=2048)
+    mode: MountMode = MountMode.COPY
+
+    @property
+    def local(self) -> bool:
+        """A path on the launching machine, not yet packed and stored."""
+        return not self.source.startswith((BLOB_PREFIX, *REMOTE_SCHEMES))
+
+
 class JobSpec(BaseModel):
     """What a user submits: the project's own job YAML (SkyPilot task YAML is translated to it)."""
 
@@ -300,6 +328,10 @@ class JobSpec(BaseModel):
                               description="run as exactly this many nodes (SkyPilot num_nodes)")
     run_per_node: bool = Field(default=False, description="setup and run execute once per node "
                                "(SkyPilot semantics), not once per GPU worker")
+    workdir: str | None = Field(default=None, max_length=4096, description="SkyPilot's "
+                                "workdir: setup and run start in it on every node; a local path "
+                                "until launch packs it (then blob:sha256:<hex>)")
+    file_mounts: list[FileMount] = Field(default_factory=list, max_length=64)
     secret_envs: list[str] = Field(default_factory=list, max_length=256,
                                description="names of secret environment variables: their values "
                                "travel beside the spec, encrypted at rest, never shown")

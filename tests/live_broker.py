@@ -13,6 +13,7 @@ import pytest
 
 from broker.api import build_app
 from broker.auth import ApiConfig, Role
+from broker.files import BlobStore
 from broker.sealed import Sealer
 from broker.server import Broker, BrokerConfig, build_broker
 from broker.store import Store
@@ -27,13 +28,15 @@ TEAM_TOKEN = "e2e-team-ml-token-0123456789"  # team ml's
 def live_broker(redis_url: str, store: Store, tmp_path: Path, fleet: str,
                 monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
     """The broker over ``fleet`` (a fleet file's text); jobs run this repository's code. Its
-    API takes TEAM_TOKEN for team ``ml`` and seals secrets with the key in its state dir."""
+    API takes TEAM_TOKEN for team ``ml``, seals secrets with the key in its state dir and keeps
+    packed files there."""
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     (tmp_path / "fleet.yaml").write_text(fleet)
     config = (ApiConfig().with_token(AGENT_TOKEN, Role.AGENT).with_attempt_key(AGENT_TOKEN)
               .with_token(TEAM_TOKEN, Role.TEAM, team="ml"))
-    server = ApiServer(build_app(store, config, Sealer.load(tmp_path / "state"))).start()
+    server = ApiServer(build_app(store, config, Sealer.load(tmp_path / "state"),
+                                 BlobStore(tmp_path / "state" / "blobs"))).start()
     running = build_broker(BrokerConfig(
         state_dir=tmp_path / "state", redis_url=redis_url, broker_url=server.url,
         fleet=tmp_path / "fleet.yaml", agent_token=AGENT_TOKEN, tick_s=0.3,

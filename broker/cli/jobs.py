@@ -16,6 +16,7 @@ from rich.table import Table
 
 from broker.cli.app import app, console, err_console, fail, print_json
 from broker.cli.launch_env import launch_env
+from broker.cli.launch_files import upload_files
 from broker.client import (
     EXIT_BAD_INPUT,
     BrokerClient,
@@ -23,6 +24,7 @@ from broker.client import (
     config_path,
     write_client_config,
 )
+from broker.files import PackError
 from broker.spec import UNBOUNDED_WORK, Problem, SpecError, apply_overrides, load_spec_file
 
 UrlOpt = typer.Option(None, "--url", envvar="FLEET_URL", show_envvar=True,
@@ -107,6 +109,10 @@ def launch(
     for note in parsed.warnings:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     with _client(url, token) as client:
+        try:
+            job_spec = upload_files(job_spec, lambda data: _call(client, "put_blob", data))
+        except PackError as exc:
+            fail(f"{spec}: {exc}", EXIT_BAD_INPUT)
         out = _call(client, "submit", job_spec.model_dump_json(), secrets={
             k: v.get_secret_value() for k, v in parsed.secrets.items()})
     job = out["job"]

@@ -39,6 +39,7 @@ from broker.runtime.assignment import (
     env_float,
     env_int,
 )
+from broker.runtime.files import FilesError, files_of, files_root, place
 from broker.runtime.notices import pollers
 
 EXIT_USAGE = 2
@@ -256,6 +257,7 @@ class Agent:
         self.broker_round = config.round  # the highest round the broker has named
         # The brokers reports go to, the one that last took one first
         self.brokers = list(config.broker_urls or filter(None, [config.broker_url]))
+        self.cwd: Path | None = None  # where workers start: the job's workdir, if it has one
         self._brokers_lock = threading.Lock()
 
     # ---- workers ----------------------------------------------------------------------------
@@ -336,6 +338,7 @@ class Agent:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                cwd=self.cwd,
             )
             self.procs.append(proc)
             for stream, sink in (
@@ -378,6 +381,45 @@ class Agent:
                 with self._brokers_lock:
                     self.brokers = list(dict.fromkeys([url, *self.brokers]))
                 return reply
+        return None
+
+    def fetch_blob(self, digest: str) -> bytes:
+        """A pack of the job's files from a broker's blob store (each broker in turn, a few
+        rounds); ``FilesError`` when none serves it."""
+        c = self.config
+        query = urllib.parse.urlencode({"job_id": c.job_id, "attempt": c.attempt})
+        headers = {"Authorization": f"Bearer {c.token}"} if c.token else {}
+        why = "no broker URL (FLEET_BROKER_URL)"
+        for wait in (0.0, 1.0, 3.0, 9.0):
+            self._stop.wait(wait)
+            for url in list(self.brokers):
+                request = urllib.request.Request(f"{url}/v1/agent/blobs/{digest}?{query}",
+                                                 headers=headers)
+                try:
+                    with urllib.request.urlopen(request, timeout=60) as response:
+                        return response.read()
+                except urllib.error.HTTPError as exc:
+                    why = f"{url} answered {exc.code}"
+                    if exc.code < 500 and exc.code != 429:
+                        raise FilesError(f"cannot fetch the job's files: {why}") from None
+                except (OSError, http.client.HTTPException) as exc:
+                    why = f"{url}: {exc}"
+        raise FilesError(f"cannot fetch the job's files: {why}")
+
+    def place_files(self) -> int | None:
+        """The job's workdir and file mounts, before any setup (``broker.runtime.files``); None
+        when placed (workers then start in the workdir), else the exit code, the cause left
+        for the final report."""
+        try:
+            files = files_of(self.env)
+            if files:
+                self.cwd = place(files, files_root(self.env), self.fetch_blob)
+        except Exception as exc:  # any cause (an SDK's own errors too) fails the launch, named
+            text = str(exc) if isinstance(exc, FilesError) else \
+                f"placing the job's files failed: {type(exc).__name__}: {exc}"
+            log(text)
+            failure.report(text, {failure.ERROR_ENV: str(self.workdir / "error")})
+            return EXIT_FAILED
         return None
 
     def _send_to(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
@@ -612,7 +654,9 @@ class Agent:
             )
         for w in watchers:
             w.start()
-        code = self._rounds()
+        code = self.place_files()
+        if code is None:
+            code = self._rounds()
         self._done.set()
         self.state = {EXIT_FINISHED: "finished", EXIT_STOPPED: "stopped"}.get(code, "failed")
         if c.broker_url:
