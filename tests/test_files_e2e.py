@@ -201,3 +201,52 @@ def test_the_api_refuses_a_local_path_it_cannot_read(broker: Broker, tmp_path: P
         assert "fleet launch" in r.json()["error"]["problems"][0]["message"]
         r = c.post("/v1/blobs", content=b"not gzip", headers={"Content-Type": "application/gzip"})
         assert r.status_code == 422
+
+
+MOVING_FLEET = """
+grace_period_s: 5
+regions:
+  - {cloud: aws, region: east, market: spot, price_per_gpu_hour: 0.3, gpus: 1}
+  - {cloud: gcp, region: west, market: spot, price_per_gpu_hour: 0.4, gpus: 1}
+"""
+MOVER = """
+name: mover
+resources:
+  accelerators: T4:1
+  use_spot: true
+workdir: {workdir}
+envs:
+  OUT: {out}
+run: |
+  echo "$SKYPILOT_TASK_ID $(cat train.sh)" >> "$OUT/runs"
+  if [ ! -e "$OUT/moved" ]; then touch "$OUT/moved"; echo ready; sleep 120; fi
+"""
+
+
+@pytest.mark.slow
+def test_the_workdir_is_unpacked_again_after_a_move(
+        redis_server: RedisServer, store: Store, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    task = tmp_path / "mover.yaml"
+    task.write_text(MOVER.format(workdir=project(tmp_path / "proj"), out=out))
+    with live_broker(redis_server.url, store, tmp_path, MOVING_FLEET, monkeypatch) as broker:
+        env = {"FLEET_URL": broker.config.broker_url or "", "FLEET_TOKEN": TEAM_TOKEN,
+               "FLEET_CONFIG": str(tmp_path / "c.yaml")}
+        code, stdout, stderr = fleet(env, "launch", str(task), "--json")
+        assert code == 0, stderr
+        job_id = json.loads(stdout)["id"]
+        deadline = time.monotonic() + 60
+        while not any(line.endswith("ready") for line in store.read_logs(job_id)[0]):
+            assert time.monotonic() < deadline, store.get_job(job_id)
+            time.sleep(0.2)
+        first = store.get_job(job_id)
+        assert first is not None and first.pool is not None
+        store.request_preempt(first.pool.split(":")[1], duration_s=60)
+        done = finished(store, job_id)
+    assert done.state is JobState.COMPLETED and done.migrations == 1, done
+    assert done.pool != first.pool
+    # the second node, in another region, had the workdir unpacked before run: same task id
+    runs = (out / "runs").read_text().splitlines()
+    assert len(runs) == 2 and len(set(runs)) == 1 and runs[0].endswith(" echo training"), runs
