@@ -406,7 +406,9 @@ def build_app(store: Store, config: ApiConfig, sealer: Sealer | None = None,
     @app.post("/v1/blobs", status_code=201, tags=["jobs"], responses=_POST,
               summary="Keep a packed workdir or local file mount (tar.gz) for a launch",
               openapi_extra={"requestBody": {"required": True, "content": {
-                  "application/gzip": {"schema": {"type": "string", "format": "binary"}}}}})
+                  # a gzip stream is at least its 18-byte header and trailer
+                  "application/octet-stream": {"schema": {"type": "string", "format": "binary",
+                                                          "minLength": 18}}}}})
     async def put_blob(request: Request, who: User) -> dict[str, Any]:
         """Body: the tar.gz ``fleet launch`` packs; returns its ``ref`` for the spec."""
         if blobs is None:

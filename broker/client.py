@@ -118,7 +118,7 @@ class BrokerClient:
     def put_blob(self, data: bytes) -> dict[str, Any]:
         """Upload a packed workdir or file mount; ``{"ref", "bytes"}``."""
         return self._call("POST", "/v1/blobs", content=data,
-                          headers={"Content-Type": "application/gzip"})
+                          headers={"Content-Type": "application/octet-stream"})
 
     def jobs(self, *, states: list[str] | None = None, team: str | None = None
              ) -> dict[str, Any]:
