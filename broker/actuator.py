@@ -136,7 +136,7 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
                          region=pool.region, zone=zone or pool.zone, avoid_zones=avoid_zones,
                          accelerator=pool.accelerator, gpus_per_node=per_node, nodes=count,
                          first_rank=first_rank, market=pool.market, env=env,
-                         command=command)
+                         secret_names=frozenset(secret_env or ()), command=command)
 
 
 def _script(spec: JobSpec) -> str:
