@@ -5,18 +5,21 @@ under the current leader's fence. Replaying an intent after a crash is always sa
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from broker import secrets, transitions
+from broker import secrets, skyenv, transitions
 from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
+from broker.runtime.files import FILES_ENV
+from broker.sealed import Sealer, SealError
 from broker.store import Conflict, Plan, Store
 from policies.migration import (
     expire,
@@ -26,7 +29,7 @@ from policies.migration import (
     refusal_key,
     refused_zones,
 )
-from policies.models import Market, Pool
+from policies.models import JobSpec, Market, Pool
 from providers.base import (
     CapacityError,
     LaunchRequest,
@@ -53,6 +56,7 @@ class ActuatorConfig(BaseModel):
     # the broker's launch deadline (``Reconciler``): a gang's agents wait longer at the
     # rendezvous, so the broker, not a survivor, decides that a stand-in is not coming
     launch_deadline_s: float | None = None
+    secrets_dir: Path | None = None  # where the key that opens the jobs' secrets is (its state dir)
 
 
 RENDEZVOUS_MARGIN_S = 600.0  # a stand-in's launch, after the deadline, and its boot
@@ -62,7 +66,8 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
                    backend_starts_agent: bool = False,
                    avoid_zones: tuple[str, ...] = (),
                    ranks: tuple[int, int] | None = None,
-                   zone: str | None = None) -> LaunchRequest:
+                   zone: str | None = None,
+                   secret_env: Mapping[str, str] | None = None) -> LaunchRequest:
     """The provider request for a launch intent: the job's command under the runtime agent with
     the assigned world size, batch size and checkpoint location in its environment. Where the
     backend's start script runs the agent itself (cloud VMs) the command is not wrapped again.
@@ -72,11 +77,13 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     gives each its rank, and their agents find rank 0 through the broker's rendezvous.
     ``ranks`` (first rank, nodes): a REPLACE intent's stand-ins for lost nodes of the job's
     current launch, under their own key (``providers.base.replacement_key``), shaped as the gang
-    was launched (whatever the pool sells now) and in the survivors' ``zone``."""
+    was launched (whatever the pool sells now) and in the survivors' ``zone``. ``secret_env``:
+    the job's opened secrets, in its environment beside its envs."""
     spec = job.spec
     if ranks is None:  # the gang the scheduler placed (its node count), else the pool's shape
-        nodes, per_node = (job.nodes, intent.gpus // job.nodes) \
-            if job.nodes > 1 and intent.gpus % job.nodes == 0 else \
+        gang = spec.nodes or job.nodes
+        nodes, per_node = (gang, intent.gpus // gang) \
+            if (gang > 1 or spec.nodes) and intent.gpus % gang == 0 else \
             pool.shape(intent.gpus) or (1, intent.gpus)
         first_rank, count, key = 0, nodes, intent.key
     else:
@@ -86,6 +93,7 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     checkpoint = spec.checkpoint.uri or str((config.checkpoint_root / job.id).resolve())
     env = {
         **spec.envs,
+        **(secret_env or {}),
         "FLEET_JOB_ID": job.id,
         "FLEET_ATTEMPT": str(intent.attempt),
         "FLEET_LAUNCH_KEY": key,
@@ -96,6 +104,7 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
         "FLEET_BATCH_MODE": spec.batch_mode.value,
         "FLEET_CHECKPOINT_URI": checkpoint,
         "FLEET_RUN": spec.run,
+        **({"FLEET_SETUP": spec.setup} if spec.setup and spec.run_per_node else {}),
         "FLEET_HEARTBEAT_INTERVAL": str(config.heartbeat_interval_s),
     }
     if nodes == 1:  # one node is its own master; a gang meets at the broker's rendezvous
@@ -112,16 +121,32 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     if config.agent_token and agent:  # the key, never handed out: the agent gets its attempt's
         # token (the provider hands it over in a way the job cannot read back, see docs/security)
         env["FLEET_AGENT_TOKEN"] = attempt_token(config.agent_token, job.id, intent.attempt)
+    if spec.workdir or spec.file_mounts:  # the agent places them before setup (runtime.files)
+        env[FILES_ENV] = json.dumps({"workdir": spec.workdir, "mounts": [
+            m.model_dump(mode="json") for m in spec.file_mounts]})
+    if spec.run_per_node:
+        env.update(skyenv.task_env(job, pool, nodes=nodes, gpus_per_node=per_node,
+                                   zone=zone or pool.zone))
     # The agent starts first, so that it has taken its token before any of the job's code (its
     # setup included) runs; setup then runs in each worker before run, as on the clouds.
-    script = (f"{spec.setup}\n" if spec.setup else "") + 'exec sh -c "$FLEET_RUN"'
+    script = _script(spec)
     command = [sys.executable, "-m", "broker.runtime.agent", "--", "sh", "-c", script] \
         if config.use_agent and not backend_starts_agent else ["sh", "-c", script]
     return LaunchRequest(idempotency_key=key, job_id=job.id, cloud=pool.cloud,
                          region=pool.region, zone=zone or pool.zone, avoid_zones=avoid_zones,
                          accelerator=pool.accelerator, gpus_per_node=per_node, nodes=count,
                          first_rank=first_rank, market=pool.market, env=env,
-                         command=command)
+                         secret_names=frozenset(secret_env or ()), command=command)
+
+
+def _script(spec: JobSpec) -> str:
+    """The shell line a worker runs: setup, then run. A SkyPilot task's run as SkyPilot runs it:
+    under bash (its examples use bash syntax), setup in a process of its own whose failure fails
+    the node, the script text read from the environment (never spliced into a command line)."""
+    if spec.run_per_node:
+        setup = 'bash -c "$FLEET_SETUP" || exit $?\n' if spec.setup else ""
+        return setup + 'exec bash -c "$FLEET_RUN"'
+    return (f"{spec.setup}\n" if spec.setup else "") + 'exec sh -c "$FLEET_RUN"'
 
 
 def launch_price(nodes: list[Node], pool_price: float) -> float:
@@ -137,6 +162,20 @@ class Actuator:
         self.store = store
         self.provider = provider
         self.config = config or ActuatorConfig()
+        self._sealer: Sealer | None = None  # opens the jobs' secrets, once one has them
+
+    def _secret_env(self, job: JobRecord) -> dict[str, str]:
+        """The job's secrets, opened for its launch; ``ProviderError`` (the launch fails with the
+        reason) when this broker cannot open them."""
+        if not job.sealed_secrets:
+            return {}
+        if self.config.secrets_dir is None:
+            raise ProviderError("the job has secrets and this broker has no secrets key")
+        try:
+            self._sealer = self._sealer or Sealer.load(self.config.secrets_dir)
+            return self._sealer.open(job.sealed_secrets)
+        except SealError as exc:
+            raise ProviderError(str(exc)) from None
 
     def run(self, fence: int) -> int:
         """Carry out every pending intent; returns how many were settled."""
@@ -225,7 +264,8 @@ class Actuator:
             starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
             request = launch_request(job, intent, pool, self.config,
                                      backend_starts_agent=starts_agent,
-                                     avoid_zones=self._refused_zones(pool))
+                                     avoid_zones=self._refused_zones(pool),
+                                     secret_env=self._secret_env(job))
             if request.nodes > 1 and starts_agent and not self.config.broker_url:
                 raise ProviderError(
                     f"a {request.nodes}-node gang on {pool.cloud} meets at the broker's "
@@ -288,10 +328,11 @@ class Actuator:
             if pool is None:
                 raise ProviderError(f"pool {job.pool} is gone")
             starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
+            secret_env = self._secret_env(job)
             for rank in intent.ranks:
                 nodes += self.provider.launch(launch_request(
                     job, intent, pool, self.config, backend_starts_agent=starts_agent,
-                    ranks=(rank, 1), zone=zone))
+                    ranks=(rank, 1), zone=zone, secret_env=secret_env))
         except ProviderError as exc:
             if pool is not None and isinstance(exc, CapacityError | QuotaError):
                 self._mark_refused(job, pool, exc, plan)

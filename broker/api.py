@@ -10,6 +10,7 @@ names each field.
 # No `from __future__ import annotations`: FastAPI resolves the local Annotated aliases.
 
 import ipaddress
+import json
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -19,9 +20,17 @@ import redis
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -30,10 +39,15 @@ from broker import __version__
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
 from broker.dashboard import mount_ui, router
+from broker.files import MAX_BLOB_BYTES, BlobStore
 from broker.models import MAX_NOTE_CHARS, MAX_NOTES, JobRecord, JobState
 from broker.preview import placement_preview
+from broker.sealed import Sealer
 from broker.spec import (
     FORMAT_SKYPILOT,
+    LAUNCH_MEDIA,
+    MAX_SPEC_BYTES,
+    LaunchEnv,
     ParsedSpec,
     Problem,
     SpecError,
@@ -50,7 +64,7 @@ from broker.waiting import (
     never_runs,
     queue_positions,
 )
-from policies.models import Accelerator, JobSpec, Market, Pool
+from policies.models import BLOB_PREFIX, REMOTE_SCHEMES, Accelerator, JobSpec, Market, Pool
 
 JOB_ID = r"^[a-z0-9][a-z0-9_.-]{0,80}$"
 # A node's idempotency key (FLEET_LAUNCH_KEY): "<job>:<fence>:<attempt>", a stand-in's with
@@ -63,7 +77,7 @@ LAUNCH_KEY_FIELD = Field(
                 "to stop; none (an agent from before keys) only while no rank was replaced")
 DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 SPEC_MEDIA = ("application/yaml", "application/x-yaml", "text/yaml", "text/plain",
-              "application/json")
+              "application/json", LAUNCH_MEDIA)
 STREAM_ID_PART_MAX = 2**64 - 1  # Redis stream ids are <ms>-<seq>, each an unsigned 64-bit number
 
 
@@ -239,6 +253,8 @@ class RendezvousReply(BaseModel):
     nnodes: int = Field(description="nodes in the job")
     master: str | None = Field(description="'host:port' rank 0 registered for that round, "
                                            "once every node checked in for it; null until then")
+    addrs: list[str] | None = Field(default=None, description="every node's 'host:port' by "
+                                    "rank ('' where a node gave none), with master")
     action: str | None = Field(description="null: keep going; 'checkpoint-exit': exit 75")
 
 
@@ -262,9 +278,11 @@ class NodeChaosRequest(BaseModel):
 
 
 def job_view(job: JobRecord, place: QueuePlace | None = None) -> dict[str, Any]:
-    """A job as the API shows it: the record plus its name, progress and, while it waits, why
-    and its place in the queue of its accelerators."""
-    view = {**job.model_dump(mode="json"), "name": job.name, "progress": job.progress,
+    """A job as the API shows it: the record (its secrets' names, never their sealed values)
+    plus its name, progress and, while it waits, why and its place in the queue of its
+    accelerators."""
+    view = {**job.model_dump(mode="json", exclude={"sealed_secrets"}), "name": job.name,
+            "progress": job.progress,
             "queue_position": None if place is None else {"position": place.position,
                                                           "of": place.of}}
     if job.state is JobState.QUEUED and not job.reason:
@@ -272,17 +290,32 @@ def job_view(job: JobRecord, place: QueuePlace | None = None) -> dict[str, Any]:
     return view
 
 
-def build_app(store: Store, config: ApiConfig,
-              ceiling: Callable[[], Sequence[Pool]] | None = None) -> FastAPI:
+class LaunchBody(BaseModel):
+    """A submission with values given at launch (``fleet launch --env K=V --secret K``): the
+    secrets are sealed into the job, never stored or shown in clear."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    spec: str = Field(max_length=MAX_SPEC_BYTES, description="the job spec: YAML or JSON text")
+    envs: dict[str, str] = Field(default_factory=dict, max_length=256)
+    secrets: dict[str, SecretStr] = Field(default_factory=dict, max_length=256)
+
+
+def build_app(store: Store, config: ApiConfig, *,
+              ceiling: Callable[[], Sequence[Pool]] | None = None, sealer: Sealer | None = None,
+              blobs: BlobStore | None = None) -> FastAPI:
     """The API over ``store`` with ``config``'s tokens and limits. ``ceiling``: the fleet's
     pools at their most (``FleetProvider.ceiling``); a submission that can never run on them
-    is refused. Without it nothing is refused for that reason."""
+    is refused (none: nothing is refused for that reason). ``sealer`` seals the jobs' secrets
+    (none: a job with secrets is refused); ``blobs`` keeps the packed workdirs and local file
+    mounts (none: a job with them is refused)."""
     app = FastAPI(title="FleetBroker", version=__version__,
                   description="Submit and follow elastic training jobs across clouds. Errors: "
                               "docs/api-errors.md.")
     app.router.route_class = _BoundedJsonRoute
     _install_error_handlers(app)
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes,
+                       wider={"/v1/blobs": MAX_BLOB_BYTES})
 
     # The auth dependencies are async: pure CPU, so no worker-thread hop per request.
     def bearer(authorization: str | None) -> str | None:
@@ -376,7 +409,9 @@ def build_app(store: Store, config: ApiConfig,
     @app.post("/v1/jobs", status_code=201, tags=["jobs"], summary="Submit a job",
               responses=_errors(401, 403, 413, 415, 422, 503),
               openapi_extra={"requestBody": {"required": True, "content": {
-                  m: {"schema": {"type": "string" if m != "application/json" else "object"}}
+                  m: {"schema": {"type": "string"} if m not in ("application/json", LAUNCH_MEDIA)
+                      else LaunchBody.model_json_schema() if m == LAUNCH_MEDIA
+                      else {"type": "object"}}
                   for m in SPEC_MEDIA}}})
     async def submit(
         request: Request, who: User,
@@ -393,7 +428,8 @@ def build_app(store: Store, config: ApiConfig,
         same ``Idempotency-Key`` returns the first job instead of a second one."""
         body = await _read_spec_body(request)
         try:  # in a worker thread: a big spec never holds up the event loop
-            parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot)
+            parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot,
+                                                   _is_launch(request))
         except SpecError as exc:
             raise ApiError(422, "invalid job spec", exc.problems) from None
         if never := admit(parsed, spec):
@@ -401,10 +437,52 @@ def build_app(store: Store, config: ApiConfig,
         team = _submit_team(spec, who)
         if spec.team != team:
             spec = spec.model_copy(update={"team": team})
+        _check_files(spec, blobs)
+        sealed = None
+        if parsed.secrets:
+            if sealer is None:
+                raise ApiError(422, "this broker keeps no secrets key, so it takes no secrets; "
+                               "start it with a state dir (fleet up) or FLEET_SECRETS_KEY")
+            sealed = sealer.seal({k: v.get_secret_value() for k, v in parsed.secrets.items()})
         job = await run_in_threadpool(store.submit, spec, team=team,
                                       request_key=idempotency_key,
-                                      notes=[*(note or []), *parsed.warnings])
+                                      notes=[*(note or []), *parsed.warnings],
+                                      sealed_secrets=sealed)
         return {"job": job_view(job), "format": parsed.format, "warnings": parsed.warnings}
+
+    @app.post("/v1/blobs", status_code=201, tags=["jobs"], responses=_POST,
+              summary="Keep a packed workdir or local file mount (tar.gz) for a launch",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  # a gzip stream is at least its 18-byte header and trailer
+                  "application/octet-stream": {"schema": {"type": "string", "format": "binary",
+                                                          "minLength": 18}}}}})
+    async def put_blob(request: Request, who: User) -> dict[str, Any]:
+        """Body: the tar.gz ``fleet launch`` packs; returns its ``ref`` for the spec."""
+        if blobs is None:
+            raise ApiError(422, "this broker keeps no files; launch without workdir and local "
+                           "file_mounts, or start it with a state dir (fleet up)")
+        data = await request.body()
+        if data[:2] != b"\x1f\x8b":
+            raise ApiError(422, "the body is not gzip data; send what `fleet launch` packs")
+        return {"ref": await run_in_threadpool(blobs.put, data), "bytes": len(data)}
+
+    @app.get("/v1/agent/blobs/{digest}", tags=["agent"], responses=_READ,
+             response_class=FileResponse,
+             summary="A pack of the job's files, for the job's own agent")
+    def get_blob(digest: Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")],
+                 job_id: Annotated[str, Query(pattern=JOB_ID)],
+                 attempt: Annotated[int, Query(ge=0, le=10**9)],
+                 caller: Reporter) -> FileResponse:
+        for_attempt(caller, job_id, attempt)
+        job = store.get_job(job_id)
+        ref = BLOB_PREFIX + digest
+        if job is None or ref not in {job.spec.workdir, *(m.source for m in
+                                                          job.spec.file_mounts)}:
+            raise ApiError(404, f"job {job_id!r} has no file {ref}")
+        path = blobs.path(digest) if blobs is not None else None
+        if path is None:
+            raise ApiError(404, f"{ref} is not kept here; launch the job again")
+        return FileResponse(path, media_type="application/gzip")
 
     @app.get("/v1/jobs", tags=["jobs"], summary="List jobs (yours; an admin sees all)",
              responses=_READ)
@@ -583,10 +661,47 @@ def build_app(store: Store, config: ApiConfig,
     return app
 
 
-def _parse_submission(body: bytes, gpus: str | None,
-                      spot: str | None) -> tuple[ParsedSpec, JobSpec]:
-    """A submitted body's parsed spec and the spec with the query's overrides applied."""
-    parsed = parse_spec_text(body)
+def _check_files(spec: JobSpec, blobs: BlobStore | None) -> None:
+    """A submitted spec's workdir and file mounts: packed and kept here, or remote."""
+    problems = []
+    for field, source in [("workdir", spec.workdir),
+                          *((f"file_mounts.{m.path}", m.source) for m in spec.file_mounts)]:
+        if source is None:
+            continue
+        if not source.startswith(BLOB_PREFIX) and (field == "workdir" or not source.startswith(
+                REMOTE_SCHEMES)):
+            problems.append(Problem(field=field, value=preview(source), message=(
+                "a local path the broker cannot read: submit with `fleet launch`, which packs "
+                "it and uploads it (POST /v1/blobs), and give the ref it returns")))
+        elif source.startswith(BLOB_PREFIX) and (
+                blobs is None or blobs.path(source.removeprefix(BLOB_PREFIX)) is None):
+            problems.append(Problem(field=field, value=source, message=(
+                "not kept by this broker; upload it first (POST /v1/blobs)")))
+    if problems:
+        raise ApiError(422, "invalid job spec", problems)
+
+
+def _is_launch(request: Request) -> bool:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower() == LAUNCH_MEDIA
+
+
+def _parse_submission(body: bytes, gpus: str | None, spot: str | None,
+                      launch: bool = False) -> tuple[ParsedSpec, JobSpec]:
+    """A submitted body's parsed spec (with the values given at launch, for a ``LaunchBody``)
+    and the spec with the query's overrides applied."""
+    if launch:
+        try:
+            got = LaunchBody.model_validate(load_json(body, "(body)"))
+        except json.JSONDecodeError as exc:
+            raise SpecError([Problem(field="(body)", message=(
+                f"not JSON ({exc.msg}); a launch is a JSON object {{spec, envs, secrets}}"))]
+                            ) from None
+        except ValidationError as exc:  # never the input: it may hold a secret
+            raise SpecError([Problem(field=".".join(map(str, e["loc"])) or "(body)",
+                                     message=e["msg"]) for e in exc.errors()]) from None
+        parsed = parse_spec_text(got.spec, launch=LaunchEnv(envs=got.envs, secrets=got.secrets))
+    else:
+        parsed = parse_spec_text(body)
     spec = parsed.spec
     if gpus is not None or spot is not None:
         spec = apply_overrides(spec, gpus=gpus, spot=spot)
@@ -666,17 +781,19 @@ class BodyLimit:
     """ASGI middleware: refuse request bodies over ``limit`` bytes (declared or streamed) with
     413 on every route, before anything parses them (auth runs after FastAPI reads a body)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, wider: dict[str, int] | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.wider = wider or {}  # a path's own, larger limit (uploads of packed files)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.wider.get(scope.get("path", ""), self.limit)
         declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.limit:
-            response = JSONResponse(self._error(), status_code=413)
+        if declared.isdigit() and int(declared) > limit:
+            response = JSONResponse(self._error(limit), status_code=413)
             await response(scope, receive, send)
             return
         seen = 0
@@ -686,14 +803,15 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:  # a chunked upload: stop reading at the limit
-                    raise ApiError(413, self._error()["error"]["message"])
+                if seen > limit:  # a chunked upload: stop reading at the limit
+                    raise ApiError(413, self._error(limit)["error"]["message"])
             return message
 
         await self.app(scope, limited, send)
 
-    def _error(self) -> dict[str, Any]:
-        return _error_body(413, f"request body is over the {self.limit}-byte limit", [])
+    @staticmethod
+    def _error(limit: int) -> dict[str, Any]:
+        return _error_body(413, f"request body is over the {limit}-byte limit", [])
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -7,6 +7,7 @@ Resolution order: flags, then ``FLEET_URL``/``FLEET_TOKEN``, then the client con
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,7 @@ import httpx
 import yaml
 
 from broker.models import MAX_NOTE_CHARS, MAX_NOTES
-from broker.spec import Problem
+from broker.spec import LAUNCH_MEDIA, Problem
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 
@@ -98,10 +99,16 @@ class BrokerClient:
     # ---- calls --------------------------------------------------------------------------
 
     def submit(self, spec_json: str, *, idempotency_key: str | None = None,
-               notes: Sequence[str] = ()) -> dict[str, Any]:
-        """``notes``: what translating the spec left out or changed, kept on the job."""
+               notes: Sequence[str] = (),
+               secrets: dict[str, str] | None = None) -> dict[str, Any]:
+        """Submit a spec. ``notes``: what translating it left out or changed, kept on the job;
+        ``secrets`` (the values of its ``secret_envs``) go beside it, and the broker seals
+        them."""
         key = idempotency_key or uuid.uuid4().hex
         headers = {"Content-Type": "application/json", "Idempotency-Key": key}
+        if secrets:
+            headers["Content-Type"] = LAUNCH_MEDIA
+            spec_json = json.dumps({"spec": spec_json, "secrets": secrets})
         # The key makes one retry after a dropped connection safe: no second job.
         for attempt in (1, 2):
             try:
@@ -117,6 +124,11 @@ class BrokerClient:
         """What the job would get, without submitting it (``POST /v1/jobs/preview``)."""
         return self._call("POST", "/v1/jobs/preview", content=spec_json,
                           headers={"Content-Type": "application/json"})
+
+    def put_blob(self, data: bytes) -> dict[str, Any]:
+        """Upload a packed workdir or file mount; ``{"ref", "bytes"}``."""
+        return self._call("POST", "/v1/blobs", content=data,
+                          headers={"Content-Type": "application/octet-stream"})
 
     def jobs(self, *, states: list[str] | None = None, team: str | None = None
              ) -> dict[str, Any]:

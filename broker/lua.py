@@ -274,8 +274,9 @@ return {st, redis.call('HGET', key, 'cancel_requested') or 'false', round}
 # every rank 0..nodes-1 checked in for the current round (a barrier: no node starts before the
 # whole group is up) rank 0's address is frozen, so the master handed out never changes.
 # Returns the job's state ('stale' for another attempt, 'superseded', 'missing'), cancel flag,
-# round, node count and, once the barrier released, the address rank 0 registered (else nil;
-# always nil for a stale attempt or a superseded node).
+# round, node count and, once the barrier released, the address rank 0 registered and every
+# rank's, by rank ('' where a rank gave none) (else nil; always nil for a stale attempt or a
+# superseded node).
 RENDEZVOUS = _JOB_SHAPE + """
 local p, job, attempt, rnd, rank, addr, ttl, node_key = ARGV[1], ARGV[2], ARGV[3],
   tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8]
@@ -295,9 +296,9 @@ for r = 0, nodes - 1 do fields[r + 1] = base .. string.format('%d', r) end
 local function released()
   local seen = redis.call('HMGET', rdzv, unpack(fields))
   for r = 1, nodes do
-    if not seen[r] then return false end
+    if not seen[r] then return false, false end
   end
-  return seen[1]
+  return seen[1], seen
 end
 if rnd == round and rank < nodes and (rank > 0 or addr ~= '') then
   local field = base .. string.format('%d', rank)
@@ -310,7 +311,8 @@ if rnd == round and rank < nodes and (rank > 0 or addr ~= '') then
   end
   redis.call('EXPIRE', rdzv, ttl)
 end
-return {st, cancel, round, nodes, released()}
+local master, seen = released()
+return {st, cancel, round, nodes, master, seen}
 """
 
 # ARGV: prefix, job, max_lines, line... Appends log lines, trimming the oldest beyond

@@ -114,6 +114,8 @@ class JobRecord(BaseModel):
     # ``replacement_key(launch_key, rank, round)``); ranks not here are the launch's own nodes
     stand_ins: dict[int, int] = Field(default_factory=dict)
     launch_key: str | None = None  # idempotency key of the current attempt's launch
+    # The values of spec.secret_envs, sealed (``broker.sealed``): never shown by the API
+    sealed_secrets: str | None = Field(default=None, repr=False)
     samples_done: int = 0
     samples_per_sec: float | None = None  # last measured throughput (agent heartbeats)
     measured_gpus: int | None = None  # configuration the measurement was taken at

@@ -30,10 +30,12 @@ from pydantic import BaseModel, Field
 
 from broker import secrets, transitions
 from broker.actuator import Actuator, ActuatorConfig
+from broker.files import BlobStore
 from broker.fleet import FleetProvider, build_fleet_provider
 from broker.models import JobState
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig
+from broker.sealed import Sealer
 from broker.store import Conflict, Plan, StaleFence, Store
 from policies.migration import DEFAULT_DECAY_S
 from providers.local import write_private
@@ -287,7 +289,8 @@ class Broker:
             agent_token=config.agent_token, use_agent=config.use_agent,
             heartbeat_interval_s=config.heartbeat_interval_s,
             max_failures=config.scheduler.max_failures,
-            launch_deadline_s=config.launch_deadline_s if config.broker_url else None))
+            launch_deadline_s=config.launch_deadline_s if config.broker_url else None,
+            secrets_dir=config.state_dir))
         self.reconciler = Reconciler(
             store, provider, max_failures=config.scheduler.max_failures,
             blocklist_decay_s=config.blocklist_decay_s,
@@ -537,7 +540,8 @@ class Stack:
         except Exception:
             self.stop()  # no embedded redis-server left behind
             raise
-        app = build_app(self.broker.store, api_config, self.broker.provider.ceiling)
+        app = build_app(self.broker.store, api_config, ceiling=self.broker.provider.ceiling,
+                        sealer=Sealer.load(state), blobs=BlobStore(state / "blobs"))
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=self.host, port=self.port, log_level="warning", access_log=False,
             lifespan="off"))

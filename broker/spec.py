@@ -17,10 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError
 from yaml.cyaml import CParser
 
-from policies.models import CLOUD_REGION, Accelerator, JobSpec, SpotPolicy, check_name
+from policies.models import (
+    CLOUD_REGION,
+    REMOTE_SCHEMES,
+    Accelerator,
+    FileMount,
+    JobSpec,
+    MountMode,
+    SpotPolicy,
+    check_name,
+)
 
 MAX_SPEC_BYTES = 256 * 1024
 # The shape a spec may have once its YAML aliases are expanded: an anchor bomb or an alias flood
@@ -67,11 +76,27 @@ class SpecError(ValueError):
 
 
 class ParsedSpec(BaseModel):
-    """A validated spec, the format it was written in, and notes on what was translated."""
+    """A validated spec, the format it was written in, notes on what was translated, and the
+    values of its ``secret_envs`` (never part of the spec itself)."""
 
     spec: JobSpec
     format: str
     warnings: list[str] = []
+    secrets: dict[str, SecretStr] = {}
+
+
+# The media type of a submission with values given at launch: {"spec", "envs", "secrets"}.
+LAUNCH_MEDIA = "application/vnd.fleetbroker.launch+json"
+
+
+class LaunchEnv(BaseModel):
+    """Values given at launch (``fleet launch --env K=V --secret K``): they win over the spec's
+    and fill its envs and secrets that have none."""
+
+    model_config = ConfigDict(frozen=True)
+
+    envs: dict[str, str] = {}
+    secrets: dict[str, SecretStr] = {}
 
 
 _PREVIEW = reprlib.Repr()
@@ -304,12 +329,13 @@ def _too_big(size: int) -> Problem:
 # --- entry points ---------------------------------------------------------------------------
 
 
-def parse_spec_text(text: str | bytes, *, default_name: str | None = None) -> ParsedSpec:
-    """Parse spec text in either format (detected from its keys)."""
-    return parse_spec_data(load_yaml(text), default_name=default_name)
+def parse_spec_text(text: str | bytes, *, default_name: str | None = None,
+                    launch: LaunchEnv | None = None) -> ParsedSpec:
+    """Parse spec text in either format (detected from its keys), with ``launch``'s values."""
+    return parse_spec_data(load_yaml(text), default_name=default_name, launch=launch)
 
 
-def load_spec_file(path: str | Path) -> ParsedSpec:
+def load_spec_file(path: str | Path, *, launch: LaunchEnv | None = None) -> ParsedSpec:
     """Read and parse a spec file; a missing file is a ``SpecError`` naming the path."""
     p = Path(path)
     try:
@@ -318,7 +344,7 @@ def load_spec_file(path: str | Path) -> ParsedSpec:
         problem = Problem(field="(file)", value=str(p),
                           message=f"cannot read it ({exc.strerror}); check the path")
         raise SpecError([problem]) from None
-    return parse_spec_text(raw, default_name=_name_from_stem(p.stem))
+    return parse_spec_text(raw, default_name=_name_from_stem(p.stem), launch=launch)
 
 
 def _name_from_stem(stem: str) -> str | None:
@@ -329,14 +355,18 @@ def _name_from_stem(stem: str) -> str | None:
 _FLEET_KEYS = {
     "name", "run", "setup", "envs", "accelerators", "gpus", "batch_size", "batch_mode", "work",
     "work_samples", "spot", "regions", "checkpoint", "priority", "team", "deadline", "deadline_s",
-    "model",
+    "model", "nodes", "run_per_node", "secret_envs", "workdir", "file_mounts",
 }
-_FLEET_ONLY = _FLEET_KEYS - {"name", "run", "setup", "envs"}
+# nodes, run_per_node and secret_envs are what a SkyPilot task becomes (the canonical JSON has
+# them): they do not make a document the project's own format.
+_FLEET_ONLY = _FLEET_KEYS - {"name", "run", "setup", "envs", "nodes", "run_per_node",
+                             "secret_envs", "workdir", "file_mounts"}
 _SKY_KEYS = {
     "name", "run", "setup", "envs", "num_nodes", "resources", "workdir", "file_mounts", "secrets",
     "service", "config", "event_callback", "inputs", "outputs", "volumes",
 }
-_SKY_ONLY = _SKY_KEYS - {"name", "run", "setup", "envs"}
+# workdir and file_mounts are in the canonical JSON of a translated task too.
+_SKY_ONLY = _SKY_KEYS - {"name", "run", "setup", "envs", "workdir", "file_mounts"}
 
 
 def detect_format(doc: Mapping[str, Any]) -> str:
@@ -350,7 +380,8 @@ def detect_format(doc: Mapping[str, Any]) -> str:
     return FORMAT_SKYPILOT
 
 
-def parse_spec_data(doc: Any, *, default_name: str | None = None) -> ParsedSpec:
+def parse_spec_data(doc: Any, *, default_name: str | None = None,
+                    launch: LaunchEnv | None = None) -> ParsedSpec:
     """Validate an already-loaded document (dict from YAML or JSON) in either format."""
     if not isinstance(doc, Mapping):
         raise SpecError([Problem(field="(file)", value=preview(doc), message=(
@@ -365,9 +396,10 @@ def parse_spec_data(doc: Any, *, default_name: str | None = None) -> ParsedSpec:
             field="(top level)", value=", ".join(sorted(sky_keys)),
             message=("mixes SkyPilot task keys with FleetBroker keys "
                      f"({', '.join(sorted(fleet_keys))}); write one format per file"))])
+    launch = launch or LaunchEnv()
     if detect_format(doc) == FORMAT_FLEET:
-        return _parse_fleet(doc)
-    return _parse_skypilot(doc, default_name=default_name)
+        return _parse_fleet(doc, launch)
+    return _parse_skypilot(doc, launch, default_name=default_name)
 
 
 # --- the project's own format ---------------------------------------------------------------
@@ -489,25 +521,27 @@ def _parse_work(p: _Problems, value: Any, batch: dict[str, Any] | None) -> int |
     return total
 
 
-def _parse_envs(p: _Problems, value: Any) -> dict[str, str] | None:
+def _parse_envs(p: _Problems, value: Any, where: str = "envs") -> dict[str, str | None] | None:
+    """``NAME: value`` pairs; a name without a value (null) is kept as None: it must be given
+    at launch (``_resolve_envs``)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        p.add("envs", value, "write a mapping NAME: value")
+        p.add(where, value, "write a mapping NAME: value")
         return None
-    if _too_many(p, "envs", value, MAX_ENVS):
+    if _too_many(p, where, value, MAX_ENVS):
         return None
-    out: dict[str, str] = {}
+    out: dict[str, str | None] = {}
     for k, v in value.items():
-        field = f"envs.{k}"
+        field = f"{where}.{k}"
         if not isinstance(k, str) or not _ENV_NAME.match(k):
-            p.add("envs", k, "an environment variable name is letters, digits and '_', "
+            p.add(where, k, "an environment variable name is letters, digits and '_', "
                   "not starting with a digit")
         elif k.startswith(_RESERVED_ENV_PREFIX):
             p.add(field, v, f"names starting with {_RESERVED_ENV_PREFIX} are set by the broker; "
                   "rename the variable")
         elif v is None:
-            p.add(field, v, "has no value; give it one (FleetBroker has no --env at launch)")
+            out[k] = None
         elif isinstance(v, Mapping | list):
             p.add(field, v, "must be text or a number")
         elif isinstance(v, str) and "\0" in v:
@@ -517,11 +551,121 @@ def _parse_envs(p: _Problems, value: Any) -> dict[str, str] | None:
                   "pass big values as a file the job fetches")
         else:
             out[k] = text
-    total = sum(_utf8_size(k) + _utf8_size(v) for k, v in out.items())
+    total = sum(_utf8_size(k) + _utf8_size(v or "") for k, v in out.items())
     if total > MAX_ENVS_BYTES:
-        p.add("envs", f"{total:,} bytes", f"names and values may total at most "
+        p.add(where, f"{total:,} bytes", f"names and values may total at most "
               f"{MAX_ENVS_BYTES:,} bytes; pass big values as a file the job fetches")
     return out
+
+
+_MOUNT_KEYS = {"source", "mode", "name", "store", "persistent", "path"}
+
+
+def _parse_files(p: _Problems, doc: Mapping[str, Any], out: dict[str, Any]) -> None:
+    """``workdir`` (a local directory, packed at launch) and ``file_mounts``: SkyPilot's
+    mapping ``{node path: source or {source, mode}}``, or the canonical list of FileMount."""
+    workdir = doc.get("workdir")
+    if workdir is not None:
+        if not isinstance(workdir, str) or not workdir.strip() or \
+                workdir.startswith(REMOTE_SCHEMES):
+            p.add("workdir", workdir, "write a local directory (it is packed at launch); for a "
+                  "bucket use file_mounts")
+        else:
+            out["workdir"] = workdir.strip()
+    mounts = doc.get("file_mounts")
+    if mounts is None:
+        return
+    if isinstance(mounts, list):
+        items = [(m.get("path") if isinstance(m, Mapping) else None, m) for m in mounts]
+    elif isinstance(mounts, Mapping):
+        items = list(mounts.items())
+    else:
+        p.add("file_mounts", mounts, "write a mapping {node path: source}")
+        return
+    if _too_many(p, "file_mounts", items, 64):
+        return
+    found = []
+    for path, entry in items:
+        field = f"file_mounts.{path}"
+        if not isinstance(path, str) or not path.strip():
+            p.add("file_mounts", path, "each key is a path on the node, like /data")
+            continue
+        spec = entry if isinstance(entry, Mapping) else {"source": entry}
+        bad = set(spec) - _MOUNT_KEYS
+        if bad:
+            p.add(f"{field}.{sorted(map(str, bad))[0]}", None, "unknown key; a mount takes "
+                  "source and mode", show=False)
+            continue
+        source, mode = spec.get("source"), str(spec.get("mode") or "COPY").upper()
+        if isinstance(source, list) and len(source) == 1:
+            source = source[0]
+        if not isinstance(source, str) or not source.strip():
+            why = ("FleetBroker creates no buckets: give source (s3://, gs://, az://, https:// "
+                   "or a local path)" if "name" in spec else
+                   "write a source: a local path, s3://, gs://, az:// or https://")
+            p.add(f"{field}.source", source, why)
+            continue
+        if mode not in MountMode.__members__:
+            p.add(f"{field}.mode", spec.get("mode"), "use COPY, MOUNT or MOUNT_CACHED")
+            continue
+        mount = FileMount(path=path.strip(), source=source.strip(), mode=MountMode[mode])
+        if mount.mode is not MountMode.COPY and not mount.source.startswith(
+                ("s3://", "gs://", "az://")):
+            p.add(f"{field}.mode", mode, "only a bucket (s3://, gs://, az://) can be mounted; "
+                  "use COPY")
+            continue
+        found.append(mount)
+    out["file_mounts"] = found
+
+
+def _resolve_envs(p: _Problems, envs: dict[str, str | None] | None,
+                  secrets: dict[str, str | None] | None,
+                  launch: LaunchEnv) -> tuple[dict[str, str] | None, dict[str, SecretStr]]:
+    """The job's envs and secret values: the spec's, overridden by the launch's; a name the
+    launch passes with ``--secret`` is a secret even where the spec lists it under envs. A name
+    left without a value is a problem that names the fix."""
+    for flag, names in (("--env", launch.envs), ("--secret", launch.secrets)):
+        for k in names:
+            if not _ENV_NAME.match(k) or k.startswith(_RESERVED_ENV_PREFIX):
+                p.add(flag, k, "an environment variable name is letters, digits and '_', not "
+                      f"starting with a digit or {_RESERVED_ENV_PREFIX}")
+    given = {k: v.get_secret_value() for k, v in launch.secrets.items()}
+    secret_names = [*(secrets or {}), *(k for k in given if k not in (secrets or {}))]
+    out_envs: dict[str, str] = {}
+    for k, v in {**(envs or {}), **launch.envs}.items():
+        if k in given or k in (secrets or {}):
+            continue  # a secret: never among the plain envs
+        value = launch.envs.get(k, v)
+        if value is None:
+            p.add(f"envs.{k}", None, f"{k} has no value: pass --env {k}=... or --secret {k}",
+                  show=False)
+        else:
+            out_envs[k] = value
+    out_secrets: dict[str, SecretStr] = {}
+    for k in [*secret_names, *(k for k in (envs or {}) if k in given)]:
+        value = given.get(k, (secrets or {}).get(k))
+        if value is None:
+            p.add(f"secrets.{k}", None, f"{k} has no value: pass --secret {k} (its value from "
+                  "your environment)", show=False)
+        else:
+            out_secrets[k] = SecretStr(value)
+    return (None if envs is None else out_envs), out_secrets
+
+
+def _parse_secret_names(p: _Problems, field: str, value: Any) -> list[str] | None:
+    """A list of secret environment variable names (their values never sit in a spec)."""
+    if not isinstance(value, list):
+        p.add(field, value, "write a list of environment variable names")
+        return None
+    if _too_many(p, field, value, MAX_ENVS):
+        return None
+    bad = [v for v in value if not isinstance(v, str) or not _ENV_NAME.match(v)
+           or v.startswith(_RESERVED_ENV_PREFIX)]
+    if bad:
+        p.add(field, bad[0], "an environment variable name is letters, digits and '_', not "
+              f"starting with a digit or {_RESERVED_ENV_PREFIX}")
+        return None
+    return list(dict.fromkeys(value))
 
 
 def _env_text(v: Any) -> str:
@@ -774,7 +918,7 @@ def _unknown_keys(p: _Problems, keys: Iterable[str], known: set[str], what: str)
         p.add(key, None, f"unknown key; {hint}", show=False)
 
 
-def _parse_fleet(doc: Mapping[str, Any]) -> ParsedSpec:
+def _parse_fleet(doc: Mapping[str, Any], launch: LaunchEnv) -> ParsedSpec:
     p = _Problems()
     _unknown_keys(p, doc, _FLEET_KEYS, "job spec")
     out: dict[str, Any] = {}
@@ -787,7 +931,12 @@ def _parse_fleet(doc: Mapping[str, Any]) -> ParsedSpec:
     out["run"] = _parse_text(p, "run", doc.get("run"), required=True)
     if doc.get("setup") is not None:
         out["setup"] = _parse_text(p, "setup", doc["setup"], required=False)
-    out["envs"] = _parse_envs(p, doc.get("envs"))
+    names = None
+    if doc.get("secret_envs") is not None:
+        names = _parse_secret_names(p, "secret_envs", doc["secret_envs"])
+    envs, secret_values = _resolve_envs(p, _parse_envs(p, doc.get("envs")),
+                                        dict.fromkeys(names or ()), launch)
+    out["envs"], out["secret_envs"] = envs, list(secret_values)
     if "accelerators" in doc:
         out["accelerators"] = _parse_accelerators(p, "accelerators", doc["accelerators"])
     if "gpus" in doc:
@@ -821,6 +970,11 @@ def _parse_fleet(doc: Mapping[str, Any]) -> ParsedSpec:
         out["team"] = _parse_name(p, "team", doc["team"])
     if "model" in doc and doc["model"] is not None:
         out["model"] = _parse_name(p, "model", doc["model"])
+    _parse_files(p, doc, out)
+    if doc.get("nodes") is not None:
+        out["nodes"] = _int(p, "nodes", doc["nodes"])
+    if "run_per_node" in doc:
+        out["run_per_node"] = doc["run_per_node"]  # the model names a value that is no bool
     deadline_key = "deadline" if "deadline" in doc else "deadline_s"
     if doc.get(deadline_key) is not None:
         secs = parse_duration(doc[deadline_key])
@@ -829,7 +983,7 @@ def _parse_fleet(doc: Mapping[str, Any]) -> ParsedSpec:
                   f"6h or 2d (at most {int(MAX_DEADLINE_S // 86400)}d)")
         else:
             out["deadline_s"] = secs
-    return ParsedSpec(spec=_validate(p, out), format=FORMAT_FLEET)
+    return ParsedSpec(spec=_validate(p, out), format=FORMAT_FLEET, secrets=secret_values)
 
 
 _FIELD_NAMES = {"work_samples": "work", "deadline_s": "deadline"}
@@ -880,12 +1034,7 @@ _SKY_NOTED_RESOURCES = {
     "ports": "not opened; a training job's nodes take no inbound traffic here",
 }
 _SKY_UNSUPPORTED_TOP = {
-    "workdir": "FleetBroker runs `run` in the job's own directory on the node and ships no "
-               "files; remove workdir and fetch code in setup",
-    "file_mounts": "FleetBroker mounts no files; remove file_mounts and fetch data in setup",
     "volumes": "FleetBroker mounts no volumes; remove volumes and fetch data in setup",
-    "secrets": "secrets are not stored by FleetBroker; pass them through your cloud's secret "
-               "store and read them in setup",
     "service": "SkyServe services are not jobs; FleetBroker runs training jobs only",
     "config": "per-task SkyPilot config has no FleetBroker meaning; remove it",
     "event_callback": "remove event_callback; follow the job with `fleet logs ID --follow`",
@@ -895,7 +1044,8 @@ _SKY_UNSUPPORTED_TOP = {
 _SKY_RECOVERY = {"failover", "eager_next_region", "none"}
 
 
-def _parse_skypilot(doc: Mapping[str, Any], *, default_name: str | None) -> ParsedSpec:
+def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
+                    default_name: str | None) -> ParsedSpec:
     p = _Problems()
     warnings: list[str] = []
     for key in doc:
@@ -915,7 +1065,10 @@ def _parse_skypilot(doc: Mapping[str, Any], *, default_name: str | None) -> Pars
     out["run"] = _parse_text(p, "run", doc.get("run"), required=True)
     if doc.get("setup") is not None:
         out["setup"] = _parse_text(p, "setup", doc["setup"], required=False)
-    out["envs"] = _parse_envs(p, doc.get("envs"))
+    envs, secret_values = _resolve_envs(p, _parse_envs(p, doc.get("envs")),
+                                        _parse_envs(p, doc.get("secrets"), "secrets"), launch)
+    out["envs"], out["secret_envs"] = envs, list(secret_values)
+    _parse_files(p, doc, out)
     nodes = _int(p, "num_nodes", doc.get("num_nodes", 1))
     if nodes is not None and not 1 <= nodes <= 512:
         p.add("num_nodes", nodes, "must lie in [1, 512]")
@@ -981,6 +1134,8 @@ def _parse_skypilot(doc: Mapping[str, Any], *, default_name: str | None) -> Pars
                   "lower the count or num_nodes")
         else:
             out["gpus"] = {"min": lo, "max": hi}
+            out["nodes"] = nodes
+            out["run_per_node"] = True
             # SkyPilot knows no batch sizes: a fixed-size job, one unit of batch per GPU.
             out["batch_size"] = {"min": lo, "max": hi, "default": lo}
             out["batch_mode"] = "fixed"
@@ -998,7 +1153,8 @@ def _parse_skypilot(doc: Mapping[str, Any], *, default_name: str | None) -> Pars
     else:
         out["spot"] = "never"
     out["work_samples"] = UNBOUNDED_WORK
-    return ParsedSpec(spec=_validate(p, out), format=FORMAT_SKYPILOT, warnings=warnings)
+    return ParsedSpec(spec=_validate(p, out), format=FORMAT_SKYPILOT, warnings=warnings,
+                      secrets=secret_values)
 
 
 def _sky_alternatives(p: _Problems, resources: Mapping[str, Any],

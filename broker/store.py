@@ -288,15 +288,16 @@ class Store:
     # ---- jobs (API side) ------------------------------------------------------------------
 
     def submit(self, spec: JobSpec, *, team: str, request_key: str | None = None,
-               notes: Sequence[str] = ()) -> JobRecord:
-        """Queue a job atomically, with the ``notes`` its spec's translation made. With
-        ``request_key`` a retried submission returns the first job instead of making a second
-        one. Durable once it returns (``_confirm_durable``); ``NotDurable`` when that cannot be
-        confirmed (the job may exist all the same: a retry with the same ``request_key``
-        confirms it)."""
+               notes: Sequence[str] = (), sealed_secrets: str | None = None) -> JobRecord:
+        """Queue a job atomically, with the ``notes`` its spec's translation made and its
+        ``sealed_secrets`` (``broker.sealed``: the values of its ``secret_envs``, never in
+        clear). With ``request_key`` a retried submission returns the first job instead of
+        making a second one. Durable once it returns (``_confirm_durable``); ``NotDurable``
+        when that cannot be confirmed (the job may exist all the same: a retry with the same
+        ``request_key`` confirms it)."""
         now = time.time()
         rec = JobRecord(id="pending", spec=spec, team=team, submitted_at=now, updated_at=now,
-                        notes=list(notes))
+                        notes=list(notes), sealed_secrets=sealed_secrets)
         doc = rec.model_dump_json(exclude={"id", *_NOT_IN_DOC})
         try:
             job_id = self._submit(args=[self.p, team, spec.name, now, request_key or "", doc])
@@ -453,17 +454,20 @@ class Store:
         must send its own, the round's master; another rank may) and the node holds the rank's
         current ``launch_key`` (its FLEET_LAUNCH_KEY: the launch's, or its stand-in's; None, an
         agent from before keys, only while the job has no stand-ins), and returns ``{"round",
-        "nnodes", "master", "action"}``: the job's current round and node count, the address rank
-        0 registered for that round once every rank of the job checked in for it (None until
-        then, for a stale attempt and for a node the broker replaced; it never changes once
-        given) and the action, as for a heartbeat (``continue`` or ``checkpoint-exit``)."""
+        "nnodes", "master", "addrs", "action"}``: the job's current round and node count, the
+        address rank 0 registered for that round once every rank of the job checked in for it
+        (None until then, for a stale attempt and for a node the broker replaced; it never
+        changes once given), every rank's address by rank ('' where it gave none) once the
+        master is named, and the action, as for a heartbeat (``continue`` or
+        ``checkpoint-exit``)."""
         reply = self._rendezvous(args=[self.p, job_id, int(attempt), int(round),
                                        int(node_rank), addr or "", RENDEZVOUS_TTL_S,
                                        launch_key or ""])
         if reply[0] == "missing":
             raise JobNotFound(job_id)
-        state, cancel, current, nodes, master = reply
-        return {"round": int(current), "nnodes": int(nodes), "master": master,
+        state, cancel, current, nodes, master, *rest = reply
+        addrs = [str(a) for a in rest[0]] if rest and rest[0] else None
+        return {"round": int(current), "nnodes": int(nodes), "master": master, "addrs": addrs,
                 "action": _action(state, cancel)}
 
     def checked_in(self, jobs: Iterable[JobRecord]) -> dict[str, set[int]]:

@@ -281,6 +281,34 @@ class CheckpointSpec(BaseModel):
         return int(self.interval.removesuffix("steps" if in_steps else "s")), in_steps
 
 
+class MountMode(StrEnum):
+    """SkyPilot's file_mounts modes: copy once onto the node, or mount the bucket (FUSE)."""
+
+    COPY = "COPY"
+    MOUNT = "MOUNT"
+    MOUNT_CACHED = "MOUNT_CACHED"
+
+
+BLOB_PREFIX = "blob:sha256:"  # a local path packed at launch and kept in the broker's store
+REMOTE_SCHEMES = ("s3://", "gs://", "az://", "https://")
+
+
+class FileMount(BaseModel):
+    """One file_mounts entry: ``source`` (a bucket path, an https URL, or a packed local path:
+    ``blob:sha256:<hex>``; a local path before it is packed) put at ``path`` on every node."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(min_length=1, max_length=1024)
+    source: str = Field(min_length=1, max_length=2048)
+    mode: MountMode = MountMode.COPY
+
+    @property
+    def local(self) -> bool:
+        """A path on the launching machine, not yet packed and stored."""
+        return not self.source.startswith((BLOB_PREFIX, *REMOTE_SCHEMES))
+
+
 class JobSpec(BaseModel):
     """What a user submits: the project's own job YAML (SkyPilot task YAML is translated to it)."""
 
@@ -302,6 +330,31 @@ class JobSpec(BaseModel):
     team: str = "default"
     deadline_s: float | None = Field(default=None, gt=0, description="seconds after submission")
     model: str | None = Field(default=None, description="throughput-table model name, if known")
+    # A SkyPilot task's meaning: exactly ``nodes`` nodes (its num_nodes), each with an equal share
+    # of the GPUs, and setup and run once per node (not once per GPU) with SkyPilot's SKYPILOT_*
+    # environment. None: the pool's instance sizes decide the nodes, and run starts per GPU.
+    nodes: int | None = Field(default=None, ge=1, le=512,
+                              description="run as exactly this many nodes (SkyPilot num_nodes)")
+    run_per_node: bool = Field(default=False, description="setup and run execute once per node "
+                               "(SkyPilot semantics), not once per GPU worker")
+    workdir: str | None = Field(default=None, max_length=4096, description="SkyPilot's "
+                                "workdir: setup and run start in it on every node; a local path "
+                                "until launch packs it (then blob:sha256:<hex>)")
+    file_mounts: list[FileMount] = Field(default_factory=list, max_length=64)
+    secret_envs: list[str] = Field(default_factory=list, max_length=256,
+                               description="names of secret environment variables: their values "
+                               "travel beside the spec, encrypted at rest, never shown")
+
+    @model_validator(mode="after")
+    def _gpus_split_over_nodes(self) -> JobSpec:
+        if self.nodes is not None and (self.gpus.min % self.nodes or self.gpus.max % self.nodes):
+            raise ValueError(f"gpus ({self.gpus.min}..{self.gpus.max}) must split evenly over "
+                             f"nodes ({self.nodes}); give a multiple of nodes")
+        clash = set(self.secret_envs) & set(self.envs)
+        if clash:
+            raise ValueError(f"{sorted(clash)[0]} is both in envs and secret_envs; keep it in "
+                             "one")
+        return self
 
     @field_validator("name", "team")
     @classmethod

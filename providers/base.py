@@ -72,6 +72,9 @@ class LaunchRequest(BaseModel):
     market: Market = Market.ON_DEMAND
     instance_type: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
+    # The names in env whose values are the job's secrets: a backend that keeps secrets apart
+    # (SkyPilot's task ``secrets``, redacted in its logs and dashboard) puts them there.
+    secret_names: frozenset[str] = frozenset()
     command: Sequence[str] = ()
 
 

@@ -329,7 +329,9 @@ class LocalProvider(Provider):
             env.setdefault("FLEET_MASTER_PORT", str(_free_port()))
         for rank, node_dir in zip(ranks, dirs, strict=True):
             node_dir.mkdir(exist_ok=True)
-            node_env = {**env, "FLEET_NODE_RANK": str(rank)}
+            # the node's home for its files (broker.runtime.files): ~ and relative mount paths
+            node_env = {**env, "FLEET_NODE_RANK": str(rank),
+                        "FLEET_FILES_ROOT": str(node_dir.resolve())}
             if token:
                 node_env["FLEET_AGENT_TOKEN_FILE"] = str((node_dir / TOKEN_FILE).resolve())
                 write_private(node_dir / TOKEN_FILE, token)

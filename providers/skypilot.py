@@ -107,7 +107,8 @@ def task_for(
     request: LaunchRequest, offer: CatalogOffer | None, broker_id: str, agent_install: str
 ) -> dict[str, Any]:
     """The SkyPilot task (as the dict its YAML holds) for one launch, pinned where we chose; its
-    setup installs the agent from ``agent_install`` where the image lacks it."""
+    setup installs the agent from ``agent_install`` where the image lacks it. The job's secrets
+    go in the task's ``secrets`` (SkyPilot redacts those), not its ``envs``."""
     accelerator = offer.accelerator_name if offer else request.accelerator.value
     cloud = offer.cloud if offer else None
     labels = {
@@ -129,12 +130,15 @@ def task_for(
         resources["zone"] = request.zone
     if request.instance_type or offer:
         resources["instance_type"] = request.instance_type or offer.instance_type
+    # The VM's own cloud: its agent polls that cloud's metadata for the spot notice.
+    envs = bootstrap.agent_env(request, cloud or "skypilot")
+    secrets = {k: envs.pop(k) for k in sorted(request.secret_names) if k in envs}
     return {
         "name": f"fleet-{bootstrap.label_value(request.job_id)}",
         "num_nodes": request.nodes,
         "resources": {k: v for k, v in resources.items() if v is not None},
-        # The VM's own cloud: its agent polls that cloud's metadata for the spot notice.
-        "envs": bootstrap.agent_env(request, cloud or "skypilot"),
+        "envs": envs,
+        **({"secrets": secrets} if secrets else {}),
         "setup": "set -euo pipefail\n" + bootstrap.install_step(agent_install),
         "run": (RANK_LINE if request.nodes > 1 else "") + bootstrap.agent_command(request),
     }

@@ -34,6 +34,7 @@ def parsed(config: dict) -> dict:
         "accelerators": res.accelerators, "use_spot": res.use_spot,
         "instance_type": res.instance_type, "num_nodes": task.num_nodes,
         "labels": res.labels, "envs": task.envs, "run": task.run, "setup": task.setup,
+        "secrets": sorted(task.secrets),
     }
 
 

@@ -347,7 +347,7 @@ def test_agent_rendezvous(server: ApiServer, store: Store) -> None:
     own = {"Authorization": f"Bearer {attempt_token(TOKENS['agent'], job_id, 1)}"}
     with httpx.Client(base_url=server.url, headers=own, timeout=10) as c:
         assert c.post("/v1/agent/rendezvous", json=visit).json() == {
-            "round": 0, "nnodes": 2, "master": None, "action": None}
+            "round": 0, "nnodes": 2, "master": None, "addrs": None, "action": None}
         r = c.post("/v1/agent/rendezvous", json={**visit, "node_rank": 0,
                                                  "addr": "10.0.0.5:29500"})
         assert r.status_code == 200 and r.json()["master"] == "10.0.0.5:29500"
@@ -380,7 +380,7 @@ def test_agent_rendezvous(server: ApiServer, store: Store) -> None:
         beat = {"job_id": job_id, "attempt": 1, "node_rank": 1, "round": 0}
         assert c.post("/v1/agent/heartbeat", json=beat).json() == {"action": None, "round": 1}
         assert c.post("/v1/agent/rendezvous", json=visit).json() == {
-            "round": 1, "nnodes": 2, "master": None, "action": None}
+            "round": 1, "nnodes": 2, "master": None, "addrs": None, "action": None}
         assert c.post("/v1/agent/rendezvous", json={**visit, "job_id": "nope-9"}
                       ).status_code == 404
 

@@ -5,28 +5,22 @@ its surviving node never restarted, resuming from its last checkpoint (redis, uv
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from broker.api import build_app
-from broker.auth import ApiConfig, Role
 from broker.models import JobState
-from broker.server import Broker, BrokerConfig, build_broker
+from broker.server import Broker
 from broker.spec import parse_spec_text
 from broker.store import Store
 from providers.base import NodeState
 from providers.local import LocalProvider
-from tests.api_server import ApiServer
+from tests.live_broker import live_broker
 from tests.redis_server import RedisServer
 
-ROOT = Path(__file__).resolve().parent.parent
-AGENT_TOKEN = "e2e-agent-token-0123456789"
 FLEET = """
 grace_period_s: 10
 regions:
@@ -45,22 +39,8 @@ checkpoint: {interval: 5steps}
 @pytest.fixture
 def broker(redis_server: RedisServer, store: Store, tmp_path: Path,
            monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
-    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    (tmp_path / "fleet.yaml").write_text(FLEET)
-    config = ApiConfig().with_token(AGENT_TOKEN, Role.AGENT).with_attempt_key(AGENT_TOKEN)
-    server = ApiServer(build_app(store, config)).start()
-    running = build_broker(BrokerConfig(
-        state_dir=tmp_path / "state", redis_url=redis_server.url, broker_url=server.url,
-        fleet=tmp_path / "fleet.yaml", agent_token=AGENT_TOKEN, tick_s=0.3,
-        heartbeat_interval_s=0.5)).start()
-    try:
+    with live_broker(redis_server.url, store, tmp_path, FLEET, monkeypatch) as running:
         yield running
-    finally:
-        running.stop()
-        for node in running.provider.nodes():  # leave no job process behind
-            running.provider.terminate(node.node_id)
-        server.stop()
 
 
 @pytest.mark.slow

@@ -283,6 +283,10 @@ def test_skypilot_itself_parses_every_generated_task(tmp_path: Path) -> None:
                         first_rank=1)),
         ("gcp", request(idempotency_key=replacement_key("job-3:4:0", 1, 2), nodes=1,
                         first_rank=1)),
+        # a job with secrets: in the task's secrets, never its envs
+        ("aws", request(region="us-east-1", zone=None, accelerator=Accelerator.V100,
+                        gpus_per_node=1, nodes=1, env={"HF_TOKEN": "hf_x", "MODEL": "gpt2"},
+                        secret_names=frozenset({"HF_TOKEN"}))),
     ]  # fmt: skip
     tasks = []
     for cloud, req in cases:
@@ -299,6 +303,8 @@ def test_skypilot_itself_parses_every_generated_task(tmp_path: Path) -> None:
         assert (got["instance_type"], got["num_nodes"]) == (res["instance_type"], req.nodes)
         assert got["labels"] == res["labels"] and got["envs"] == task["envs"]
         assert (got["run"], got["setup"]) == (task["run"], task["setup"])
+        assert got["secrets"] == sorted(req.secret_names)
+        assert not req.secret_names & set(got["envs"])
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ def test_rendezvous_names_the_master_once_every_rank_checked_in(store: Store) ->
     """A barrier: rank 0's address is handed out only once every node of the job's current
     attempt and round checked in, so no node starts torch's init while another still boots."""
     job = two_node_job(store)
-    waiting = {"round": 0, "nnodes": 2, "master": None, "action": CONTINUE}
+    waiting = {"round": 0, "nnodes": 2, "master": None, "addrs": None, "action": CONTINUE}
     assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:29500") == waiting  # rank 0 alone
     assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:29500") == waiting
     assert store.rendezvous(job.id, 1, 1, 1, None) == waiting  # a round not yet begun
@@ -47,11 +47,13 @@ def test_rendezvous_names_the_master_once_every_rank_checked_in(store: Store) ->
     key = f"{store.p}rdzv:{job.id}"
     assert store.r.hgetall(key) == {"1:0:0": "10.0.0.5:29500"}  # none of those checked in
 
-    met = {**waiting, "master": "10.0.0.5:29500"}
+    met = {**waiting, "master": "10.0.0.5:29500", "addrs": ["10.0.0.5:29500", ""]}
     assert store.rendezvous(job.id, 1, 0, 1, None) == met  # the last one in: the group formed
     assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:29500") == met
-    assert store.rendezvous(job.id, 1, 0, 1, "10.0.0.6:1234") == met
-    assert store.rendezvous(job.id, 1, 0, 1, None) == met  # a visit without one keeps it
+    # every rank's address, by rank (SKYPILOT_NODE_IPS): another rank may give its own
+    both = {**met, "addrs": ["10.0.0.5:29500", "10.0.0.6:1234"]}
+    assert store.rendezvous(job.id, 1, 0, 1, "10.0.0.6:1234") == both
+    assert store.rendezvous(job.id, 1, 0, 1, None) == both  # a visit without one keeps it
     assert store.rendezvous(job.id, 0, 0, 1, None)["master"] is None  # nothing for the stale
     assert 0 < store.r.ttl(key) <= RENDEZVOUS_TTL_S
     assert store.r.hgetall(key) == {"1:0:0": "10.0.0.5:29500", "1:0:1": "10.0.0.6:1234"}
@@ -61,7 +63,8 @@ def test_rendezvous_names_the_master_once_every_rank_checked_in(store: Store) ->
     assert store.rendezvous(job.id, 1, 0, 1, None) == moved  # round 0's master is no answer
     assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:29501") == moved  # late for round 0
     assert store.rendezvous(job.id, 1, 1, 0, "10.0.0.5:29502") == moved  # the stand-in is due
-    assert store.rendezvous(job.id, 1, 1, 1, None) == {**moved, "master": "10.0.0.5:29502"}
+    assert store.rendezvous(job.id, 1, 1, 1, None) == {
+        **moved, "master": "10.0.0.5:29502", "addrs": ["10.0.0.5:29502", ""]}
 
     change(store, job.id, round=2)  # rank 0 without an address has not checked in
     assert store.rendezvous(job.id, 1, 2, 0, None)["master"] is None
@@ -97,7 +100,8 @@ def test_a_replaced_rank_counts_only_with_its_stand_ins_key(store: Store) -> Non
     attempt's token) and its earlier stand-in are told to stop and record nothing; only the node
     holding rank 1's current key, the round-2 stand-in's, checks in and releases the master."""
     job = replaced_job(store)
-    superseded = {"round": 2, "nnodes": 2, "master": None, "action": CHECKPOINT_EXIT}
+    superseded = {"round": 2, "nnodes": 2, "master": None, "addrs": None,
+                  "action": CHECKPOINT_EXIT}
     assert store.rendezvous(job.id, 1, 2, 0, "10.0.0.5:1", LAUNCH)["action"] == CONTINUE
     for old in (LAUNCH, replacement_key(LAUNCH, 1, 1), None):  # None: an agent before keys
         assert store.rendezvous(job.id, 1, 2, 1, None, old) == superseded, old
@@ -108,7 +112,8 @@ def test_a_replaced_rank_counts_only_with_its_stand_ins_key(store: Store) -> Non
     assert store.r.hgetall(f"{store.p}rdzv:{job.id}") == {"1:2:0": "10.0.0.5:1"}
 
     got = store.rendezvous(job.id, 1, 2, 1, None, replacement_key(LAUNCH, 1, 2))
-    assert got == {**superseded, "master": "10.0.0.5:1", "action": CONTINUE}
+    assert got == {**superseded, "master": "10.0.0.5:1", "addrs": ["10.0.0.5:1", ""],
+                   "action": CONTINUE}
     assert store.rendezvous(job.id, 1, 2, 0, None, LAUNCH)["master"] == "10.0.0.5:1"
     assert store.rendezvous(job.id, 1, 2, 1, None, LAUNCH) == superseded  # still refused
 
@@ -196,7 +201,8 @@ def test_rendezvous_stops_nodes_of_a_job_being_stopped(store: Store) -> None:
     assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:1")["action"] == CONTINUE
     change(store, job.id, JobState.SUSPENDING)
     assert store.rendezvous(job.id, 1, 0, 1, None) == {
-        "round": 0, "nnodes": 2, "master": "10.0.0.5:1", "action": CHECKPOINT_EXIT}
+        "round": 0, "nnodes": 2, "master": "10.0.0.5:1", "addrs": ["10.0.0.5:1", ""],
+        "action": CHECKPOINT_EXIT}
 
 
 def test_agent_reports_per_node_and_round(store: Store) -> None:

@@ -287,8 +287,15 @@ resources:
 
 
 @pytest.mark.parametrize(("text", "field", "fix"), [
-    ("run: x\nworkdir: .", "workdir", "not supported"),
-    ("run: x\nfile_mounts: {/data: s3://b}", "file_mounts", "not supported"),
+    ("run: x\nworkdir: s3://b/code", "workdir", "use file_mounts"),
+    ("run: x\nfile_mounts: {/data: {name: my-bucket}}", "file_mounts./data.source",
+     "creates no buckets"),
+    ("run: x\nfile_mounts: {/data: {source: ./d, mode: MOUNT}}", "file_mounts./data.mode",
+     "only a bucket"),
+    ("run: x\nfile_mounts: {/data: {source: s3://b, mode: FAST}}", "file_mounts./data.mode",
+     "COPY, MOUNT or MOUNT_CACHED"),
+    ("run: x\nfile_mounts: {/data: {source: s3://b, size: 3}}", "file_mounts./data.size",
+     "unknown key"),
     ("run: x\nservice: {replicas: 2}", "service", "not supported"),
     ("run: x\nresources: {instance_type: p3.2xlarge}", "resources.instance_type",
      "name accelerators"),

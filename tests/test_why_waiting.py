@@ -36,7 +36,7 @@ def spec(name: str, gmin: int = 1, gmax: int = 4, **kw: object) -> JobSpec:
 
 @pytest.fixture
 def server(store: Store) -> Iterator[ApiServer]:
-    srv = ApiServer(build_app(store, api_config(), lambda: FLEET)).start()
+    srv = ApiServer(build_app(store, api_config(), ceiling=lambda: FLEET)).start()
     try:
         yield srv
     finally:

@@ -19,6 +19,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from broker.cli.app import app, console, err_console, fail, print_json
+from broker.cli.launch_env import launch_env
+from broker.cli.launch_files import upload_files
 from broker.client import (
     EXIT_BAD_INPUT,
     BrokerClient,
@@ -26,6 +28,7 @@ from broker.client import (
     config_path,
     write_client_config,
 )
+from broker.files import PackError
 from broker.models import JobState
 from broker.spec import (
     UNBOUNDED_WORK,
@@ -113,6 +116,11 @@ def launch(
     spec: Path = typer.Argument(..., help="Job spec: FleetBroker YAML or a SkyPilot task YAML"),
     gpus: str | None = typer.Option(None, "--gpus", help="Override the GPU range: N or MIN:MAX"),
     spot: str | None = typer.Option(None, "--spot", help="Override: never|allowed|preferred"),
+    env: list[str] | None = typer.Option(None, "--env", help="NAME=VALUE for the job's "
+                                         "environment (repeatable; wins over the spec's envs)"),
+    secret: list[str] | None = typer.Option(None, "--secret", help="NAME of a secret, its value "
+                                            "from your environment (repeatable): sealed, never "
+                                            "shown"),
     dryrun: bool = typer.Option(False, "--dryrun", "--dry-run",
                                 help="Print the translated job and, when a broker answers, "
                                 "where it would run and at what price; submit nothing"),
@@ -123,7 +131,7 @@ def launch(
 ) -> None:
     """Submit a job to the broker."""
     try:
-        parsed = load_spec_file(spec)
+        parsed = load_spec_file(spec, launch=launch_env(env, secret))
         job_spec = apply_overrides(parsed.spec, gpus=gpus, spot=spot)
     except SpecError as exc:
         _fail_problems(f"{spec}: invalid job spec", exc.problems, EXIT_BAD_INPUT)
@@ -133,7 +141,12 @@ def launch(
     for note in parsed.warnings:
         err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     with _client(url, token) as client:
-        out = _call(client, "submit", job_spec.model_dump_json(), notes=parsed.warnings)
+        try:
+            job_spec = upload_files(job_spec, lambda data: _call(client, "put_blob", data))
+        except PackError as exc:
+            fail(f"{spec}: {exc}", EXIT_BAD_INPUT)
+        out = _call(client, "submit", job_spec.model_dump_json(), notes=parsed.warnings,
+                    secrets={k: v.get_secret_value() for k, v in parsed.secrets.items()})
         job = out["job"]
         if as_json:
             print_json(job)
@@ -252,6 +265,8 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
         f"accelerators {', '.join(s['accelerators'])}  gpus {s['gpus']['min']}-"
         f"{s['gpus']['max']}  batch {s['batch_size']['min']}-{s['batch_size']['max']} "
         f"({s['batch_mode']})  spot {s['spot']}  priority {s['priority']}",
+        # names only: a secret's value is never shown, an env's may be long
+        f"envs {', '.join(s['envs']) or '-'}  secrets {', '.join(s['secret_envs']) or '-'}",
         f"assigned {j['gpus']} GPUs, batch {j['batch_size'] or '-'}, pool {_where(j)}, "
         f"attempt {j['attempt']}"
         + (f", {j['nodes']} nodes (rendezvous round {j['round']})" if j.get("nodes", 1) > 1

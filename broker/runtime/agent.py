@@ -39,6 +39,7 @@ from broker.runtime.assignment import (
     env_float,
     env_int,
 )
+from broker.runtime.files import FilesError, files_of, files_root, place
 from broker.runtime.notices import pollers
 
 EXIT_USAGE = 2
@@ -123,6 +124,9 @@ class AgentConfig:
     broker_urls: tuple[str, ...] = ()
     report_timeout: float = FINAL_REPORT_TIMEOUT_S
     report_max_wait: float = FINAL_REPORT_MAX_WAIT_S
+    # FLEET_PER_NODE=1 (a SkyPilot task): one process per node runs the command, with SkyPilot's
+    # per-node variables; it starts its own per-GPU processes (torchrun) if it wants them.
+    per_node: bool = False
 
     @property
     def rendezvous(self) -> bool:
@@ -216,6 +220,7 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
                                  FINAL_REPORT_TIMEOUT_S),
         report_max_wait=max(env_float(env, "FLEET_REPORT_MAX_WAIT",  # type: ignore[type-var]
                                       FINAL_REPORT_MAX_WAIT_S), 0.01),
+        per_node=env.get("FLEET_PER_NODE", "").strip() == "1",
     )
     return config, argv[split + 1 :]
 
@@ -246,9 +251,14 @@ class Agent:
         self.round = config.round
         self.nnodes = config.nnodes
         self.master = (config.master_addr or "", config.master_port or 0)
+        # Every node's host by rank (SKYPILOT_NODE_IPS): this one alone until a rendezvous
+        # names the group's.
+        self.hosts = [config.node_addr or (config.master_addr if config.nnodes == 1 else None)
+                      or "127.0.0.1"]
         self.broker_round = config.round  # the highest round the broker has named
         # The brokers reports go to, the one that last took one first
         self.brokers = list(config.broker_urls or filter(None, [config.broker_url]))
+        self.cwd: Path | None = None  # where workers start: the job's workdir, if it has one
         self._brokers_lock = threading.Lock()
 
     # ---- workers ----------------------------------------------------------------------------
@@ -256,6 +266,8 @@ class Agent:
         c = self.config
         # The job's code needs no token: heartbeats are the agent's alone.
         env = {k: v for k, v in self.env.items() if k not in SECRET_ENV}
+        if c.per_node:
+            return {**env, **self.node_env()}
         env.update(
             {
                 "RANK": str(c.node_rank * c.nproc + local_rank),
@@ -280,6 +292,32 @@ class Agent:
             env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: no oversubscribed cores
         return env
 
+    def node_env(self) -> dict[str, str]:
+        """The one per-node process's: FleetBroker's node variables and SkyPilot's (setup and run
+        see the same rank and IPs: one process runs both)."""
+        c = self.config
+        ips = "\n".join(self.hosts)
+        return {
+            "GROUP_RANK": str(c.node_rank),
+            "MASTER_ADDR": self.master[0],
+            "MASTER_PORT": str(self.master[1]),
+            "FLEET_JOB_ID": c.job_id,
+            "FLEET_ATTEMPT": str(c.attempt),
+            "FLEET_ROUND": str(self.round),
+            "FLEET_NPROC": str(c.nproc),
+            "FLEET_NNODES": str(self.nnodes),
+            "FLEET_NODE_RANK": str(c.node_rank),
+            "FLEET_PROGRESS_FILE": str(self.progress_file),
+            failure.ERROR_ENV: str(self.workdir / "error"),
+            "PYTHONUNBUFFERED": "1",
+            "SKYPILOT_NODE_RANK": str(c.node_rank),
+            "SKYPILOT_SETUP_NODE_RANK": str(c.node_rank),
+            "SKYPILOT_NODE_IPS": ips,
+            "SKYPILOT_SETUP_NODE_IPS": ips,
+            "SKYPILOT_NUM_NODES": str(self.nnodes),
+            "SKYPILOT_NUM_GPUS_PER_NODE": str(c.nproc),
+        }
+
     def _pump(self, rank: int, stream: IO[bytes], sink: IO[bytes]) -> None:
         prefix = f"[rank {rank}] ".encode()
         for line in iter(stream.readline, b""):
@@ -293,7 +331,7 @@ class Agent:
         pumps = []
         with contextlib.suppress(OSError):  # a cause named in an earlier round is not this one's
             (self.workdir / "error").unlink()
-        for local_rank in range(self.config.nproc):
+        for local_rank in range(1 if self.config.per_node else self.config.nproc):
             rank = self.config.node_rank * self.config.nproc + local_rank
             proc = subprocess.Popen(
                 self.command,
@@ -301,6 +339,7 @@ class Agent:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                cwd=self.cwd,
             )
             self.procs.append(proc)
             for stream, sink in (
@@ -343,6 +382,45 @@ class Agent:
                 with self._brokers_lock:
                     self.brokers = list(dict.fromkeys([url, *self.brokers]))
                 return reply
+        return None
+
+    def fetch_blob(self, digest: str) -> bytes:
+        """A pack of the job's files from a broker's blob store (each broker in turn, a few
+        rounds); ``FilesError`` when none serves it."""
+        c = self.config
+        query = urllib.parse.urlencode({"job_id": c.job_id, "attempt": c.attempt})
+        headers = {"Authorization": f"Bearer {c.token}"} if c.token else {}
+        why = "no broker URL (FLEET_BROKER_URL)"
+        for wait in (0.0, 1.0, 3.0, 9.0):
+            self._stop.wait(wait)
+            for url in list(self.brokers):
+                request = urllib.request.Request(f"{url}/v1/agent/blobs/{digest}?{query}",
+                                                 headers=headers)
+                try:
+                    with urllib.request.urlopen(request, timeout=60) as response:
+                        return response.read()
+                except urllib.error.HTTPError as exc:
+                    why = f"{url} answered {exc.code}"
+                    if exc.code < 500 and exc.code != 429:
+                        raise FilesError(f"cannot fetch the job's files: {why}") from None
+                except (OSError, http.client.HTTPException) as exc:
+                    why = f"{url}: {exc}"
+        raise FilesError(f"cannot fetch the job's files: {why}")
+
+    def place_files(self) -> int | None:
+        """The job's workdir and file mounts, before any setup (``broker.runtime.files``); None
+        when placed (workers then start in the workdir), else the exit code, the cause left
+        for the final report."""
+        try:
+            files = files_of(self.env)
+            if files:
+                self.cwd = place(files, files_root(self.env), self.fetch_blob)
+        except Exception as exc:  # any cause (an SDK's own errors too) fails the launch, named
+            text = str(exc) if isinstance(exc, FilesError) else \
+                f"placing the job's files failed: {type(exc).__name__}: {exc}"
+            log(text)
+            failure.report(text, {failure.ERROR_ENV: str(self.workdir / "error")})
+            return EXIT_FAILED
         return None
 
     def _send_to(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
@@ -491,7 +569,7 @@ class Agent:
             if round_ != (wanted := max(self.round, self.broker_round)):  # its own deadline
                 round_, deadline = wanted, time.monotonic() + c.rendezvous_timeout
                 self.round = round_
-            if c.node_rank == 0 and (offer is None or offer[0] != round_):
+            if (c.node_rank == 0 or c.per_node) and (offer is None or offer[0] != round_):
                 addr = self._master_offer(avoid=self.master[1])
                 offer = (round_, addr) if addr else None
             reply = self.visit_rendezvous(round_, offer[1] if offer else None)
@@ -499,7 +577,7 @@ class Agent:
                 break
             master, nnodes = reply.get("master"), reply.get("nnodes")
             if reply.get("round") == round_ and master and isinstance(nnodes, int):
-                return self._joined(round_, nnodes, master)
+                return self._joined(round_, nnodes, master, reply.get("addrs"))
             if self.broker_round > round_:
                 continue  # the broker moved on: join its round at once
             if told != round_ and isinstance(nnodes, int):
@@ -514,13 +592,18 @@ class Agent:
             self._stop.wait(c.rendezvous_poll)
         return EXIT_STOPPED
 
-    def _joined(self, round_: int, nnodes: int, master: str) -> int | None:
+    def _joined(self, round_: int, nnodes: int, master: str,
+                addrs: list[str] | None = None) -> int | None:
         c = self.config
         if c.node_rank >= nnodes:
             log(f"the broker's rendezvous says round {round_} has {nnodes} nodes; this node "
                 f"(rank {c.node_rank}) is not one of them")
             return EXIT_FAILED
         self.round, self.nnodes, self.master = round_, nnodes, split_host_port(master)
+        if addrs and len(addrs) == nnodes:
+            self.hosts = [split_host_port(a)[0] if a else "" for a in addrs]
+        else:
+            self.hosts = [self.master[0]]
         log(f"round {round_}: node {c.node_rank}/{nnodes}, master {master}")
         return None
 
@@ -572,7 +655,9 @@ class Agent:
             )
         for w in watchers:
             w.start()
-        code = self._rounds()
+        code = self.place_files()
+        if code is None:
+            code = self._rounds()
         self._done.set()
         self.state = {EXIT_FINISHED: "finished", EXIT_STOPPED: "stopped"}.get(code, "failed")
         if c.broker_url:

@@ -194,15 +194,18 @@ class UsablePools:
         self._sizes: dict[tuple, tuple[int, frozenset[int], frozenset[int]]] = {}
 
     def __call__(self, spec: JobSpec) -> list[Pool]:
-        """Pools with GPUs in the job's regions, on-demand only for ``spot: never``."""
+        """Pools with GPUs in the job's regions, on-demand only for ``spot: never``; for a job of
+        a fixed node count (``JobSpec.nodes``), only pools that sell a node of its share."""
         if (seen := self._of_spec.get(id(spec))) is not None and seen[0] is spec:
             return seen[1]
         r, never = spec.regions, must_not_preempt(spec.spot)
-        key = (tuple(r.allow), tuple(r.deny), never)
+        per_node = spec.gpus.min // spec.nodes if spec.nodes else None
+        key = (tuple(r.allow), tuple(r.deny), never, per_node)
         if (hit := self._memo.get(key)) is None:
             hit = self._memo[key] = [
                 p for p in self.pools if p.capacity > 0 and region_allowed(p, r.allow, r.deny)
-                and not (never and p.market is Market.SPOT)]
+                and not (never and p.market is Market.SPOT)
+                and (per_node is None or p.gpu_prices is None or per_node in p.gpu_prices)]
         self._of_spec[id(spec)] = (spec, hit)
         return hit
 

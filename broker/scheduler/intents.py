@@ -28,8 +28,11 @@ class RoundResult:
     changed: list[str] = field(default_factory=list)
 
 
-def _nodes(pool: Pool | None, gpus: int) -> int:
-    """Nodes of a launch of ``gpus`` GPUs in ``pool`` (``Pool.shape``; one where unknown)."""
+def _nodes(job: JobRecord, pool: Pool | None, gpus: int) -> int:
+    """Nodes of a launch of ``gpus`` GPUs in ``pool``: the job's own node count where its spec
+    fixes one (a SkyPilot task's num_nodes), else ``Pool.shape`` (one where unknown)."""
+    if job.spec.nodes is not None and gpus % job.spec.nodes == 0:
+        return job.spec.nodes
     shape = pool.shape(gpus) if pool is not None else None
     return shape[0] if shape else 1
 
@@ -57,7 +60,7 @@ def diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None, 
     moved = relaunch and pool != job.pool
     resized = relaunch and not moved and (gpus, batch) != (job.gpus, job.batch_size)
     # the node count is known before any node boots: the rendezvous answers with it at once
-    transitions.launching(res.plan, job, intent, nodes=_nodes(pools_by_id.get(pool), gpus),
+    transitions.launching(res.plan, job, intent, nodes=_nodes(job, pools_by_id.get(pool), gpus),
                           moved=moved, resized=resized)
     res.plan.add_intent(intent)
     res.launches += 1
