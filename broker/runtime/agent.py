@@ -59,7 +59,7 @@ FINAL_REPORT_MAX_WAIT_S = 15.0
 # not a survivor waiting for it, decides that a stand-in is not coming (and replaces it again).
 RENDEZVOUS_TIMEOUT_S = 1800.0
 # The agent's own: never in its workers' environment.
-SECRET_ENV = ("FLEET_AGENT_TOKEN", "FLEET_AGENT_TOKEN_FILE")
+SECRET_ENV = ("FLEET_AGENT_TOKEN", "FLEET_AGENT_TOKEN_FILE", "FLEET_AGENT_TOKEN_FD")
 
 
 def log(message: str) -> None:
@@ -649,12 +649,20 @@ class Agent:
 
 
 def take_token(env: dict[str, str]) -> None:
-    """Move the attempt token from FLEET_AGENT_TOKEN_FILE (the provider's 0600 file, deleted
-    here, before any of the job's code runs) into ``env`` (this process's memory only: never
-    into its environment, which a job could read in /proc/PID/environ); and make this process
-    non-dumpable on Linux, so a non-root job cannot read its memory or /proc files either."""
+    """Move the attempt token from FLEET_AGENT_TOKEN_FD (the local node's pipe) or
+    FLEET_AGENT_TOKEN_FILE (a start script's 0600 file, deleted here), before any of the job's
+    code runs, into ``env`` (this process's memory only: never into its environment, which a job
+    could read in /proc/PID/environ); and make this process non-dumpable on Linux, so a non-root
+    job cannot read its memory or /proc files either."""
+    fd = env.pop("FLEET_AGENT_TOKEN_FD", None)
     path = env.pop("FLEET_AGENT_TOKEN_FILE", None)
-    if path:
+    if fd:
+        try:
+            with open(int(fd), closefd=True) as f:
+                env["FLEET_AGENT_TOKEN"] = f.read().strip()
+        except (OSError, ValueError) as exc:
+            log(f"cannot read the token pipe: {exc}; reports will be refused")
+    elif path:
         try:
             with open(path) as f:
                 env["FLEET_AGENT_TOKEN"] = f.read().strip()

@@ -75,9 +75,11 @@ def fleet(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
-def up(tmp: Path, env: dict[str, str], port: int) -> subprocess.Popen[str]:
+def up(tmp: Path, env: dict[str, str], port: int,
+       prefix: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    """``fleet up`` with its state in ``tmp``, under the command ``prefix`` (if any)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "broker", "up", "--state-dir", str(tmp / "state"),
+        [*prefix, sys.executable, "-m", "broker", "up", "--state-dir", str(tmp / "state"),
          "--fleet", str(tmp / "fleet.yaml"), "--port", str(port)],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 30
