@@ -21,7 +21,7 @@ import yaml
 
 from broker.auth import attempt_token
 from broker.server import _redis_servers_in
-from tests.chaos.conftest import Tally
+from tests.chaos.conftest import Tally, duplicate_launches
 from tests.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -188,6 +188,11 @@ def test_jobs_see_no_secret_and_a_killed_fleet_up_leaves_one_redis(tmp_path: Pat
         assert "long done" in fleet(client, "logs", ids["long"]).stdout
         wait_state(client, ids["ckpt"], "completed", timeout=180)
         assert list((state / "checkpoints" / ids["ckpt"]).iterdir())
+        ended = [job(client, i)["state"] for i in ids.values()]
+        duplicates = duplicate_launches(state)
+        chaos.record(jobs_lost=sum(s != "completed" for s in ended),
+                     duplicate_launches=duplicates)
+        assert duplicates == 0
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
