@@ -438,7 +438,13 @@ class Agent:
         return {"launch_key": self.config.launch_key} if self.config.launch_key else {}
 
     def _obey(self, reply: dict[str, Any]) -> None:
-        """Act on what the broker answered: stop the agent, or note a newer round."""
+        """Act on what the broker answered: stop the agent, note a newer round, learn the
+        broker replicas (one started after the launch too; the ones known stay, in order)."""
+        urls = reply.get("brokers")
+        if isinstance(urls, list):
+            new = [u for u in urls if isinstance(u, str) and u.startswith(("http://", "https://"))]
+            with self._brokers_lock:
+                self.brokers = list(dict.fromkeys([*self.brokers, *new]))
         if reply.get("action") == CHECKPOINT_EXIT:
             self.request_stop("broker asked for checkpoint-exit")
         got = reply.get("round")
