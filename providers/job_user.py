@@ -51,16 +51,17 @@ def job_user(env: dict[str, str] | None = None, python: str = sys.executable) ->
                     JOB_USER_ENV, name)
         return None
     user = JobUser(name=pw.pw_name, uid=pw.pw_uid, gid=pw.pw_gid, home=pw.pw_dir)
-    blocked = _blocked(Path(python).resolve().parent, user)
+    blocked = unreachable(Path(python).resolve().parent, user)
     if blocked is not None:
         raise ValueError(
             f"the job user {name} cannot run this Python ({python}): {blocked} is "
             f"{stat.filemode(blocked.stat().st_mode)}; install Python where {name} can read it "
-            f"or set {JOB_USER_ENV} to a user that can")
+            f"or set {JOB_USER_ENV} to a user that can ({JOB_USER_ENV}=root runs jobs as the "
+            "broker's user, able to read its state: docs/security.md)")
     return user
 
 
-def _blocked(path: Path, user: JobUser) -> Path | None:
+def unreachable(path: Path, user: JobUser) -> Path | None:
     """The first directory from / down to ``path`` that ``user`` may not enter, or None."""
     for up in [*reversed(path.parents), path]:
         st = up.stat()
@@ -82,7 +83,7 @@ def hand_over(path: Path, root: Path, user: JobUser) -> None:
     for up in (root, root.parent):
         up.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(up, 0o711)
-    blocked = _blocked(root.parent, user)
+    blocked = unreachable(root.parent, user)
     if blocked is not None:
         raise ProviderError(
             f"the job user {user.name} cannot enter {blocked} "

@@ -11,6 +11,7 @@ import pwd
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from providers.job_user import JobUser, _blocked
+from providers.base import ProviderError
+from providers.job_user import JobUser, hand_over, job_user, unreachable
 from tests.chaos.conftest import Tally
 from tests.chaos.test_sec_fleet_up import FLEET, fleet, spec, up, wait_state
 from tests.redis_server import free_port
@@ -64,7 +66,7 @@ def passable_python(user: JobUser, scratch: Path) -> tuple[str, ...]:
     in a private mount namespace where that folder is a 0711 tmpfs holding only the way to
     Python; nothing changes outside the namespace."""
     python = Path(sys.executable).resolve()
-    blocked = _blocked(python.parent, user)
+    blocked = unreachable(python.parent, user)
     if blocked is None:
         return ()
     inner = python.relative_to(blocked).parts[0]
@@ -118,3 +120,23 @@ def test_a_root_brokers_job_runs_unprivileged_and_cannot_read_its_state(
     chaos.record(secrets_seen=len(readable))
     assert readable == [], seen["tried"]
     assert len(seen["tried"]) == len(targets)
+
+
+def test_a_job_user_that_cannot_work_is_refused_with_the_fix(base: Path) -> None:
+    with pytest.raises(ValueError, match="FLEET_JOB_USER='no-such-user-here': no such user"):
+        job_user({"FLEET_JOB_USER": "no-such-user-here"})
+    assert job_user({"FLEET_JOB_USER": "root"}) is None  # explicit: the broker's own user
+    nobody = pwd.getpwnam("nobody")
+    user = JobUser(name="nobody", uid=nobody.pw_uid, gid=nobody.pw_gid, home=nobody.pw_dir)
+    closed = base / "home"  # a 0700 folder above the state dir
+    closed.mkdir(mode=0o700)
+    root = closed / "state" / "checkpoints"
+    with pytest.raises(ProviderError, match=f"nobody cannot enter {closed} "):
+        hand_over(root / "job-1", root, user)
+    opened = base / "state" / "checkpoints"
+    hand_over(opened / "job-1", opened, user)
+    st = (opened / "job-1").stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (nobody.pw_uid, 0o700)
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (opened, opened.parent)] == [0o711, 0o711]
+    hand_over(base / "elsewhere", opened, user)  # a spec's own place: left alone
+    assert not (base / "elsewhere").exists()
