@@ -221,6 +221,9 @@ class HeartbeatReply(BaseModel):
                                            "then exit 75")
     round: int = Field(description="the job's rendezvous round; above the agent's: stop the "
                                    "workers and re-form the group in that round")
+    brokers: list[str] = Field(default_factory=list, description="every live broker "
+                               "replica's API URL: the agent reports to any of them, also to "
+                               "one started after its launch")
 
 
 class Rendezvous(BaseModel):
@@ -613,7 +616,8 @@ def build_app(store: Store, config: ApiConfig, *,
             said = store.record_heartbeat(**report)
         except JobNotFound:
             raise ApiError(404, f"no job {beat.job_id!r}") from None
-        return HeartbeatReply(action=_agent_action(said.action), round=said.round)
+        return HeartbeatReply(action=_agent_action(said.action), round=said.round,
+                              brokers=store.broker_urls())
 
     @app.post("/v1/agent/rendezvous", tags=["agent"], response_model=RendezvousReply,
               responses=_POST,

@@ -386,8 +386,8 @@ def build_fleet_provider(path: Path, state_dir: Path, workdir: Path) -> tuple[
     naming the file and field for a bad file."""
     fleet = FleetFile.load(path)
     local_fleet = fleet.local_fleet()
-    local = LocalProvider(local_fleet, state_dir / "provider", workdir=workdir) \
-        if local_fleet else None
+    local = LocalProvider(local_fleet, state_dir / "provider", workdir=workdir,
+                          checkpoint_root=state_dir / "checkpoints") if local_fleet else None
     options = {name: {"regions": c.regions, **c.options} for name, c in fleet.clouds.items()}
     try:
         clouds, skipped = build_providers(list(fleet.clouds), options, launchers={

@@ -32,11 +32,11 @@ from broker.runtime.assignment import EXIT_FINISHED, EXIT_STOPPED
 from broker.store import AgentReport, Conflict, Plan, Store
 from policies.migration import (
     DEFAULT_DECAY_S,
+    QUICK_RECLAIM_S,
     Recovery,
     expire,
     location_keys,
-    mark_preempted,
-    mark_refused,
+    mark_reclaimed,
     recover_lost_nodes,
     refusal_key,
     register,
@@ -46,9 +46,6 @@ from providers.base import Node, NodeState, Provider, ProviderError, replacement
 
 log = logging.getLogger(__name__)
 
-# A reclaim this many seconds or fewer after a launch is an early one; a spot pool with two early
-# reclaims within the blocklist's refusal decay is under reclaim (a storm)
-QUICK_RECLAIM_S = 300.0
 QUICK_RECLAIM_KEY = "pool:early_reclaim"  # plain key per pool id: when its last early reclaim was
 
 
@@ -262,15 +259,9 @@ class Reconciler:
         self.store.apply(plan, fence=fence)
 
     def _block(self, plan: Plan, job: JobRecord) -> None:
-        """Mark the job's spot location preempted in the stored blocklist (SpotHedge), in the
-        same atomic step as the job's change. A pool whose second early reclaim (within
-        ``quick_reclaim_s`` of a launch) this is, within the refusal decay of the first, is
-        under reclaim (a storm): it is also marked refused, so no job is launched there until
-        the refusal decay lapses. The preemption mark alone does not hold: SpotHedge resets
-        every mark once fewer than two locations stay active, at once in a fleet of two spot
-        regions, and a job then goes back and forth between regions that take it away before
-        it trains; the reset leaves refusals alone. One early reclaim may be bad luck: it only
-        marks the location, which stays a last resort."""
+        """Record a spot reclaim in the stored blocklist (``policies.migration.mark_reclaimed``:
+        the location marked preempted, a pool under reclaim refused) and the pool's last early
+        reclaim, in the same atomic step as the job's change."""
         pools = {p.id: p for p in self.store.pools()}
         pool = pools.get(job.pool or "")
         if pool is None or pool.market is not Market.SPOT:
@@ -279,29 +270,20 @@ class Reconciler:
         blocklist, read = self.store.blocklist(self.blocklist_decay_s)
         spot = [k for p in pools.values() if p.market is Market.SPOT for k in location_keys(p)]
         blocklist = expire(register(blocklist, spot), now)
-        # The region and, where it has one, the zone: a reclaim says the region is short too
-        # (the simulator's fleet policy, which the benchmarks measure, does the same).
-        keys = location_keys(pool)
-        for key in keys:
-            blocklist = mark_preempted(blocklist, key, now)
-        where = keys[-1]
         ran = None if job.launched_at is None else now - job.launched_at
-        backoff = False
-        if ran is not None and ran <= self.quick_reclaim_s:
-            key = f"{QUICK_RECLAIM_KEY}:{pool.id}"
-            last = self.store.r.get(f"{self.store.p}{key}")
+        key = f"{QUICK_RECLAIM_KEY}:{pool.id}"
+        last = None if ran is None else self.store.r.get(f"{self.store.p}{key}")
+        got = mark_reclaimed(blocklist, pool, now, ran, None if last is None else float(last),
+                             self.quick_reclaim_s)
+        if got.early:
             plan.put(key, repr(now), expect=last)
-            backoff = last is not None and now - float(last) < blocklist.refusal_decay_s
-        if backoff:
-            blocklist = mark_refused(blocklist, refusal_key(pool.id), now,
-                                     f"under reclaim: took back two launches within "
-                                     f"{self.quick_reclaim_s:g} s of their start")
-        plan.set_blocklist(blocklist, read=read)
+        plan.set_blocklist(got.blocklist, read=read)
+        where = location_keys(pool)[-1]
         # "blocked" is False when SpotHedge's rule reset every mark (fewer than two active)
         plan.event("location-blocked", job.id, {
-            "location": where, "blocked": where in blocklist.preempted,
-            "decay_s": blocklist.decay_s, "active": blocklist.active(now),
-            "backoff_s": blocklist.refusal_decay_s if backoff else None})
+            "location": where, "blocked": where in got.blocklist.preempted,
+            "decay_s": got.blocklist.decay_s, "active": got.blocklist.active(now),
+            "backoff_s": got.blocklist.refusal_decay_s if got.backoff else None})
 
     def _settle(self, job: JobRecord, nodes: list[Node | None], fence: int,
                 preempted: bool, report: AgentReport) -> bool:

@@ -78,18 +78,31 @@ class BrokerConfig(BaseModel):
                                      "job requeued (needs broker_url: agents report there)")
 
 
+# The embedded server's users (redis.io/docs/latest/operate/oss_and_stack/management/security/acl).
+# The default user gets no password that can match, so no client signs in as it; it stays on
+# with every right because Redis 7.0 replays the AOF's MULTI/EXEC with the default user's
+# rights: a disabled default user made a restart silently drop every transaction.
+ACL_DEFAULT = "user default on resetpass ~* &* +@all"
+ACL_BROKER = "user {user} on >{password} ~fb:* &* +@all -@admin"
+
+
 class EmbeddedRedis:
     """A redis-server child on loopback with AOF (everysec), no RDB snapshots and its data
     under ``data_dir``; it can be stopped (gracefully or ``kill -9``) and restarted on the same
     port and data, reloading the AOF.
 
-    It requires a password, made once and kept in ``data_dir/password`` (mode 0600) and handed
-    to the server on its stdin, never on a command line; ``url`` carries it (keep it out of
-    logs: ``broker.secrets.redact_url``). Its files are 0600 in 0700 directories. One process
-    at a time runs the server of a data directory: ``start`` takes ``data_dir/lock`` (flock, held
-    until ``stop``) and stops a server an earlier process left running on the directory (a
-    ``kill -9``'d ``fleet up``), and the server gets SIGTERM when the thread that started it
-    dies (Linux), so it does not outlive its broker."""
+    No client can sign in as its ``default`` user: the broker signs in as the ACL user ``user``
+    with a password made once and kept in ``data_dir/password`` (mode 0600), handed to the
+    server on its stdin, never on a command line; ``url`` carries both (keep it out of logs:
+    ``broker.secrets.redact_url``). That user reaches only the store's keys (``fb:*``) and no
+    administrative command (``CONFIG``, ``SHUTDOWN``, ``ACL``, ``MONITOR``…): a leaked password
+    cannot turn the server into a file writer or stop it. Its files are 0600 in 0700
+    directories. One process at a time runs the server of a data directory: ``start`` takes
+    ``data_dir/lock`` (flock, held until ``stop``) and stops a server an earlier process left
+    running on the directory (a ``kill -9``'d ``fleet up``), and the server gets SIGTERM when
+    the thread that started it dies (Linux), so it does not outlive its broker."""
+
+    user = "fleet-broker"
 
     def __init__(self, data_dir: Path, port: int | None = None) -> None:
         binary = shutil.which("redis-server")
@@ -104,7 +117,7 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        return f"redis://{self.user}:{self.password}@127.0.0.1:{self.port}/0"
 
     def _prepare(self) -> None:
         """The data directory (0700), its lock, its password; no stale server on it."""
@@ -145,9 +158,11 @@ class EmbeddedRedis:
             preexec_fn=_die_with_parent(os.getpid()) if main else None)
         assert self.proc.stdin is not None
         # the config on stdin: the password is in no command line (/proc/PID/cmdline is public)
-        self.proc.stdin.write(f"requirepass {self.password}\n".encode())
+        acl = ACL_BROKER.format(user=self.user, password=self.password)
+        self.proc.stdin.write(f"{ACL_DEFAULT}\n{acl}\n".encode())
         self.proc.stdin.close()
-        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
+        client = redis.Redis(port=self.port, username=self.user, password=self.password,
+                             socket_connect_timeout=0.2)
         deadline = time.monotonic() + 15
         try:
             while time.monotonic() < deadline and self.proc.poll() is None:

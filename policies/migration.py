@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
+from typing import NamedTuple
 
 from pydantic import BaseModel, Field
 
@@ -21,6 +22,9 @@ from policies.models import Pool
 
 DEFAULT_DECAY_S = 3600.0  # SpotHedge resets on its own rule; the decay bounds how long a mark lasts
 DEFAULT_REFUSAL_DECAY_S = 600.0  # a stock-out often clears within minutes; quotas show in capacity
+# A reclaim this many seconds or fewer after a launch is an early one; a spot pool with two early
+# reclaims within the blocklist's refusal decay is under reclaim (a storm)
+QUICK_RECLAIM_S = 300.0
 
 
 class Blocklist(BaseModel):
@@ -80,6 +84,38 @@ def mark_refused(state: Blocklist, pool_id: str, now: float, why: str = "") -> B
     that pool."""
     return state.model_copy(update={"refused": {**state.refused, pool_id: now},
                                     "refusal_why": {**state.refusal_why, pool_id: why}})
+
+
+class Reclaimed(NamedTuple):
+    """What one spot reclaim did to the blocklist (``mark_reclaimed``)."""
+
+    blocklist: Blocklist
+    early: bool  # within ``quick_reclaim_s`` of the launch: the pool's last early reclaim is now
+    backoff: bool  # the pool's second early reclaim within the refusal decay: it is refused
+
+
+def mark_reclaimed(state: Blocklist, pool: Pool, now: float, ran_s: float | None,
+                   last_early: float | None,
+                   quick_reclaim_s: float = QUICK_RECLAIM_S) -> Reclaimed:
+    """A spot reclaim of a job that ran ``ran_s`` in ``pool`` (None: unknown), whose last early
+    reclaim was at ``last_early``: the pool's locations (its region and, where it has one, its
+    zone: a reclaim says the region is short too) are marked preempted. A pool whose second
+    early reclaim this is, within the refusal decay of the first, is under reclaim (a storm):
+    it is also marked refused, so nothing is launched there until that mark lapses. The
+    preemption mark alone does not hold: SpotHedge resets every mark once fewer than two
+    locations stay active, at once in a fleet of two spot regions, and a job then goes back and
+    forth between regions that take it away before it trains; the reset leaves refusals alone.
+    One early reclaim may be bad luck: it only marks the location, a last resort. The live
+    reconciler and the simulator both apply it."""
+    for key in location_keys(pool):
+        state = mark_preempted(state, key, now)
+    early = ran_s is not None and ran_s <= quick_reclaim_s
+    backoff = early and last_early is not None and now - last_early < state.refusal_decay_s
+    if backoff:
+        state = mark_refused(state, refusal_key(pool.id), now,
+                             f"under reclaim: took back two launches within "
+                             f"{quick_reclaim_s:g} s of their start")
+    return Reclaimed(state, early, backoff)
 
 
 def refusal_key(pool_id: str, zone: str | None = None) -> str:

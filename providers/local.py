@@ -20,6 +20,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -34,6 +35,7 @@ from providers.base import (
     Provider,
     ProviderError,
 )
+from providers.job_user import hand_over, job_user
 
 
 class LocalRegion(BaseModel):
@@ -219,8 +221,13 @@ class LocalProvider(Provider):
     name = "local"
 
     def __init__(self, fleet: LocalFleet, state_dir: str | Path,
-                 workdir: str | Path | None = None) -> None:
+                 workdir: str | Path | None = None,
+                 checkpoint_root: str | Path | None = None) -> None:
         self.fleet = fleet
+        # Jobs run as an unprivileged user when the broker is root; their checkpoint
+        # directories under ``checkpoint_root`` (the broker's) become theirs.
+        self.job_user = job_user()
+        self.checkpoint_root = Path(checkpoint_root) if checkpoint_root else None
         self.dir = Path(state_dir)
         self.nodes_dir = self.dir / "nodes"
         self.nodes_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -308,6 +315,10 @@ class LocalProvider(Provider):
         gpus = request.gpus_per_node * request.nodes
         if self.capacity().get(region.pool().id, 0) < gpus:
             raise CapacityError(f"region {region.region} has fewer than {gpus} free GPUs")
+        checkpoint = urlparse(request.env.get("FLEET_CHECKPOINT_URI", ""))
+        if self.job_user and self.checkpoint_root and checkpoint.path and \
+                checkpoint.scheme in ("", "file"):
+            hand_over(Path(checkpoint.path), self.checkpoint_root, self.job_user)
         try:
             dirs[0].mkdir()
         except FileExistsError:
@@ -347,7 +358,8 @@ class LocalProvider(Provider):
                 "rank": rank, "launched_at": time.time()}
         (node_dir / "meta.json").write_text(json.dumps(meta))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "providers.local_node", str(node_dir), "--",
+            [sys.executable, "-m", "providers.local_node", str(node_dir),
+             *(["--user", self.job_user.name] if self.job_user else []), "--",
              *request.command],
             env=env, start_new_session=True, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

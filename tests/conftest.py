@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,11 @@ import pytest
 
 from broker.store import Store
 from tests.redis_server import RedisServer
+
+# The suite runs as root, and its jobs read and write pytest's temp folders, which are 0700:
+# their jobs run as the broker's user. tests/chaos/test_job_user.py runs jobs as the default
+# unprivileged user and checks what they cannot read.
+os.environ.setdefault("FLEET_JOB_USER", "root")
 
 
 @pytest.fixture

@@ -239,3 +239,50 @@ def test_reports_are_in_samples_at_the_initial_batch(tmp_path: Path) -> None:
     assert rec.samples_done == int(job.state.progress * m0) > 0
     assert json.loads(rec.model_dump_json())["state"] == "running"
     assert sim.pools[0].pool.market is Market.ON_DEMAND
+
+
+class _Storm(driver.LiveRoundDriver):
+    """Records every reclaim (when, where, how long the job had run) and every start."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.reclaims: list[tuple[float, str, float | None, bool]] = []
+        self.starts: list[tuple[float, str]] = []
+
+    def _evict(self, job, now: float) -> None:
+        rec = self.records[job.state.id]
+        pool = job.pool.pool.id
+        super()._evict(job, now)
+        ran = None if rec.launched_at is None else now - rec.launched_at
+        self.reclaims.append((now, pool, ran, self.blocklist.is_refused(pool, now)))
+
+    def _launch(self, job: SpotJob, a: Assignment, pool: SimPool, now: float) -> None:
+        self.starts.append((now, pool.pool.id))
+        super()._launch(job, a, pool, now)
+
+
+def test_a_pool_under_reclaim_is_backed_off_as_live(tmp_path: Path) -> None:
+    """Two spot regions each take their capacity back 120 s after it returns (a storm), an
+    on-demand one stays: as the live reconciler does (policies.migration.mark_reclaimed), a
+    pool's second reclaim within 300 s of a launch, within 600 s of its first, refuses the
+    pool for 600 s, and nothing is started there meanwhile."""
+    east = _trace(tmp_path / "east.json", [1, 0] * 40, gap=120)
+    west = _trace(tmp_path / "west.json", [0, 1] * 40, gap=120)
+    pools = _cluster(tmp_path, _v100("us-east-1", "spot", 0.3, extra=f", trace: {east}"),
+                     _v100("us-west-2", "spot", 0.35, extra=f", trace: {west}"),
+                     _v100("eu-west-1", "on-demand", 3.0))
+    sim = _Storm([_job("a", gpus=8, batch=96)], pools, SimConfig(max_hours=3), FLEET)
+    sim.run()
+    early: dict[str, list[float]] = {}
+    backoffs = []
+    for t, pool, ran, refused in sim.reclaims:
+        assert ran is not None
+        second = ran <= 300 and any(t - e < 600 for e in early.get(pool, []))
+        assert refused == second, (t, pool, ran, sim.reclaims)
+        if ran <= 300:
+            early.setdefault(pool, []).append(t)
+        if second:
+            backoffs.append((t, pool))
+    assert backoffs, sim.reclaims  # the storm did reach the rule
+    for t, pool in backoffs:
+        assert not [s for s in sim.starts if s[1] == pool and t <= s[0] < t + 600], sim.starts

@@ -52,7 +52,8 @@ FLEET_REPORT_TIMEOUT       seconds the final report is tried (default 1800)
 FLEET_REPORT_MAX_WAIT      most seconds between two tries of it (default 15; backoff from 0.5)
 FLEET_AGENT_TOKEN_FILE     a 0600 file holding the attempt token (read, then deleted, at start;
                            never passed on): ``Authorization: Bearer {token}`` on heartbeats
-                           and rendezvous visits. FLEET_AGENT_TOKEN: the token itself (by hand)
+                           and rendezvous visits. FLEET_AGENT_TOKEN_FD: a pipe holding it (the
+                           local provider's). FLEET_AGENT_TOKEN: the token itself (by hand)
 FLEET_HEARTBEAT_INTERVAL   seconds between heartbeats (default 5)
 FLEET_GRACE_PERIOD         seconds the workers get to checkpoint and exit after a stop (default 25)
 FLEET_NOTICE_AWS_URL       full URL polled for the AWS notice, e.g.

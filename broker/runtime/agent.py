@@ -60,7 +60,7 @@ FINAL_REPORT_MAX_WAIT_S = 15.0
 # not a survivor waiting for it, decides that a stand-in is not coming (and replaces it again).
 RENDEZVOUS_TIMEOUT_S = 1800.0
 # The agent's own: never in its workers' environment.
-SECRET_ENV = ("FLEET_AGENT_TOKEN", "FLEET_AGENT_TOKEN_FILE")
+SECRET_ENV = ("FLEET_AGENT_TOKEN", "FLEET_AGENT_TOKEN_FILE", "FLEET_AGENT_TOKEN_FD")
 
 
 def log(message: str) -> None:
@@ -517,7 +517,13 @@ class Agent:
         return {"launch_key": self.config.launch_key} if self.config.launch_key else {}
 
     def _obey(self, reply: dict[str, Any]) -> None:
-        """Act on what the broker answered: stop the agent, or note a newer round."""
+        """Act on what the broker answered: stop the agent, note a newer round, learn the
+        broker replicas (one started after the launch too; the ones known stay, in order)."""
+        urls = reply.get("brokers")
+        if isinstance(urls, list):
+            new = [u for u in urls if isinstance(u, str) and u.startswith(("http://", "https://"))]
+            with self._brokers_lock:
+                self.brokers = list(dict.fromkeys([*self.brokers, *new]))
         if reply.get("action") == CHECKPOINT_EXIT:
             self.request_stop("broker asked for checkpoint-exit")
         got = reply.get("round")
@@ -735,12 +741,20 @@ class Agent:
 
 
 def take_token(env: dict[str, str]) -> None:
-    """Move the attempt token from FLEET_AGENT_TOKEN_FILE (the provider's 0600 file, deleted
-    here, before any of the job's code runs) into ``env`` (this process's memory only: never
-    into its environment, which a job could read in /proc/PID/environ); and make this process
-    non-dumpable on Linux, so a non-root job cannot read its memory or /proc files either."""
+    """Move the attempt token from FLEET_AGENT_TOKEN_FD (the local node's pipe) or
+    FLEET_AGENT_TOKEN_FILE (a start script's 0600 file, deleted here), before any of the job's
+    code runs, into ``env`` (this process's memory only: never into its environment, which a job
+    could read in /proc/PID/environ); and make this process non-dumpable on Linux, so a non-root
+    job cannot read its memory or /proc files either."""
+    fd = env.pop("FLEET_AGENT_TOKEN_FD", None)
     path = env.pop("FLEET_AGENT_TOKEN_FILE", None)
-    if path:
+    if fd:
+        try:
+            with open(int(fd), closefd=True) as f:
+                env["FLEET_AGENT_TOKEN"] = f.read().strip()
+        except (OSError, ValueError) as exc:
+            log(f"cannot read the token pipe: {exc}; reports will be refused")
+    elif path:
         try:
             with open(path) as f:
                 env["FLEET_AGENT_TOKEN"] = f.read().strip()

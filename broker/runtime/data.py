@@ -58,14 +58,23 @@ def step_plan(
     world_size: int,
     rank: int,
     max_micro_batch: int | None,
+    *,
+    pad: bool = False,
 ) -> list[MicroBatch]:
-    """The micro-batches rank ``rank`` runs for the step that starts at ``samples_done``."""
-    if global_batch < world_size:
+    """The micro-batches rank ``rank`` runs for the step that starts at ``samples_done``.
+
+    ``pad``: a step of fewer samples than ranks (a job's last step after a resize to more
+    ranks than samples left) gives a rank without a sample the step's first one with weight 0:
+    it joins the step's collectives and adds nothing, and the step holds exactly its samples.
+    """
+    if global_batch < world_size and not pad:
         raise ValueError(
             f"global batch size {global_batch} is smaller than the world size {world_size}; "
             "give every worker at least one sample (raise the batch size or use fewer workers)"
         )
     lo, hi = rank_slice(global_batch, world_size, rank)
+    if lo == hi:
+        return [MicroBatch(sample_indices(seed, n, samples_done, samples_done + 1), 0.0, True)]
     local = hi - lo
     parts = 1 if not max_micro_batch else -(-local // max_micro_batch)
     idx = sample_indices(seed, n, samples_done + lo, samples_done + hi)

@@ -347,7 +347,9 @@ class Trainer:
                 self._add_sq(0, flat)
                 dist.all_reduce(flat)
                 self._add_sq(1, flat)
-                torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+                parts = flat.split([g.numel() for g in grads])
+                torch._foreach_copy_(grads, [p.view_as(g) for p, g in zip(parts, grads,
+                                                                             strict=True)])
         if self.world_size > 1:
             self._measure_noise()
         else:
@@ -371,12 +373,11 @@ class Trainer:
     def _step_samples(self, samples_done: int) -> int:
         """The samples of the step that starts at ``samples_done``: the global batch, but the
         last step takes only what is left, so the job ends exactly at its work however batch
-        changes left it aligned. A remainder smaller than the world (a rank needs a sample) is
-        folded into the step before; after a resize to more ranks than samples left, the last
-        step runs one sample per rank."""
+        changes left it aligned. A remainder smaller than the world is folded into the step
+        before; after a resize to more ranks than samples left, the last step still takes only
+        those (ranks without one add nothing: ``step_plan``'s ``pad``)."""
         left = self.total_samples - samples_done
-        size = left if left < self.global_batch_size + self.world_size else self.global_batch_size
-        return max(size, self.world_size)
+        return left if left < self.global_batch_size + self.world_size else self.global_batch_size
 
     def _plan(self, samples_done: int) -> list[MicroBatch]:
         return step_plan(
@@ -387,6 +388,7 @@ class Trainer:
             self.world_size,
             self.rank,
             self.max_micro_batch,
+            pad=True,
         )
 
     def _plans(self, samples_done: int) -> Iterator[list[MicroBatch]]:
@@ -417,7 +419,7 @@ class Trainer:
                 if self.samples_done >= self.total_samples:
                     break
                 plan = self._plan(self.samples_done)
-                self._local_n = sum(len(mb.indices) for mb in plan)
+                self._local_n = sum(len(mb.indices) for mb in plan if mb.weight)
                 for k, mb in enumerate(plan):
                     self._micro = mb
                     self._next_weight = None if mb.last else plan[k + 1].weight

@@ -48,7 +48,7 @@ from policies.migration import (
     expire,
     location_keys,
     mark_launched,
-    mark_preempted,
+    mark_reclaimed,
     mark_refused,
     register,
 )
@@ -134,6 +134,7 @@ class LiveRoundDriver(SpotRounds):
         spots = [k for p in self.pools if p.pool.market is Market.SPOT
                  for k in location_keys(p.pool)]
         self.blocklist = register(Blocklist(decay_s=spot.blocklist_decay_s), spots)
+        self.early_reclaims: dict[str, float] = {}  # pool id -> its last early reclaim
         self.stats = PoolStats()  # its dicts grow in place: the reconciler's counters
         self._views: dict[tuple[str, int], Pool] = {}
 
@@ -284,10 +285,13 @@ class LiveRoundDriver(SpotRounds):
         self.stats.preemptions[p.id] = self.stats.preemptions.get(p.id, 0) + 1
         self._put(rec, state=JobState.SUSPENDED, preemptions=rec.preemptions + 1,
                   reason="spot capacity reclaimed", samples_done=self._samples(job))
-        if p.market is Market.SPOT:
-            self.blocklist = expire(self.blocklist, now)
-            for key in location_keys(p):
-                self.blocklist = mark_preempted(self.blocklist, key, now)
+        if p.market is Market.SPOT:  # the reconciler's rule, storm back-off included
+            ran = None if rec.launched_at is None else now - rec.launched_at
+            got = mark_reclaimed(expire(self.blocklist, now), p, now, ran,
+                                 self.early_reclaims.get(p.id))
+            self.blocklist = got.blocklist
+            if got.early:
+                self.early_reclaims[p.id] = now
 
     def _advance(self, job: SpotJob, now: float) -> None:
         """One round of the job, then what its agent reports: progress, and the throughput of

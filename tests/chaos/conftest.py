@@ -1,11 +1,14 @@
 """The fault-and-attack suite's one summary: each case records, through the ``chaos`` fixture,
 the faults it injected and what it found (jobs lost, duplicate launches, acknowledged
 submissions lost, 5xx answers, broker secrets a job could see, the worst API latency under
-attack); the session prints the totals, each with the number of cases that checked it."""
+attack); the session prints the totals, each with the number of cases that checked it.
+``duplicate_launches`` counts them from the local provider's spawn log."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +36,23 @@ class Tally:
 
 
 _TALLY = Tally()
+
+
+def duplicate_launches(state_dir: Path) -> int:
+    """Spawns beyond the first of one node of one job attempt, from the local provider's audit
+    log (``STATE/provider/launches.log``: one line per real spawn, ``KEY NODE_DIR TIME``). A
+    node is its job, attempt, rank and stand-in round; the leader's fence is left out, so a new
+    leader that launched an attempt again counts too."""
+    log = state_dir / "provider" / "launches.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    nodes = []
+    for line in lines:
+        key, node_dir, _ = line.split()
+        launch, _, stand_in = key.partition("~")
+        job, _fence, attempt = launch.rsplit(":", 2)
+        rank = node_dir.removeprefix(key.replace(":", "_").replace("/", "_"))
+        nodes.append((job, attempt, stand_in, rank))
+    return sum(n - 1 for n in Counter(nodes).values())
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import pytest
 from broker.models import JobState
 from broker.store import Store
 from policies.models import BatchRange, JobSpec
-from tests.chaos.conftest import Tally
+from tests.chaos.conftest import Tally, duplicate_launches
 from tests.chaos.replica import HEARTBEAT_S, LEASE_TTL_S, Replica
 from tests.redis_server import RedisServer, free_port
 
@@ -75,7 +75,8 @@ def replicas(redis_server: RedisServer, tmp_path: Path) -> Iterator[tuple[Replic
 
 @pytest.mark.chaos
 def test_agents_report_to_the_other_replica_after_the_leader_dies(
-        redis_server: RedisServer, replicas: tuple[Replica, Replica], chaos: Tally) -> None:
+        redis_server: RedisServer, replicas: tuple[Replica, Replica], chaos: Tally,
+        tmp_path: Path) -> None:
     a, b = replicas
     store = Store.from_url(redis_server.url)
     a.start()
@@ -100,9 +101,49 @@ def test_agents_report_to_the_other_replica_after_the_leader_dies(
     wait_for(lambda: (store.leader() or (0, ""))[1] == "b", 10, "replica b takes over")
     done = wait_for(lambda: (j := store.get_job(job_id)) is not None and j.state.terminal and j,
                     60, "the job settles")
-    chaos.record(jobs_lost=int(done.state is not JobState.COMPLETED))
+    chaos.record(jobs_lost=int(done.state is not JobState.COMPLETED),
+                 duplicate_launches=duplicate_launches(tmp_path / "state"))
     assert done.state is JobState.COMPLETED, (done.state, done.reason)
     assert (done.samples_done, done.checkpoint_step) == (STEPS * BATCH, STEPS), done
     assert done.reason == "finished"
     print(f"\nheartbeats resumed {resumed:.2f} s after the leader's kill -9 (bound: lease "
           f"{LEASE_TTL_S:g} s + heartbeat {HEARTBEAT_S:g} s)")
+
+
+@pytest.mark.chaos
+def test_an_agent_learns_a_replica_started_after_its_launch(
+        redis_server: RedisServer, replicas: tuple[Replica, Replica], chaos: Tally,
+        tmp_path: Path) -> None:
+    """The job is launched while only replica a runs, so its FLEET_BROKER_URL names a alone;
+    b starts later. The heartbeat replies carry every live replica's URL, so when a dies the
+    agent reports to b."""
+    a, b = replicas
+    store = Store.from_url(redis_server.url)
+    a.start()
+    wait_for(lambda: (store.leader() or (0, ""))[1] == "a", 20, "replica a leads")
+    job_id = store.submit(JobSpec(name="train", run=f"{sys.executable} -c '{WORKER}'",
+                                  batch_size=BatchRange(min=BATCH, max=BATCH),
+                                  work_samples=STEPS * BATCH), team="ml").id
+    progress = f"fb:progress:{job_id}"
+    wait_for(lambda: int(store.r.hget(progress, "samples_done") or 0) >= 100 * BATCH, 40,
+             "the job runs and reports")
+    b.start()
+    announced = wait_for(lambda: len(store.r.hgetall("fb:brokers")) == 2 and time.time(), 10,
+                         "both replicas announced")
+    wait_for(lambda: float(store.r.hget(progress, "heartbeat_at") or 0) > announced, 10,
+             "a heartbeat answered after b's announcement")
+    a.kill9()
+    chaos.record(faults=1)
+    killed = time.time()
+    wait_for(lambda: float(store.r.hget(progress, "heartbeat_at") or 0) > killed, 10,
+             "a heartbeat after the kill")
+    resumed = float(store.r.hget(progress, "heartbeat_at")) - killed
+    assert resumed <= LEASE_TTL_S + HEARTBEAT_S, resumed
+    done = wait_for(lambda: (j := store.get_job(job_id)) is not None and j.state.terminal and j,
+                    60, "the job settles")
+    chaos.record(jobs_lost=int(done.state is not JobState.COMPLETED),
+                 duplicate_launches=duplicate_launches(tmp_path / "state"))
+    assert done.state is JobState.COMPLETED, (done.state, done.reason)
+    assert (done.samples_done, done.checkpoint_step) == (STEPS * BATCH, STEPS), done
+    print(f"\nheartbeats resumed at the replica started after the launch {resumed:.2f} s after "
+          "the leader's kill -9")

@@ -21,7 +21,7 @@ import yaml
 
 from broker.auth import attempt_token
 from broker.server import _redis_servers_in
-from tests.chaos.conftest import Tally
+from tests.chaos.conftest import Tally, duplicate_launches
 from tests.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,9 +75,11 @@ def fleet(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
-def up(tmp: Path, env: dict[str, str], port: int) -> subprocess.Popen[str]:
+def up(tmp: Path, env: dict[str, str], port: int,
+       prefix: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    """``fleet up`` with its state in ``tmp``, under the command ``prefix`` (if any)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "broker", "up", "--state-dir", str(tmp / "state"),
+        [*prefix, sys.executable, "-m", "broker", "up", "--state-dir", str(tmp / "state"),
          "--fleet", str(tmp / "fleet.yaml"), "--port", str(port)],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 30
@@ -186,6 +188,11 @@ def test_jobs_see_no_secret_and_a_killed_fleet_up_leaves_one_redis(tmp_path: Pat
         assert "long done" in fleet(client, "logs", ids["long"]).stdout
         wait_state(client, ids["ckpt"], "completed", timeout=180)
         assert list((state / "checkpoints" / ids["ckpt"]).iterdir())
+        ended = [job(client, i)["state"] for i in ids.values()]
+        duplicates = duplicate_launches(state)
+        chaos.record(jobs_lost=sum(s != "completed" for s in ended),
+                     duplicate_launches=duplicates)
+        assert duplicates == 0
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:

@@ -72,6 +72,35 @@ def test_embedded_redis_refuses_clients_without_its_password(tmp_path: Path) -> 
         again.stop()
 
 
+def test_embedded_redis_has_no_default_user_and_a_least_privilege_broker_user(
+        tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        password = server.password
+        assert password is not None
+        # the default user is off: neither no password nor the broker's password opens it
+        assert b"-NOAUTH" in raw(server.port, b"PING")
+        for client in (redis.Redis(port=server.port, password=password),
+                       redis.Redis(port=server.port, username="default", password=password),
+                       redis.Redis(port=server.port, username="default", password="")):
+            with pytest.raises(redis.AuthenticationError):
+                client.ping()
+        broker = Store.from_url(server.url).r
+        assert broker.acl_whoami() == server.user != "default"
+        broker.set("fb:probe", "1")
+        # what a leaked broker password must not do: reconfigure the server (CONFIG SET dir and
+        # dbfilename write any file Redis can), stop it, read other prefixes' keys
+        for command in (("CONFIG", "SET", "dir", "/tmp"), ("SHUTDOWN", "NOSAVE"),
+                        ("ACL", "LIST"), ("MONITOR",)):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                broker.execute_command(*command)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            broker.get("other:key")
+        assert broker.get("fb:probe") == "1"
+    finally:
+        server.stop()
+
+
 def test_one_embedded_redis_per_data_directory(tmp_path: Path) -> None:
     first = EmbeddedRedis(tmp_path / "redis").start()
     try:
@@ -99,7 +128,7 @@ t = threading.Thread(target=start) if sys.argv[2] == "thread" else None
 t.start() if t else start()
 t.join() if t else None
 r = box["r"]
-redis.Redis.from_url(r.url).set("kept", "yes")
+redis.Redis.from_url(r.url).set("fb:kept", "yes")
 print(r.port, flush=True)
 time.sleep(120)
 """
@@ -140,7 +169,7 @@ def test_a_redis_left_by_a_killed_broker_is_stopped_and_its_data_kept(tmp_path: 
     try:
         assert _redis_servers_in(tmp_path / "redis") == [server.proc.pid]  # type: ignore[union-attr]
         assert orphan != server.proc.pid  # type: ignore[union-attr]
-        assert redis.Redis.from_url(server.url).get("kept") == b"yes"
+        assert redis.Redis.from_url(server.url).get("fb:kept") == b"yes"
     finally:
         server.stop()
 

@@ -19,7 +19,7 @@ from broker.scheduler import Scheduler, SchedulerConfig
 from broker.server import Broker, BrokerConfig, build_broker
 from broker.store import Store
 from policies.models import BatchRange, JobSpec, Regions, SpotPolicy
-from tests.chaos.conftest import Tally
+from tests.chaos.conftest import Tally, duplicate_launches
 from tests.redis_server import RedisServer
 
 STEPS, STEP_S = 100, 0.05  # 5 s of training
@@ -83,7 +83,8 @@ def test_a_region_under_reclaim_is_backed_off(broker: Broker, tmp_path: Path,
     took = time.monotonic() - start
     job = store.get_job(job_id)
     chaos.record(faults=sum(1.0 + i * PERIOD_S < took for i in range(int(STORM_S / PERIOD_S))),
-                 jobs_lost=int(job is None or job.state is not JobState.COMPLETED))
+                 jobs_lost=int(job is None or job.state is not JobState.COMPLETED),
+                 duplicate_launches=duplicate_launches(tmp_path / "state"))
     assert job is not None and job.state is JobState.COMPLETED, (job.state, job.reason)
     starts = [int(line.split()[1]) for line in (marks / "starts").read_text().splitlines()]
     trained = [b - a for a, b in zip(starts, [*starts[1:], STEPS], strict=True)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -121,3 +122,66 @@ def test_a_batch_change_ends_exactly_at_the_requested_work(tmp_path: Path, after
         opt.step()
     assert second.samples_done == 96 and sum(seen) == 48, seen
     assert min(seen) > 0 and max(seen) <= after + 1  # folding adds less than a world
+
+
+RESUMED = r"""
+import json, sys
+import torch
+import torch.nn.functional as F
+import broker.runtime as fleet
+from tests.runtime.test_trainer import DATA, build
+
+model, opt, _ = build()
+trainer = fleet.elastic(model, opt, DATA, batch_size=12, steps=8, global_batch_size=47,
+                        batch_mode="elastic", checkpoint_dir=sys.argv[1])
+for x, y in trainer:
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+if trainer.rank == 0:
+    torch.save(model.state_dict(), sys.argv[2])
+    with open(sys.argv[3], "w") as f:
+        json.dump({"samples_done": trainer.samples_done, "step": trainer.step}, f)
+"""
+
+
+def test_a_resize_to_more_ranks_than_samples_left_ends_exactly(tmp_path: Path) -> None:
+    """96 samples at a global batch of 47 on one rank: 47, 47, then a last step of 2 (the
+    remainder is taken exactly, not a full batch). Stopped before that last step and resumed on
+    3 ranks, 2 samples are left for 3 ranks: the step takes exactly those 2 (the third rank adds
+    nothing to the gradient), and the result equals the last step run on one rank."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.runtime.jobs import ROOT, job_env
+
+    model, opt, sched = build()
+    first = fleet.elastic(model, opt, DATA, batch_size=12, steps=8, global_batch_size=47,
+                          batch_mode="elastic", assignment=SOLO, checkpoint_dir=tmp_path / "a")
+    with pytest.raises(SystemExit):
+        train(first, model, opt, sched, sigterm_at=1)  # stops after the second step
+    assert first.samples_done == 94
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+
+    model, opt, _ = build()  # the reference: the last step on one rank
+    solo = fleet.elastic(model, opt, DATA, batch_size=12, steps=8, global_batch_size=47,
+                         batch_mode="elastic", assignment=SOLO, checkpoint_dir=tmp_path / "b")
+    for x, y in solo:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert (solo.samples_done, solo.step) == (96, 3)
+
+    (tmp_path / "resumed.py").write_text(RESUMED)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+         str(tmp_path / "resumed.py"), str(tmp_path / "a"), str(tmp_path / "final.pt"),
+         str(tmp_path / "done.json")],
+        env=job_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    done = json.loads((tmp_path / "done.json").read_text())
+    assert done == {"samples_done": 96, "step": 3}
+    got = torch.load(tmp_path / "final.pt")
+    want = model.state_dict()
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
