@@ -17,6 +17,7 @@ from broker import secrets, transitions
 from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
+from broker.protocol import Env
 from broker.store import Conflict, Plan, Store
 from policies.migration import (
     expire,
@@ -86,35 +87,35 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     checkpoint = spec.checkpoint.uri or str((config.checkpoint_root / job.id).resolve())
     env = {
         **spec.envs,
-        "FLEET_JOB_ID": job.id,
-        "FLEET_ATTEMPT": str(intent.attempt),
-        "FLEET_LAUNCH_KEY": key,
-        "FLEET_NPROC": str(per_node),
-        "FLEET_NNODES": str(nodes),
-        "FLEET_ROUND": str(intent.round),
-        "FLEET_GLOBAL_BATCH_SIZE": str(intent.batch_size or spec.batch_size.initial),
-        "FLEET_BATCH_MODE": spec.batch_mode.value,
-        "FLEET_CHECKPOINT_URI": checkpoint,
-        "FLEET_RUN": spec.run,
-        "FLEET_HEARTBEAT_INTERVAL": str(config.heartbeat_interval_s),
+        Env.JOB_ID: job.id,
+        Env.ATTEMPT: str(intent.attempt),
+        Env.LAUNCH_KEY: key,
+        Env.NPROC: str(per_node),
+        Env.NNODES: str(nodes),
+        Env.ROUND: str(intent.round),
+        Env.GLOBAL_BATCH_SIZE: str(intent.batch_size or spec.batch_size.initial),
+        Env.BATCH_MODE: spec.batch_mode.value,
+        Env.CHECKPOINT_URI: checkpoint,
+        Env.RUN: spec.run,
+        Env.HEARTBEAT_INTERVAL: str(config.heartbeat_interval_s),
     }
     if nodes == 1:  # one node is its own master; a gang meets at the broker's rendezvous
-        env["FLEET_MASTER_ADDR"] = "127.0.0.1"
+        env[Env.MASTER_ADDR] = "127.0.0.1"
     elif config.launch_deadline_s is not None:
-        env["FLEET_RENDEZVOUS_TIMEOUT"] = f"{config.launch_deadline_s + RENDEZVOUS_MARGIN_S:g}"
+        env[Env.RENDEZVOUS_TIMEOUT] = f"{config.launch_deadline_s + RENDEZVOUS_MARGIN_S:g}"
     # The spec's interval is the runtime's default; an interval the script passes itself wins.
     every, in_steps = spec.checkpoint.every
-    env["FLEET_CHECKPOINT_EVERY_STEPS" if in_steps else "FLEET_CHECKPOINT_EVERY_SECONDS"] = \
+    env[Env.CHECKPOINT_EVERY_STEPS if in_steps else Env.CHECKPOINT_EVERY_SECONDS] = \
         str(every)
     if config.broker_url:
-        env["FLEET_BROKER_URL"] = ",".join(dict.fromkeys([config.broker_url, *config.peer_urls]))
+        env[Env.BROKER_URL] = ",".join(dict.fromkeys([config.broker_url, *config.peer_urls]))
     agent = config.use_agent or backend_starts_agent
     if config.agent_token and agent:  # the key, never handed out: the agent gets its attempt's
         # token (the provider hands it over in a way the job cannot read back, see docs/security)
-        env["FLEET_AGENT_TOKEN"] = attempt_token(config.agent_token, job.id, intent.attempt)
+        env[Env.AGENT_TOKEN] = attempt_token(config.agent_token, job.id, intent.attempt)
     # The agent starts first, so that it has taken its token before any of the job's code (its
     # setup included) runs; setup then runs in each worker before run, as on the clouds.
-    script = (f"{spec.setup}\n" if spec.setup else "") + 'exec sh -c "$FLEET_RUN"'
+    script = (f"{spec.setup}\n" if spec.setup else "") + f'exec sh -c "${Env.RUN}"'
     command = [sys.executable, "-m", "broker.runtime.agent", "--", "sh", "-c", script] \
         if config.use_agent and not backend_starts_agent else ["sh", "-c", script]
     return LaunchRequest(idempotency_key=key, job_id=job.id, cloud=pool.cloud,

@@ -8,9 +8,6 @@ names each field.
 
 # No `from __future__ import annotations`: FastAPI resolves the local Annotated aliases.
 
-import ipaddress
-import math
-import re
 from typing import Annotated, Any, Literal
 
 import redis
@@ -19,7 +16,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -28,6 +25,17 @@ from broker import __version__
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
 from broker.models import JobRecord, JobState
+from broker.protocol import (
+    HEARTBEAT_PATH,
+    JOB_ID,
+    RENDEZVOUS_PATH,
+    BrokerEnv,
+    Heartbeat,
+    HeartbeatReply,
+    Rendezvous,
+    RendezvousReply,
+    agent_action,
+)
 from broker.spec import (
     ParsedSpec,
     Problem,
@@ -37,19 +45,9 @@ from broker.spec import (
     parse_spec_text,
     preview,
 )
-from broker.store import CHECKPOINT_EXIT, JobNotFound, NotDurable, Store
-from policies.models import Accelerator, JobSpec, Market
+from broker.store import JobNotFound, NotDurable, Store
+from policies.models import JobSpec, Market
 
-JOB_ID = r"^[a-z0-9][a-z0-9_.-]{0,80}$"
-# A node's idempotency key (FLEET_LAUNCH_KEY): "<job>:<fence>:<attempt>", a stand-in's with
-# "~r<rank>.<round>" after it (providers.base.replacement_key).
-LAUNCH_KEY = r"^[A-Za-z0-9:~._-]{1,160}$"
-LAUNCH_KEY_FIELD = Field(
-    default=None, max_length=160, pattern=LAUNCH_KEY,
-    description="the node's FLEET_LAUNCH_KEY (letters, digits, ':', '~', '.', '-', '_'; at most "
-                "160): a node the broker replaced no longer holds its rank's key and is told "
-                "to stop; none (an agent from before keys) only while no rank was replaced")
-DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 SPEC_MEDIA = ("application/yaml", "application/x-yaml", "text/yaml", "text/plain",
               "application/json")
 STREAM_ID_PART_MAX = 2**64 - 1  # Redis stream ids are <ms>-<seq>, each an unsigned 64-bit number
@@ -144,92 +142,6 @@ class _BoundedJsonRoute(APIRoute):
         return bounded
 
 
-class Heartbeat(BaseModel):
-    """What a job's agent reports (rank 0 reports progress; every rank may report liveness)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    job_id: str = Field(pattern=JOB_ID)
-    attempt: int = Field(ge=0, le=10**9)
-    node_rank: int = Field(default=0, ge=0, le=4096)
-    round: int = Field(default=0, ge=0, le=10**9, description="the agent's rendezvous round")
-    launch_key: str | None = LAUNCH_KEY_FIELD
-    state: str = Field(default="running", max_length=32)
-    step: int | None = Field(default=None, ge=0, le=10**15)
-    samples_done: int | None = Field(default=None, ge=0, le=10**18)
-    samples_per_sec: float | None = Field(default=None, ge=0, le=1e12)
-    world_size: int | None = Field(default=None, ge=1, le=4096)
-    global_batch_size: int | None = Field(default=None, ge=1, le=10**7)
-    checkpoint_step: int | None = Field(default=None, ge=0, le=10**15)
-    # strict: a size sent as a string or a fraction is a broken agent, not something to coerce
-    checkpoint_bytes: int | None = Field(
-        default=None, ge=0, le=10**16, strict=True,
-        description="size in bytes of the checkpoint of checkpoint_step: every rank's files and "
-                    "the manifest (placement prices its egress on a move)")
-    grad_noise_scale: float | None = Field(
-        default=None, ge=0, le=1e15, description="the gradient noise scale in samples, as the "
-        "runtime measures it (per-replica and all-reduced gradients): the batch beyond which a "
-        "larger one buys little progress per sample")
-    accelerator: Accelerator | None = Field(
-        default=None, description="the node's accelerator type (FLEET_ACCELERATOR): the "
-        "throughput measured is kept per type")
-    exit_code: int | None = Field(default=None, ge=-255, le=255,
-                                  description="the command's exit code, in the last report")
-    notice: str | None = Field(default=None, max_length=500,
-                               description="the node's preemption notice, once it came")
-    error: str | None = Field(default=None, max_length=500,
-                              description="why the command failed, as the runtime named it "
-                              "(e.g. 'checkpoint write failed: no space left on device'), in "
-                              "a failed last report")
-
-    @field_validator("samples_per_sec", "grad_noise_scale")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
-
-
-class HeartbeatReply(BaseModel):
-    action: str | None = Field(description="null: keep going; 'checkpoint-exit': checkpoint, "
-                                           "then exit 75")
-    round: int = Field(description="the job's rendezvous round; above the agent's: stop the "
-                                   "workers and re-form the group in that round")
-
-
-class Rendezvous(BaseModel):
-    """A node's visit to its job's rendezvous: it checks in for its round (rank 0 with the
-    master's address)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    job_id: str = Field(pattern=JOB_ID)
-    attempt: int = Field(ge=0, le=10**9)
-    round: int = Field(ge=0, le=10**9)
-    node_rank: int = Field(ge=0, le=4096)
-    addr: str | None = Field(default=None, max_length=270,
-                             description="this node's 'host:port' (host: an IP address, IPv6 in "
-                                         "brackets, or a DNS name; port 1-65535); rank 0's is "
-                                         "the round's master and required for its check-in")
-    launch_key: str | None = LAUNCH_KEY_FIELD
-
-    @field_validator("addr")
-    @classmethod
-    def _host_port(cls, v: str | None) -> str | None:
-        if v is not None and not _is_host_port(v):
-            raise ValueError("must be host:port, e.g. 10.0.0.5:29500 or [fd00::5]:29500 (host: "
-                             "an IP address or DNS name, port 1-65535)")
-        return v
-
-
-class RendezvousReply(BaseModel):
-    round: int = Field(description="the job's current round (above the node's: move to it)")
-    nnodes: int = Field(description="nodes in the job")
-    master: str | None = Field(description="'host:port' rank 0 registered for that round, "
-                                           "once every node checked in for it; null until then")
-    action: str | None = Field(description="null: keep going; 'checkpoint-exit': exit 75")
-
-
 class PreemptRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -271,7 +183,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     def unauthenticated(authorization: str | None) -> ApiError:
         why = "missing bearer token" if not authorization else "invalid token"
         return ApiError(401, f"{why}: send 'Authorization: Bearer TOKEN' (fleet uses "
-                        "FLEET_TOKEN or ~/.config/fleet/config.yaml)",
+                        f"{BrokerEnv.TOKEN} or ~/.config/fleet/config.yaml)",
                         headers={"WWW-Authenticate": "Bearer"})
 
     async def principal(authorization: Annotated[str | None, Header()] = None) -> Principal:
@@ -455,7 +367,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
             found, last = _team_events(store, who, since, limit)
         return {"events": [e.model_dump(mode="json") for e in found], "next": last}
 
-    @app.post("/v1/agent/heartbeat", tags=["agent"], response_model=HeartbeatReply,
+    @app.post(HEARTBEAT_PATH, tags=["agent"], response_model=HeartbeatReply,
               responses=_POST,
               summary="An agent's progress report; the reply tells it to go on or stop")
     def heartbeat(beat: Heartbeat, caller: Reporter) -> HeartbeatReply:
@@ -467,9 +379,9 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
             said = store.record_heartbeat(**report)
         except JobNotFound:
             raise ApiError(404, f"no job {beat.job_id!r}") from None
-        return HeartbeatReply(action=_agent_action(said.action), round=said.round)
+        return HeartbeatReply(action=agent_action(said.action), round=said.round)
 
-    @app.post("/v1/agent/rendezvous", tags=["agent"], response_model=RendezvousReply,
+    @app.post(RENDEZVOUS_PATH, tags=["agent"], response_model=RendezvousReply,
               responses=_POST,
               summary="A multi-node job's rendezvous: every node checks in (rank 0 with the "
                       "master's address) and polls until its whole round has")
@@ -480,7 +392,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                                    visit.addr, visit.launch_key)
         except JobNotFound:
             raise ApiError(404, f"no job {visit.job_id!r}") from None
-        return RendezvousReply(**{**got, "action": _agent_action(got["action"])})
+        return RendezvousReply(**{**got, "action": agent_action(got["action"])})
 
     @app.post("/v1/chaos/preempt", status_code=202, tags=["chaos"], responses=_POST,
               summary="Reclaim every spot node in a region (admin)")
@@ -521,32 +433,6 @@ def _parse_submission(body: bytes, gpus: str | None,
     if gpus is not None or spot is not None:
         spec = apply_overrides(spec, gpus=gpus, spot=spot)
     return parsed, spec
-
-
-def _agent_action(action: str) -> str | None:
-    """An agent endpoint's ``action``: null to keep going, or ``checkpoint-exit``."""
-    return CHECKPOINT_EXIT if action == CHECKPOINT_EXIT else None
-
-
-def _is_host_port(addr: str) -> bool:
-    """Is ``addr`` "host:port" with an IP address ("[...]" around IPv6) or DNS name as host
-    and a port in 1-65535?"""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
-        return False
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            return ipaddress.ip_address(host[1:-1]).version == 6
-        except ValueError:
-            return False
-    try:
-        ipaddress.IPv4Address(host)
-        return True
-    except ValueError:
-        pass
-    labels = host.removesuffix(".").split(".")
-    return len(host) <= 253 and all(DNS_LABEL.fullmatch(x) for x in labels) and \
-        not labels[-1].isdigit()
 
 
 def _submit_team(spec: JobSpec, who: Principal) -> str:

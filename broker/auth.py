@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from broker.protocol import BrokerEnv
 from broker.spec import MAX_SPEC_BYTES
 from policies.models import check_name
 
@@ -145,16 +146,18 @@ class ApiConfig(BaseModel):
         ``FLEET_TEAM_TOKENS`` (``team=token,team2=token2``)."""
         env = os.environ if environ is None else environ
         grants = []
-        if env.get("FLEET_ADMIN_TOKEN"):
-            grants.append(_grant(env["FLEET_ADMIN_TOKEN"], Role.ADMIN, None, "FLEET_ADMIN_TOKEN"))
-        if env.get("FLEET_AGENT_TOKEN"):
-            grants.append(_grant(env["FLEET_AGENT_TOKEN"], Role.AGENT, None, "FLEET_AGENT_TOKEN"))
-        for i, item in enumerate(filter(None, env.get("FLEET_TEAM_TOKENS", "").split(","))):
+        if env.get(BrokerEnv.ADMIN_TOKEN):
+            grants.append(_grant(env[BrokerEnv.ADMIN_TOKEN], Role.ADMIN, None,
+                                 BrokerEnv.ADMIN_TOKEN))
+        if env.get(BrokerEnv.AGENT_TOKEN):
+            grants.append(_grant(env[BrokerEnv.AGENT_TOKEN], Role.AGENT, None,
+                                 BrokerEnv.AGENT_TOKEN))
+        for i, item in enumerate(filter(None, env.get(BrokerEnv.TEAM_TOKENS, "").split(","))):
             team, sep, token = item.strip().partition("=")
             if not sep:
-                raise ConfigError(f"FLEET_TEAM_TOKENS entry {i + 1}: write team=token pairs "
+                raise ConfigError(f"{BrokerEnv.TEAM_TOKENS} entry {i + 1}: write team=token pairs "
                                   "separated by commas")
-            grants.append(_grant(token, Role.TEAM, team, f"FLEET_TEAM_TOKENS entry {i + 1}"))
+            grants.append(_grant(token, Role.TEAM, team, f"{BrokerEnv.TEAM_TOKENS} entry {i + 1}"))
         return grants
 
     @classmethod

@@ -17,6 +17,7 @@ from urllib.parse import quote
 import httpx
 import yaml
 
+from broker.protocol import BrokerEnv
 from broker.spec import Problem
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -40,8 +41,8 @@ class ClientError(Exception):
 
 def config_path(environ: Mapping[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
-    if env.get("FLEET_CONFIG"):
-        return Path(env["FLEET_CONFIG"])
+    if env.get(BrokerEnv.CONFIG):
+        return Path(env[BrokerEnv.CONFIG])
     base = Path(env["XDG_CONFIG_HOME"]) if env.get("XDG_CONFIG_HOME") else (
         Path.home() / ".config")
     return base / "fleet" / "config.yaml"
@@ -78,10 +79,10 @@ class BrokerClient:
     def __init__(self, url: str | None = None, token: str | None = None, *,
                  timeout: float = 30.0, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
-        saved = read_client_config(env) if not (url or env.get("FLEET_URL")) or not (
-            token or env.get("FLEET_TOKEN")) else {}
-        self.url = (url or env.get("FLEET_URL") or saved.get("url") or DEFAULT_URL).rstrip("/")
-        self.token = token or env.get("FLEET_TOKEN") or saved.get("token")
+        saved = read_client_config(env) if not (url or env.get(BrokerEnv.URL)) or not (
+            token or env.get(BrokerEnv.TOKEN)) else {}
+        self.url = (url or env.get(BrokerEnv.URL) or saved.get("url") or DEFAULT_URL).rstrip("/")
+        self.token = token or env.get(BrokerEnv.TOKEN) or saved.get("token")
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
@@ -156,14 +157,14 @@ class BrokerClient:
         except httpx.TransportError as exc:
             raise ClientError(
                 f"cannot reach the broker at {self.url} ({type(exc).__name__}); start it with "
-                "`fleet up`, or point FLEET_URL / --url at a running one", EXIT_UNREACHABLE,
+                f"`fleet up`, or point {BrokerEnv.URL} / --url at a running one", EXIT_UNREACHABLE,
             ) from None
         if r.status_code < 400:
             try:
                 return r.json()
             except ValueError:
                 raise ClientError(f"{self.url} answered, but not as a FleetBroker API; check "
-                                  "FLEET_URL / --url", EXIT_UNREACHABLE) from None
+                                  f"{BrokerEnv.URL} / --url", EXIT_UNREACHABLE) from None
         try:
             err = r.json()["error"]
             message = err["message"]
@@ -174,7 +175,8 @@ class BrokerClient:
         if code is None:
             code = EXIT_UNREACHABLE if r.status_code >= 500 else EXIT_BAD_INPUT
         if r.status_code == 401 and not self.token:
-            message += "; no token configured: set FLEET_TOKEN, pass --token, or run fleet login"
+            message += (f"; no token configured: set {BrokerEnv.TOKEN}, pass --token, or run "
+                        "fleet login")
         raise ClientError(message, code, problems, status=r.status_code)
 
 

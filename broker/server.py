@@ -32,6 +32,7 @@ from broker import secrets, transitions
 from broker.actuator import Actuator, ActuatorConfig
 from broker.fleet import FleetProvider, build_fleet_provider
 from broker.models import JobState
+from broker.protocol import BrokerEnv
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.store import Conflict, Plan, StaleFence, Store
@@ -481,8 +482,8 @@ def _tokens(state_dir: Path) -> dict[str, str]:
 
     path = state_dir / "tokens.json"
     saved = json.loads(path.read_text()) if path.exists() else {}
-    tokens = {"admin": os.environ.get("FLEET_ADMIN_TOKEN") or saved.get("admin") or new_token(),
-              "agent": os.environ.get("FLEET_AGENT_TOKEN") or saved.get("agent") or new_token()}
+    tokens = {"admin": os.environ.get(BrokerEnv.ADMIN_TOKEN) or saved.get("admin") or new_token(),
+              "agent": os.environ.get(BrokerEnv.AGENT_TOKEN) or saved.get("agent") or new_token()}
     if tokens != saved:
         write_private(path, json.dumps(tokens))
     elif path.exists():

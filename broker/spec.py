@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from yaml.cyaml import CParser
 
+from broker.protocol import ENV_PREFIX
 from policies.models import CLOUD_REGION, Accelerator, JobSpec, SpotPolicy, check_name
 
 MAX_SPEC_BYTES = 256 * 1024
@@ -384,7 +385,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REGION_PATTERN = re.compile(r"^[a-z0-9*?\[\]!-]+:[a-z0-9*?\[\]!_-]+$")
 _CLOUD_REGION = re.compile(CLOUD_REGION)
 CLOUDS = ("aws", "gcp", "azure", "local")  # the clouds a region pattern may name
-_RESERVED_ENV_PREFIX = "FLEET_"
+_RESERVED_ENV_PREFIX = ENV_PREFIX
 
 
 def parse_duration(value: Any) -> float | None:

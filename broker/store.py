@@ -25,6 +25,7 @@ from broker.models import (
     Placement,
     check_transition,
 )
+from broker.protocol import CHECKPOINT_EXIT, CONTINUE
 from policies.job_model import measurement_key
 from policies.migration import Blocklist
 from policies.models import Accelerator, JobSpec, Pool
@@ -36,8 +37,6 @@ _PROGRESS_FIELDS = (
     "checkpoint_bytes", "grad_noise_scale",
 )
 ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
-CHECKPOINT_EXIT = "checkpoint-exit"
-CONTINUE = "continue"
 BLOCKLIST_KEY = "blocklist"  # the reclaimed spot locations (policies.migration.Blocklist JSON)
 PREEMPTIONS_KEY = "pool:preemptions"  # hash: pool id -> preemptions the reconciler handled there
 NODE_HOURS_KEY = "pool:node_hours"  # hash: pool id -> node-hours of closed placement intervals
@@ -46,11 +45,8 @@ BROKERS_KEY = "brokers"  # hash: a broker replica's API URL -> until when it cou
 
 
 def report_field(kind: str, attempt: int, round: int, rank: int) -> str:
-    """The progress-hash field of a node's ``exit`` code or ``notice`` in one attempt and round.
-    Rank 0 of round 0 keeps the single-node name (``exit:<attempt>``), which agents from before
-    multi-node jobs write and a single-node job only ever uses."""
-    if rank == 0 and round == 0:
-        return f"{kind}:{attempt}"
+    """The progress-hash field of a node's ``exit`` code, ``notice`` or ``error`` in one attempt
+    and round (``lua.HEARTBEAT`` names rank 0's final one the same way)."""
     return f"{kind}:{attempt}:{round}:{rank}"
 
 
@@ -408,8 +404,8 @@ class Store:
         whose rank-0 worker measures it; the others report liveness, exit codes and notices), and
         the exit code and any preemption notice of node ``node_rank`` in ``round`` of ``attempt``
         (dropped for a round the job has not reached or a rank it lacks). ``launch_key`` is the
-        node's FLEET_LAUNCH_KEY: a node that does not hold the rank's current key
-        (``lua.HEARTBEAT``) records nothing and is told to stop. The checkpoint's size is kept with
+        node's launch key: a node that does not hold the rank's current key (``lua.HEARTBEAT``)
+        records nothing and is told to stop. The checkpoint's size is kept with
         its step (unknown when the report has none), so a size never describes another checkpoint
         than the one recorded. Returns the action for the agent (``continue``, or
         ``checkpoint-exit`` for a stale attempt, a replaced node, a requested cancel or a job being
@@ -444,8 +440,8 @@ class Store:
         """One node's visit to its job's rendezvous: checks node ``node_rank`` in for ``round``
         of ``attempt`` when both are the job's current ones (with ``addr``, "host:port": rank 0
         must send its own, the round's master; another rank may) and the node holds the rank's
-        current ``launch_key`` (its FLEET_LAUNCH_KEY: the launch's, or its stand-in's; None, an
-        agent from before keys, only while the job has no stand-ins), and returns ``{"round",
+        current ``launch_key`` (its launch key: the launch's, or its stand-in's; None, an agent
+        started by hand, only while the job has no stand-ins), and returns ``{"round",
         "nnodes", "master", "action"}``: the job's current round and node count, the address rank
         0 registered for that round once every rank of the job checked in for it (None until
         then, for a stale attempt and for a node the broker replaced; it never changes once

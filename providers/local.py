@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from broker.protocol import BrokerEnv, Env
 from policies.models import Accelerator, Market, Offer, Pool
 from providers.base import (
     CapacityError,
@@ -74,8 +75,8 @@ PASS_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGU
                       "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE"})
 PASS_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_")
 # Never passed, even when a fleet file's pass_env names them.
-BROKER_SECRETS = frozenset({"FLEET_ADMIN_TOKEN", "FLEET_AGENT_TOKEN", "FLEET_TEAM_TOKENS",
-                            "FLEET_REDIS_URL", "FLEET_TOKEN"})
+BROKER_SECRETS = frozenset({BrokerEnv.ADMIN_TOKEN, Env.AGENT_TOKEN, BrokerEnv.TEAM_TOKENS,
+                            BrokerEnv.REDIS_URL, BrokerEnv.TOKEN})
 TOKEN_FILE = "agent-token"  # in the node's directory, 0600, until the agent reads it
 
 
@@ -313,25 +314,25 @@ class LocalProvider(Provider):
         except FileExistsError:
             return [self._node(d) for d in dirs if d.exists()]
         env = {**job_environment(dict(os.environ), tuple(self.fleet.pass_env)),
-               **request.env, "FLEET_WORKDIR": str(self.workdir)}
+               **request.env, Env.WORKDIR: str(self.workdir)}
         # The attempt token goes to the agent in a file it reads and deletes before any of the
         # job's code runs, never in an environment (a job could read /proc/PID/environ).
-        token = env.pop("FLEET_AGENT_TOKEN", None)
+        token = env.pop(Env.AGENT_TOKEN, None)
         # Jobs run from the work dir with this interpreter's tools first on PATH, so `python
         # examples/x.py` finds the same packages as the broker.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env["PYTHONPATH"] = os.pathsep.join(
             x for x in (str(self.workdir), env.get("PYTHONPATH")) if x)
-        env.setdefault("FLEET_GRACE_PERIOD", str(self.fleet.grace_period_s))
-        if "FLEET_MASTER_ADDR" in env or "FLEET_BROKER_URL" not in env:
+        env.setdefault(Env.GRACE_PERIOD, str(self.fleet.grace_period_s))
+        if Env.MASTER_ADDR in env or Env.BROKER_URL not in env:
             # no rendezvous: the nodes of this launch meet on this machine's loopback
-            env.setdefault("FLEET_MASTER_ADDR", "127.0.0.1")
-            env.setdefault("FLEET_MASTER_PORT", str(_free_port()))
+            env.setdefault(Env.MASTER_ADDR, "127.0.0.1")
+            env.setdefault(Env.MASTER_PORT, str(_free_port()))
         for rank, node_dir in zip(ranks, dirs, strict=True):
             node_dir.mkdir(exist_ok=True)
-            node_env = {**env, "FLEET_NODE_RANK": str(rank)}
+            node_env = {**env, Env.NODE_RANK: str(rank)}
             if token:
-                node_env["FLEET_AGENT_TOKEN_FILE"] = str((node_dir / TOKEN_FILE).resolve())
+                node_env[Env.AGENT_TOKEN_FILE] = str((node_dir / TOKEN_FILE).resolve())
                 write_private(node_dir / TOKEN_FILE, token)
             self._start(node_dir, request, region, rank, node_env)
         return [self._node(d) for d in dirs]
@@ -345,8 +346,8 @@ class LocalProvider(Provider):
                 "rank": rank, "launched_at": time.time()}
         (node_dir / "meta.json").write_text(json.dumps(meta))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "providers.local_node", str(node_dir), "--",
-             *request.command],
+            [sys.executable, "-m", "providers.local_node", str(node_dir), str(self.workdir),
+             "--", *request.command],
             env=env, start_new_session=True, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             cwd=str(Path(__file__).resolve().parent.parent),

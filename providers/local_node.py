@@ -1,7 +1,8 @@
 """Supervisor of one local "node": runs the job's command in the node's process group and
 records its exit status in the node directory, so a restarted broker still learns how it ended.
 
-Usage: ``python -m providers.local_node NODE_DIR -- CMD ARGS...`` (started by ``LocalProvider``).
+Usage: ``python -m providers.local_node NODE_DIR WORKDIR -- CMD ARGS...`` (started by
+``LocalProvider``; the command runs in WORKDIR).
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ def _noop(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str]) -> int:
-    node_dir = Path(argv[0])
+    node_dir, workdir = Path(argv[0]), argv[1]
     cmd = argv[argv.index("--") + 1:]
     os.umask(0o077)  # the node's log, and the job's files (checkpoints): owner only
     signal.signal(signal.SIGTERM, _noop)
     signal.signal(signal.SIGINT, _noop)
     with open(node_dir / "output.log", "ab", buffering=0) as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=os.environ.get("FLEET_WORKDIR"))
+                                stdin=subprocess.DEVNULL, cwd=workdir)
         code = proc.wait()
     if code < 0:  # killed by a signal: report it the way a shell does
         code = 128 - code

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from broker.models import JobRecord, JobState
-from broker.store import CHECKPOINT_EXIT, CONTINUE, RENDEZVOUS_TTL_S, JobNotFound, Plan, Store
+from broker.protocol import CHECKPOINT_EXIT, CONTINUE
+from broker.store import RENDEZVOUS_TTL_S, JobNotFound, Plan, Store
 from policies.models import Accelerator
 from providers.base import replacement_key
 from tests.test_store import spec
@@ -206,8 +207,7 @@ def test_agent_reports_per_node_and_round(store: Store) -> None:
     # Rank 1's worker measures nothing: its report must not reset rank 0's progress.
     store.record_heartbeat(job.id, 1, node_rank=1, samples_done=0, notice="gcp preempted")
     progress = store.r.hgetall(f"{store.p}progress:{job.id}")
-    # rank 0 of round 0 keeps the single-node names, which agents from before write too
-    assert progress["exit:1"] == "0" and progress["notice:1:0:1"] == '"gcp preempted"'
+    assert progress["exit:1:0:0"] == "0" and progress["notice:1:0:1"] == '"gcp preempted"'
     job = store.get_job(job.id)
     assert job is not None and job.samples_done == 500
     report = store.agent_reports([job])[job.id]
@@ -255,7 +255,7 @@ def test_heartbeats_of_a_round_or_rank_the_job_lacks_record_nothing(store: Store
     assert (got.samples_done, got.samples_per_sec, got.checkpoint_step, got.checkpoint_bytes,
             got.measured_gpus, got.measured) == (500, 40.0, 7, 1000, 2, {"T4:2x64": 40.0})
     # their exit codes count: rank 0's in round 0, rank 1's in the current round
-    assert store.r.hget(key, "exit:1") == "75"
+    assert store.r.hget(key, "exit:1:0:0") == "75"
     assert store.agent_reports([got])[got.id].exits == {1: 75}
     store.record_heartbeat(job.id, 1, node_rank=0, round=2, samples_done=900)  # a later round
     assert store.get_job(job.id).samples_done == 500  # type: ignore[union-attr]

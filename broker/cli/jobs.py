@@ -22,11 +22,12 @@ from broker.client import (
     config_path,
     write_client_config,
 )
+from broker.protocol import BrokerEnv
 from broker.spec import UNBOUNDED_WORK, Problem, SpecError, apply_overrides, load_spec_file
 
-UrlOpt = typer.Option(None, "--url", envvar="FLEET_URL", show_envvar=True,
+UrlOpt = typer.Option(None, "--url", envvar=BrokerEnv.URL, show_envvar=True,
                       help="Broker URL (default: client config, else http://127.0.0.1:8470)")
-TokenOpt = typer.Option(None, "--token", envvar="FLEET_TOKEN", show_envvar=True,
+TokenOpt = typer.Option(None, "--token", envvar=BrokerEnv.TOKEN, show_envvar=True,
                         help="API token (default: the client config file)")
 JsonOpt = typer.Option(False, "--json", help="Print JSON instead of a table")
 
@@ -303,5 +304,5 @@ def token() -> None:
 
     fresh = new_token()
     console.print(f"token:        {fresh}\ntoken_sha256: {hash_token(fresh)}", highlight=False)
-    err_console.print(f"(the client reads its token from FLEET_TOKEN or {config_path()})",
+    err_console.print(f"(the client reads its token from {BrokerEnv.TOKEN} or {config_path()})",
                       highlight=False)

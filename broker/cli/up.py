@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from broker.cli.app import app, console, fail
+from broker.protocol import BrokerEnv
 
 
 @app.command()
@@ -18,7 +19,7 @@ def up(
     state_dir: Path = typer.Option(Path(".state"), help="Where Redis data, node state and "
                                    "checkpoints live"),
     redis_url: str | None = typer.Option(
-        None, envvar="FLEET_REDIS_URL", show_envvar=True,
+        None, envvar=BrokerEnv.REDIS_URL, show_envvar=True,
         help="Use this Redis instead of starting one: redis://[user:password@]host:port/db "
         "or rediss:// (TLS). Prefer the variable: a command line is visible to every local "
         "user"),

@@ -125,7 +125,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from broker.runtime.assignment import EXIT_FINISHED, EXIT_STOPPED, Assignment
+from broker.protocol import EXIT_FINISHED, EXIT_STOPPED
+from broker.runtime.assignment import Assignment
 from broker.runtime.store import open_store
 
 if TYPE_CHECKING:
