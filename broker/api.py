@@ -11,7 +11,7 @@ names each field.
 from typing import Annotated, Any, Literal
 
 import redis
-from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -21,9 +21,19 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from broker import __version__
+from broker import __version__, errors
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
+from broker.errors import (
+    Conflict,
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    PayloadTooLarge,
+    Unauthenticated,
+    Unavailable,
+    UnsupportedMedia,
+)
 from broker.models import JobRecord, JobState
 from broker.protocol import (
     HEARTBEAT_PATH,
@@ -45,21 +55,12 @@ from broker.spec import (
     parse_spec_text,
     preview,
 )
-from broker.store import JobNotFound, NotDurable, Store
+from broker.store import Store
 from policies.models import JobSpec, Market
 
 SPEC_MEDIA = ("application/yaml", "application/x-yaml", "text/yaml", "text/plain",
               "application/json")
 STREAM_ID_PART_MAX = 2**64 - 1  # Redis stream ids are <ms>-<seq>, each an unsigned 64-bit number
-
-
-class ApiError(HTTPException):
-    """A 4xx with a message and, for bad input, one problem per field."""
-
-    def __init__(self, status: int, message: str, problems: list[Problem] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(status_code=status, detail=message, headers=headers)
-        self.problems = problems or []
 
 
 def _error_body(status: int, message: str, problems: list[Problem]) -> dict[str, Any]:
@@ -128,7 +129,7 @@ class _BoundedJsonRequest(Request):
             try:
                 self._json = load_json(await self.body(), "body")
             except SpecError as exc:
-                raise ApiError(422, "invalid request body", exc.problems) from None
+                raise InvalidInput("invalid request body", exc.problems) from None
         return self._json
 
 
@@ -180,9 +181,9 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         scheme, _, token = (authorization or "").partition(" ")
         return token.strip() if scheme.lower() == "bearer" else None
 
-    def unauthenticated(authorization: str | None) -> ApiError:
+    def unauthenticated(authorization: str | None) -> Unauthenticated:
         why = "missing bearer token" if not authorization else "invalid token"
-        return ApiError(401, f"{why}: send 'Authorization: Bearer TOKEN' (fleet uses "
+        return Unauthenticated(f"{why}: send 'Authorization: Bearer TOKEN' (fleet uses "
                         f"{BrokerEnv.TOKEN} or ~/.config/fleet/config.yaml)",
                         headers={"WWW-Authenticate": "Bearer"})
 
@@ -194,12 +195,12 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
 
     async def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role is Role.AGENT:
-            raise ApiError(403, "an agent token may only post heartbeats and rendezvous visits")
+            raise Forbidden("an agent token may only post heartbeats and rendezvous visits")
         return who
 
     async def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role is not Role.ADMIN:
-            raise ApiError(403, "this needs an admin token")
+            raise Forbidden("this needs an admin token")
         return who
 
     async def reporter(authorization: Annotated[str | None, Header()] = None,
@@ -211,7 +212,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         token = bearer(authorization)
         who = config.authenticate(token)
         if who is not None and who.role not in (Role.AGENT, Role.ADMIN):
-            raise ApiError(403, "agent endpoints need the job attempt's agent token")
+            raise Forbidden("agent endpoints need the job attempt's agent token")
         if token is None or (who is None and not is_attempt_shaped(token)):
             raise unauthenticated(authorization)
         return token, who
@@ -219,7 +220,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     def for_attempt(caller: tuple[str, Principal | None], job_id: str, attempt: int) -> None:
         token, who = caller
         if who is None and not config.is_attempt(token, job_id, attempt):
-            raise ApiError(403, "agent endpoints need the job attempt's agent token; this one "
+            raise Forbidden("agent endpoints need the job attempt's agent token; this one "
                            "is for another job or attempt")
 
     Reporter = Annotated[tuple[str, Principal | None], Depends(reporter)]
@@ -230,7 +231,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     def visible_job(job_id: str, who: Principal) -> JobRecord:
         job = store.get_job(job_id)
         if job is None or not who.can_see(job.team):
-            raise ApiError(404, f"no job {job_id!r} (fleet jobs lists yours)")
+            raise NotFound(f"no job {job_id!r} (fleet jobs lists yours)")
         return job
 
     def visible_jobs(who: Principal, team: str | None,
@@ -238,7 +239,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         """A team token sees its own team's jobs; an admin any team's, or all."""
         if who.role is not Role.ADMIN:
             if team is not None and team != who.team:
-                raise ApiError(404, f"no team {team!r} visible to this token")
+                raise NotFound(f"no team {team!r} visible to this token")
             team = who.team
         return store.list_jobs(team=team, states=states)
 
@@ -262,10 +263,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         """Body: the job spec as YAML (own format or SkyPilot task) or JSON. A retry with the
         same ``Idempotency-Key`` returns the first job instead of a second one."""
         body = await _read_spec_body(request)
-        try:  # in a worker thread: a big spec never holds up the event loop
-            parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot)
-        except SpecError as exc:
-            raise ApiError(422, "invalid job spec", exc.problems) from None
+        # in a worker thread: a big spec never holds up the event loop
+        parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot)
         team = _submit_team(spec, who)
         if spec.team != team:
             spec = spec.model_copy(update={"team": team})
@@ -301,10 +300,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
               responses=_POST)
     def cancel(job_id: JobId, who: User) -> dict[str, Any]:
         visible_job(job_id, who)
-        try:
-            job = store.request_cancel(job_id)
-        except JobNotFound:
-            raise ApiError(404, f"no job {job_id!r}") from None
+        job = store.request_cancel(job_id)
         return {"job": job_view(job)}
 
     @app.get("/v1/jobs/{job_id}/logs", tags=["jobs"], summary="Log lines from an offset",
@@ -375,10 +371,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         report = beat.model_dump()
         if not report["samples_per_sec"]:
             report["samples_per_sec"] = None  # 0 = not measured yet, not a real throughput
-        try:
-            said = store.record_heartbeat(**report)
-        except JobNotFound:
-            raise ApiError(404, f"no job {beat.job_id!r}") from None
+        said = store.record_heartbeat(**report)
         return HeartbeatReply(action=agent_action(said.action), round=said.round)
 
     @app.post(RENDEZVOUS_PATH, tags=["agent"], response_model=RendezvousReply,
@@ -387,11 +380,8 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                       "master's address) and polls until its whole round has")
     def rendezvous(visit: Rendezvous, caller: Reporter) -> RendezvousReply:
         for_attempt(caller, visit.job_id, visit.attempt)
-        try:
-            got = store.rendezvous(visit.job_id, visit.attempt, visit.round, visit.node_rank,
-                                   visit.addr, visit.launch_key)
-        except JobNotFound:
-            raise ApiError(404, f"no job {visit.job_id!r}") from None
+        got = store.rendezvous(visit.job_id, visit.attempt, visit.round, visit.node_rank,
+                               visit.addr, visit.launch_key)
         return RendezvousReply(**{**got, "action": agent_action(got["action"])})
 
     @app.post("/v1/chaos/preempt", status_code=202, tags=["chaos"], responses=_POST,
@@ -402,7 +392,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         hits = [p for p in spot if req.region in (p.region, f"{p.cloud}:{p.region}")]
         if not hits:
             known = sorted({f"{p.cloud}:{p.region}" for p in spot}) or ["none"]
-            raise ApiError(404, f"no spot pool in region {req.region!r}; spot regions: "
+            raise NotFound(f"no spot pool in region {req.region!r}; spot regions: "
                            + ", ".join(known))
         store.request_preempt(hits[0].region, duration_s=req.duration_s)
         return {"accepted": True, "region": hits[0].region,
@@ -415,9 +405,9 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                    who: Annotated[Principal, Depends(admin)]) -> dict[str, Any]:
         job = store.get_job(req.job_id)
         if job is None:
-            raise ApiError(404, f"no job {req.job_id!r}")
+            raise NotFound(f"no job {req.job_id!r}")
         if job.state is not JobState.RUNNING or req.rank >= job.nodes:
-            raise ApiError(409, f"job {job.id} is {job.state.value} on {job.nodes} node(s): "
+            raise Conflict(f"job {job.id} is {job.state.value} on {job.nodes} node(s): "
                            f"rank {req.rank} is not a running node of it")
         store.request_command("node", job_id=job.id, rank=req.rank, how=req.how)
         return {"accepted": True, "job_id": job.id, "rank": req.rank, "how": req.how}
@@ -441,7 +431,7 @@ def _submit_team(spec: JobSpec, who: Principal) -> str:
         return spec.team
     assert who.team is not None  # team grants always carry a team
     if spec.team not in ("default", who.team):
-        raise ApiError(403, f"this token belongs to team {who.team!r}, the spec says team "
+        raise Forbidden(f"this token belongs to team {who.team!r}, the spec says team "
                        f"{spec.team!r}; remove team: or use that team's token",
                        [Problem(field="team", value=repr(spec.team),
                                 message=f"must be {who.team!r} for this token")])
@@ -473,7 +463,7 @@ def _team_events(store: Store, who: Principal, since: str,
 async def _read_spec_body(request: Request) -> bytes:
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media and media not in SPEC_MEDIA:
-        raise ApiError(415, f"content type {media!r} is not a job spec; send "
+        raise UnsupportedMedia(f"content type {media!r} is not a job spec; send "
                        + ", ".join(SPEC_MEDIA))
     return await request.body()
 
@@ -492,7 +482,7 @@ class BodyLimit:
             return
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.limit:
-            response = JSONResponse(self._error(), status_code=413)
+            response = JSONResponse(self._error(), status_code=PayloadTooLarge.status)
             await response(scope, receive, send)
             return
         seen = 0
@@ -503,34 +493,41 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:  # a chunked upload: stop reading at the limit
-                    raise ApiError(413, self._error()["error"]["message"])
+                    # an HTTPException: FastAPI passes those through its body parsing as
+                    # they are (anything else there becomes a 400)
+                    raise StarletteHTTPException(PayloadTooLarge.status,
+                                                 self._error()["error"]["message"])
             return message
 
         await self.app(scope, limited, send)
 
     def _error(self) -> dict[str, Any]:
-        return _error_body(413, f"request body is over the {self.limit}-byte limit", [])
+        return _error_body(PayloadTooLarge.status,
+                           f"request body is over the {self.limit}-byte limit", [])
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    """One handler answers every error: a FleetError (``broker.errors`` gives its status), or
+    what FastAPI, Starlette or Redis raise, first made into one."""
+
+    async def fleet_error(request: Request, exc: Exception) -> JSONResponse:
+        err = errors.as_fleet_error(exc)
+        return JSONResponse(_error_body(err.status, err.message, err.problems),
+                            status_code=err.status, headers=err.headers)
+
+    for cls in errors.handled():
+        app.add_exception_handler(cls, fleet_error)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        problems = exc.problems if isinstance(exc, ApiError) else []
-        return JSONResponse(_error_body(exc.status_code, str(exc.detail), problems),
+        # routing's own (an unknown path: 404, a wrong method: 405)
+        return JSONResponse(_error_body(exc.status_code, str(exc.detail), []),
                             status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(NotDurable)
-    async def not_durable(request: Request, exc: NotDurable) -> JSONResponse:
-        # not acknowledged: the same Idempotency-Key on a retry never makes a second job
-        message = (f"not accepted: the submission could not be made durable ({exc}); retry "
-                   "later with the same Idempotency-Key")
-        return JSONResponse(_error_body(503, message, []), status_code=503,
-                            headers={"Retry-After": "5"})
 
     @app.exception_handler(redis.RedisError)
     async def store_down(request: Request, exc: redis.RedisError) -> JSONResponse:
-        message = "the broker's state store (redis) is unavailable; check `fleet up`"
-        return JSONResponse(_error_body(503, message, []), status_code=503)
+        return await fleet_error(request, Unavailable(
+            "the broker's state store (redis) is unavailable; check `fleet up`"))
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -542,4 +539,4 @@ def _install_error_handlers(app: FastAPI) -> None:
             value = err.get("input") if err["type"] != "missing" else None
             problems.append(Problem(field=where, message=err["msg"].removeprefix(
                 "Value error, "), value=None if value is None else preview(value)))
-        return JSONResponse(_error_body(422, "invalid request", problems), status_code=422)
+        return await fleet_error(request, InvalidInput("invalid request", problems))

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from broker.errors import InvalidInput
 from broker.protocol import BrokerEnv
 from broker.spec import MAX_SPEC_BYTES
 from policies.models import check_name
@@ -62,7 +63,7 @@ class TokenGrant(BaseModel):
         return None if v is None else check_name(v, "team")
 
 
-class ConfigError(ValueError):
+class ConfigError(InvalidInput):
     """The broker's API settings are invalid; the message names the entry and the fix."""
 
 

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from yaml.cyaml import CParser
 
+from broker.errors import InvalidInput
 from broker.protocol import ENV_PREFIX
 from policies.models import CLOUD_REGION, Accelerator, JobSpec, SpotPolicy, check_name
 
@@ -57,14 +58,19 @@ class Problem(BaseModel):
         return f"{self.field}{shown}: {self.message}"
 
 
-class SpecError(ValueError):
+class SpecError(InvalidInput):
     """A spec that cannot be accepted; ``problems`` lists every reason."""
 
+    problems: list[Problem]
+
     def __init__(self, problems: list[Problem]) -> None:
-        self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         noun = "problem" if len(problems) == 1 else "problems"
-        super().__init__(f"invalid job spec ({len(problems)} {noun}):\n{lines}")
+        super().__init__(f"invalid job spec ({len(problems)} {noun}):\n{lines}", problems)
+
+    @property
+    def message(self) -> str:
+        return "invalid job spec"  # the API's answer: its problems list each reason
 
 
 class ParsedSpec(BaseModel):

@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from broker import lua, transitions
+from broker import errors, lua, transitions
 from broker.models import (
     TERMINAL_STATES,
     Event,
@@ -85,25 +85,33 @@ class Directive:
     round: int
 
 
-class StoreError(Exception):
+class StoreError(errors.FleetError):
     """Base of the store's refusals."""
 
 
-class JobNotFound(StoreError):
-    pass
+class JobNotFound(StoreError, errors.NotFound):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job {job_id!r} (fleet jobs lists yours)")
+        self.job_id = job_id
 
 
-class Conflict(StoreError):
+class Conflict(StoreError, errors.Conflict):
     """The record changed since it was read (or is in an unexpected state); re-read, retry."""
 
 
-class StaleFence(StoreError):
+class StaleFence(StoreError, errors.Conflict):
     """The caller's fencing token no longer holds the leader lease; it must stop acting."""
 
 
-class NotDurable(StoreError):
+class NotDurable(StoreError, errors.Unavailable):
     """Redis took a write (or refused it) without confirming it durable: the caller must not
     acknowledge it. A retry with the same request key returns the same job once it is."""
+
+    def __init__(self, why: str) -> None:
+        # not acknowledged: the same Idempotency-Key on a retry never makes a second job
+        super().__init__(f"not accepted: the submission could not be made durable ({why}); "
+                         "retry later with the same Idempotency-Key",
+                         headers={"Retry-After": "5"})
 
 
 # Kept outside ``doc``: the hash's plain fields and the agent-reported progress.
@@ -259,7 +267,7 @@ class Store:
     def __init__(self, client: redis.Redis, *, prefix: str = "fb:", confirm_durable: bool = True,
                  durable_timeout_s: float = 3.0) -> None:
         if not client.get_connection_kwargs().get("decode_responses"):
-            raise ValueError("Store needs a redis client made with decode_responses=True")
+            raise StoreError("Store needs a redis client made with decode_responses=True")
         self.r = client
         self.p = prefix
         # Whether a submission returns only once Redis confirmed it durable (``_confirm_durable``)

@@ -1,6 +1,7 @@
 """``fleet launch/jobs/job/logs/cancel/capacity/events/chaos/login/token``: the API's client side.
 
-Exit codes: 0 ok, 2 bad input, 3 not found, 4 auth, 5 broker unreachable.
+Exit codes: those of ``broker.errors`` (0 ok, 2 bad input, 3 not found, 4 auth, 5 broker
+unreachable, 6 conflict).
 """
 
 from __future__ import annotations
@@ -8,22 +9,16 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from broker.cli.app import app, console, err_console, fail, print_json
-from broker.client import (
-    EXIT_BAD_INPUT,
-    BrokerClient,
-    ClientError,
-    config_path,
-    write_client_config,
-)
+from broker.cli.app import app, console, err_console, print_json
+from broker.client import BrokerClient, config_path, write_client_config
 from broker.protocol import BrokerEnv
-from broker.spec import UNBOUNDED_WORK, Problem, SpecError, apply_overrides, load_spec_file
+from broker.spec import UNBOUNDED_WORK, apply_overrides, load_spec_file
 
 UrlOpt = typer.Option(None, "--url", envvar=BrokerEnv.URL, show_envvar=True,
                       help="Broker URL (default: client config, else http://127.0.0.1:8470)")
@@ -34,30 +29,6 @@ JsonOpt = typer.Option(False, "--json", help="Print JSON instead of a table")
 chaos_app = typer.Typer(help="Fault injection on a running broker (admin token).",
                         no_args_is_help=True)
 app.add_typer(chaos_app, name="chaos")
-
-
-def _fail_problems(message: str, problems: list[Problem], code: int) -> NoReturn:
-    """Like ``fail``, then one line per problem (field, value, fix)."""
-    if not problems:
-        fail(message, code)
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    for p in problems:
-        err_console.print(f"  - {p}", highlight=False, markup=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def _client(url: str | None, token: str | None) -> BrokerClient:
-    try:
-        return BrokerClient(url, token)
-    except ClientError as exc:
-        fail(str(exc), exc.exit_code)
-
-
-def _call(client: BrokerClient, fn: str, *args: Any, **kw: Any) -> dict[str, Any]:
-    try:
-        return getattr(client, fn)(*args, **kw)
-    except ClientError as exc:
-        _fail_problems(str(exc), exc.problems, exc.exit_code)
 
 
 def _print_table(renderable: Any) -> None:
@@ -94,15 +65,12 @@ def launch(
     as_json: bool = JsonOpt, url: str | None = UrlOpt, token: str | None = TokenOpt,
 ) -> None:
     """Submit a job to the broker."""
-    try:
-        parsed = load_spec_file(spec)
-        job_spec = apply_overrides(parsed.spec, gpus=gpus, spot=spot)
-    except SpecError as exc:
-        _fail_problems(f"{spec}: invalid job spec", exc.problems, EXIT_BAD_INPUT)
+    parsed = load_spec_file(spec)
+    job_spec = apply_overrides(parsed.spec, gpus=gpus, spot=spot)
     for note in parsed.warnings:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-    with _client(url, token) as client:
-        out = _call(client, "submit", job_spec.model_dump_json())
+    with BrokerClient(url, token) as client:
+        out = client.submit(job_spec.model_dump_json())
     job = out["job"]
     if as_json:
         print_json(job)
@@ -119,8 +87,8 @@ def list_jobs(
     as_json: bool = JsonOpt, url: str | None = UrlOpt, token: str | None = TokenOpt,
 ) -> None:
     """List jobs (a team token sees its own; an admin sees all)."""
-    with _client(url, token) as client:
-        out = _call(client, "jobs", states=state, team=team)
+    with BrokerClient(url, token) as client:
+        out = client.jobs(states=state, team=team)
     if as_json:
         print_json(out["jobs"])
         return
@@ -140,8 +108,8 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
              as_json: bool = JsonOpt, url: str | None = UrlOpt,
              token: str | None = TokenOpt) -> None:
     """Show one job: state, assignment, progress, placements and cost."""
-    with _client(url, token) as client:
-        out = _call(client, "job", job_id)
+    with BrokerClient(url, token) as client:
+        out = client.job(job_id)
     if as_json:
         print_json(out)
         return
@@ -187,9 +155,9 @@ def logs(job_id: str = typer.Argument(..., help="Job ID"),
          interval: float = typer.Option(1.0, "--interval", min=0.05, hidden=True),
          url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
     """Print a job's log lines."""
-    with _client(url, token) as client:
+    with BrokerClient(url, token) as client:
         while True:
-            out = _call(client, "logs", job_id, offset)
+            out = client.logs(job_id, offset)
             for line in out["lines"]:
                 typer.echo(line)
             offset = out["next_offset"]
@@ -204,8 +172,8 @@ def logs(job_id: str = typer.Argument(..., help="Job ID"),
 def cancel(job_id: str = typer.Argument(..., help="Job ID"), as_json: bool = JsonOpt,
            url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
     """Cancel a job (it checkpoints and stops if it is running)."""
-    with _client(url, token) as client:
-        job = _call(client, "cancel", job_id)["job"]
+    with BrokerClient(url, token) as client:
+        job = client.cancel(job_id)["job"]
     if as_json:
         print_json(job)
         return
@@ -217,8 +185,8 @@ def cancel(job_id: str = typer.Argument(..., help="Job ID"), as_json: bool = Jso
 def capacity(as_json: bool = JsonOpt, url: str | None = UrlOpt,
              token: str | None = TokenOpt) -> None:
     """The fleet's pools: GPUs, GPUs in use, market and price."""
-    with _client(url, token) as client:
-        out = _call(client, "capacity")
+    with BrokerClient(url, token) as client:
+        out = client.capacity()
     if as_json:
         print_json(out)
         return
@@ -243,9 +211,9 @@ def events(job_id: str | None = typer.Option(None, "--job", help="Only this job'
            url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
     """Print the event stream (submissions, launches, rescales, migrations, preemptions)."""
     since = "0"
-    with _client(url, token) as client:
+    with BrokerClient(url, token) as client:
         while True:
-            out = _call(client, "events", since=since, job_id=job_id, limit=limit)
+            out = client.events(since=since, job_id=job_id, limit=limit)
             for e in out["events"]:
                 if as_json:
                     typer.echo(json.dumps(e))
@@ -267,8 +235,8 @@ def chaos_preempt(region: str = typer.Argument(..., help="A spot region (or clou
                                                  help="Seconds the region stays reclaimed"),
                   url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
     """Reclaim every spot node in REGION: its jobs checkpoint and move elsewhere."""
-    with _client(url, token) as client:
-        out = _call(client, "preempt", region, duration)
+    with BrokerClient(url, token) as client:
+        out = client.preempt(region, duration)
     console.print(f"preempting {out['region']} ({', '.join(out['pools'])}) for "
                   f"{out['duration_s']:.0f}s", highlight=False)
 
@@ -282,8 +250,8 @@ def chaos_node(job_id: str = typer.Argument(..., help="A running job"),
                url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
     """Take one node of a job away (local pretend regions): a multi-node job replaces it."""
     how = "kill" if kill else "reclaim"
-    with _client(url, token) as client:
-        out = _call(client, "node_chaos", job_id, rank, how)
+    with BrokerClient(url, token) as client:
+        out = client.node_chaos(job_id, rank, how)
     console.print(f"{out['how']} node of rank {out['rank']} of {out['job_id']}", highlight=False)
 
 
@@ -293,7 +261,7 @@ def login(url: str = typer.Option(..., "--url", help="Broker URL"),
                                     help="API token")) -> None:
     """Save the broker URL and token in the client config file (mode 600)."""
     with BrokerClient(url, token) as client:
-        _call(client, "jobs")  # proves both before they are saved
+        client.jobs()  # proves both before they are saved
     console.print(f"saved to {write_client_config(url, token)}", highlight=False)
 
 

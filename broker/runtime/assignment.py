@@ -6,12 +6,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from broker.errors import InvalidInput
 from broker.protocol import Env
 
 BATCH_MODES = ("fixed", "elastic")
 
 
-class AssignmentError(ValueError):
+class AssignmentError(InvalidInput):
     """A FLEET_* / torchrun variable or an argument has a value the runtime cannot use."""
 
 
