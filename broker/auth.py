@@ -16,10 +16,8 @@ import re
 import secrets
 from collections.abc import Mapping
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from broker.errors import InvalidInput
@@ -93,8 +91,11 @@ class ApiConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tokens: list[TokenGrant] = Field(default_factory=list)
-    max_body_bytes: int = Field(default=MAX_SPEC_BYTES + 4096, ge=1024, le=16 * 1024 * 1024)
+    tokens: list[TokenGrant] = Field(default_factory=list, description="a list of {team: NAME "
+                                     "| admin: true | agent: true, token: TEXT | token_sha256: "
+                                     "HEX} (docs/security.md)")
+    max_body_bytes: int = Field(default=MAX_SPEC_BYTES + 4096, ge=1024, le=16 * 1024 * 1024,
+                                description="the largest request body the API reads")
     max_list: int = Field(default=10_000, ge=1, description="most jobs one listing returns")
     # The key attempt tokens are made with (the broker's agent key); set at start, never in a file.
     attempt_key: SecretStr | None = Field(default=None, exclude=True)
@@ -162,19 +163,11 @@ class ApiConfig(BaseModel):
         return grants
 
     @classmethod
-    def load(cls, path: str | Path | None = None,
+    def load(cls, section: Mapping[str, Any] | None = None,
              environ: Mapping[str, str] | None = None) -> ApiConfig:
-        """The ``api:`` section of a broker config YAML (if given) plus the tokens from env."""
-        data: Any = {}
-        if path is not None:
-            try:
-                data = yaml.safe_load(Path(path).read_text()) or {}
-            except (OSError, yaml.YAMLError) as exc:
-                raise ConfigError(f"{path}: cannot read the broker config ({exc})") from None
-            if not isinstance(data, Mapping):
-                raise ConfigError(f"{path}: the broker config must be a YAML mapping")
-            data = data.get("api", {})
-        config = cls.from_mapping(data)
+        """The ``api`` section of the broker config (``broker.config``) plus the tokens from
+        env."""
+        config = cls.from_mapping(section)
         return config.model_copy(update={"tokens": [*config.tokens, *cls.from_env(environ)]})
 
 

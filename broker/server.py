@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,16 @@ class BrokerConfig(BaseModel):
     redis_url: str | None = None  # None: start an embedded redis-server under state_dir
     fleet: Path = DEFAULT_FLEET
     owner: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
-    tick_s: float = Field(default=1.0, gt=0)
-    lease_ttl_s: float = Field(default=5.0, gt=0)
+    tick_s: float = Field(default=1.0, gt=0, description="the round interval: the broker loop "
+                          "wakes this often (and on every event) to plan and act")
+    lease_ttl_s: float = Field(default=5.0, gt=0, description="the leader lease's time to live: "
+                               "a replica takes over this long after the leader stopped renewing")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     use_agent: bool = True
     broker_url: str | None = None
     agent_token: str | None = None
-    heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    heartbeat_interval_s: float = Field(default=5.0, gt=0, description="seconds between a job "
+                                        "agent's heartbeats (its progress and liveness)")
     blocklist_decay_s: float = Field(default=DEFAULT_DECAY_S, gt=0,
                                      description="how long a reclaimed spot location stays "
                                      "blocked (SpotHedge's reset may free it earlier)")
@@ -497,10 +501,10 @@ class Stack:
     HTTP API (agents' heartbeats included) on ``host:port`` and the broker loop."""
 
     def __init__(self, config: BrokerConfig, *, host: str = "127.0.0.1", port: int = 8470,
-                 api_config_path: Path | None = None) -> None:
+                 api: Mapping[str, Any] | None = None) -> None:
         self.config = config
         self.host, self.port = host, port or free_port()
-        self.api_config_path = api_config_path
+        self.api = api  # the broker config's api section (broker.config)
         self.redis: EmbeddedRedis | None = None
         self.broker: Broker | None = None
         self._server: Any = None
@@ -527,7 +531,7 @@ class Stack:
         else:
             register_url_password(url)
         self.tokens = _tokens(state)
-        api_config = (ApiConfig.load(self.api_config_path)
+        api_config = (ApiConfig.load(self.api)
                       .with_token(self.tokens["admin"], Role.ADMIN)
                       .with_token(self.tokens["agent"], Role.AGENT)
                       .with_attempt_key(self.tokens["agent"]))
