@@ -130,7 +130,7 @@ _LAUNCH_KEY_FIELD = Field(
     default=None, max_length=160, pattern=LAUNCH_KEY,
     description=f"the node's {Env.LAUNCH_KEY} (letters, digits, ':', '~', '.', '-', '_'; at most "
                 "160): a node the broker replaced no longer holds its rank's key and is told to "
-                "stop; none (an agent started by hand) only while its rank was never replaced")
+                "stop; a report without one is refused for a job launched with keys")
 
 
 # What a heartbeat takes from the runtime's progress file, when the file has it (a field the

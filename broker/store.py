@@ -448,8 +448,8 @@ class Store:
         """One node's visit to its job's rendezvous: checks node ``node_rank`` in for ``round``
         of ``attempt`` when both are the job's current ones (with ``addr``, "host:port": rank 0
         must send its own, the round's master; another rank may) and the node holds the rank's
-        current ``launch_key`` (its launch key: the launch's, or its stand-in's; None, an agent
-        started by hand, only while the job has no stand-ins), and returns ``{"round",
+        current ``launch_key`` (the launch's, or its stand-in's; None only for a job whose record
+        has no launch key), and returns ``{"round",
         "nnodes", "master", "action"}``: the job's current round and node count, the address rank
         0 registered for that round once every rank of the job checked in for it (None until
         then, for a stale attempt and for a node the broker replaced; it never changes once

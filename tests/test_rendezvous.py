@@ -114,24 +114,17 @@ def test_a_replaced_rank_counts_only_with_its_stand_ins_key(store: Store) -> Non
     assert store.rendezvous(job.id, 1, 2, 1, None, LAUNCH) == superseded  # still refused
 
 
-def test_a_job_without_stand_ins_takes_agents_without_a_key(store: Store) -> None:
-    """Agents from before keys keep working until the broker replaces a node; a key, once
-    sent, must be the launch's."""
+def test_a_node_without_the_launch_key_is_told_to_stop(store: Store) -> None:
+    """A job launched with a key takes only the nodes that hold it (or their stand-ins'): a
+    report without a key, or with another, records nothing and is told to stop."""
     job = change(store, two_node_job(store).id, launch_key=LAUNCH)
-    assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:1", None)["action"] == CONTINUE
+    assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:1", None)["action"] == CHECKPOINT_EXIT
+    assert store.record_heartbeat(job.id, 1, node_rank=0, exit_code=0).action == CHECKPOINT_EXIT
     assert store.rendezvous(job.id, 1, 0, 1, None, "other-1:1:1")["action"] == CHECKPOINT_EXIT
-    assert store.checked_in([job]) == {job.id: {0}}
+    assert store.checked_in([job]) == {job.id: set()}
+    assert store.r.hget(f"{store.p}progress:{job.id}", "exit:1:0:0") is None
+    assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:1", LAUNCH)["action"] == CONTINUE
     assert store.rendezvous(job.id, 1, 0, 1, None, LAUNCH)["master"] == "10.0.0.5:1"
-
-
-def test_an_agent_without_a_key_keeps_a_rank_never_replaced(store: Store) -> None:
-    """A gang launched before keys (or on an image with an older agent): rank 1 was replaced,
-    rank 0 never was, so its keyless agent still counts; rank 1's keyless one does not."""
-    job = replaced_job(store)
-    assert store.rendezvous(job.id, 1, 2, 0, "10.0.0.5:1", None)["action"] == CONTINUE
-    assert store.record_heartbeat(job.id, 1, node_rank=0, round=2).action == CONTINUE
-    assert store.rendezvous(job.id, 1, 2, 1, None, None)["action"] == CHECKPOINT_EXIT
-    assert store.checked_in([job]) == {job.id: {0}}
 
 
 def test_heartbeats_keep_the_rendezvous_record_while_the_gang_trains(store: Store) -> None:
