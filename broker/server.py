@@ -34,7 +34,7 @@ from broker.actuator import Actuator, ActuatorConfig
 from broker.fleet import FleetProvider, build_fleet_provider
 from broker.models import JobState
 from broker.protocol import BrokerEnv
-from broker.reconciler import Reconciler
+from broker.reconciler import QUICK_RECLAIM_S, Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.store import Conflict, Plan, StaleFence, Store
 from policies.migration import DEFAULT_DECAY_S
@@ -46,9 +46,6 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_FLEET = REPO / "examples" / "fleets" / "local.yaml"
 REDIS_HINT = ("redis-server not found on PATH: install it (Debian/Ubuntu: apt-get install "
               "redis-server; macOS: brew install redis) or pass --redis-url redis://HOST:PORT")
-# A leader loop that has not come round for this long is taken to be hung: its lease is no
-# longer renewed, so a standby takes over (a pass may wait this long on a cloud's API).
-LEASE_STALL_S = 60.0
 
 
 class BrokerConfig(BaseModel):
@@ -60,6 +57,10 @@ class BrokerConfig(BaseModel):
                           "wakes this often (and on every event) to plan and act")
     lease_ttl_s: float = Field(default=5.0, gt=0, description="the leader lease's time to live: "
                                "a replica takes over this long after the leader stopped renewing")
+    lease_stall_s: float = Field(default=60.0, gt=0, description="a leader whose loop has not "
+                                 "come round this long is taken to be hung and stops renewing "
+                                 "its lease, so a standby takes over (a pass may wait this long "
+                                 "on a cloud's API)")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     use_agent: bool = True
     broker_url: str | None = None
@@ -75,6 +76,10 @@ class BrokerConfig(BaseModel):
                                        "completed without it")
     confirm_durable: bool = Field(default=True, description="acknowledge a submission only "
                                   "once Redis confirmed it durable (docs/operations.md)")
+    quick_reclaim_s: float = Field(default=QUICK_RECLAIM_S, gt=0, description="a spot reclaim "
+                                   "this soon after a launch is an early one; two early ones "
+                                   "within the blocklist's refusal decay put the pool under "
+                                   "reclaim (backed off)")
     launch_deadline_s: float = Field(default=1200.0, gt=0,
                                      description="a cloud VM whose agent has not sent its first "
                                      "heartbeat this long after launch is terminated and its "
@@ -301,7 +306,8 @@ class Broker:
             # agents re-form a multi-node group with a stand-in through the broker's rendezvous
             replace_lost_nodes=config.broker_url is not None,
             final_report_wait_s=config.final_report_wait_s
-            if config.broker_url and config.use_agent else None)
+            if config.broker_url and config.use_agent else None,
+            quick_reclaim_s=config.quick_reclaim_s)
         self.fence = 0
         self.rounds = 0
         self._announced = -math.inf  # when this replica last named its API URL in Redis
@@ -403,10 +409,10 @@ class Broker:
     def _keep_lease(self) -> None:
         """Renew the lease a third of its TTL apart on this thread's own timer, so that neither
         a long pass nor API requests served by this process can let it lapse; a loop that has
-        not come round for ``LEASE_STALL_S`` is no longer renewed for."""
+        not come round for ``lease_stall_s`` is no longer renewed for."""
         while not self._stop.wait(self.config.lease_ttl_s / 3):
             fence = self.fence
-            if not fence or time.monotonic() - self._came_round > LEASE_STALL_S:
+            if not fence or time.monotonic() - self._came_round > self.config.lease_stall_s:
                 continue
             try:
                 held = self.store.acquire_lease(self.config.owner, self.config.lease_ttl_s)
