@@ -54,9 +54,7 @@ class ActuatorConfig(BaseModel):
     # the broker's launch deadline (``Reconciler``): a gang's agents wait longer at the
     # rendezvous, so the broker, not a survivor, decides that a stand-in is not coming
     launch_deadline_s: float | None = None
-
-
-RENDEZVOUS_MARGIN_S = 600.0  # a stand-in's launch, after the deadline, and its boot
+    rendezvous_margin_s: float = 600.0  # a stand-in's launch, after the deadline, and its boot
 
 
 def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorConfig, *,
@@ -102,7 +100,7 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     if nodes == 1:  # one node is its own master; a gang meets at the broker's rendezvous
         env[Env.MASTER_ADDR] = "127.0.0.1"
     elif config.launch_deadline_s is not None:
-        env[Env.RENDEZVOUS_TIMEOUT] = f"{config.launch_deadline_s + RENDEZVOUS_MARGIN_S:g}"
+        env[Env.RENDEZVOUS_TIMEOUT] = f"{config.launch_deadline_s + config.rendezvous_margin_s:g}"
     # The spec's interval is the runtime's default; an interval the script passes itself wins.
     every, in_steps = spec.checkpoint.every
     env[Env.CHECKPOINT_EVERY_STEPS if in_steps else Env.CHECKPOINT_EVERY_SECONDS] = \

@@ -84,6 +84,11 @@ class BrokerConfig(BaseModel):
                                      description="a cloud VM whose agent has not sent its first "
                                      "heartbeat this long after launch is terminated and its "
                                      "job requeued (needs broker_url: agents report there)")
+    rendezvous_margin_s: float = Field(
+        default=ActuatorConfig.model_fields["rendezvous_margin_s"].default, gt=0,
+        description="how much longer than launch_deadline_s a multi-node job's agents wait at "
+        "the rendezvous for a round's group (a stand-in's launch and boot), so that the broker, "
+        "not a survivor, decides a stand-in is not coming")
 
 
 class EmbeddedRedis:
@@ -297,7 +302,8 @@ class Broker:
             agent_token=config.agent_token, use_agent=config.use_agent,
             heartbeat_interval_s=config.heartbeat_interval_s,
             max_failures=config.scheduler.max_failures,
-            launch_deadline_s=config.launch_deadline_s if config.broker_url else None))
+            launch_deadline_s=config.launch_deadline_s if config.broker_url else None,
+            rendezvous_margin_s=config.rendezvous_margin_s))
         self.reconciler = Reconciler(
             store, provider, max_failures=config.scheduler.max_failures,
             blocklist_decay_s=config.blocklist_decay_s,

@@ -35,6 +35,7 @@ broker:
   tick_s: 0.2
   heartbeat_interval_s: 2.5
   quick_reclaim_s: 45
+  rendezvous_margin_s: 30
 """
 
 
@@ -61,7 +62,8 @@ def test_file_env_and_flags_reach_the_running_round(
         sched = broker.scheduler.config  # what each round plans with
         assert (sched.policy, sched.admission, sched.restart_s, sched.egress.cross_cloud) == \
             (Policy.STATIC, Admission.QUEUE, 123.0, 0.05)  # file, flag, env, nested file key
-        assert (broker.config.tick_s, broker.reconciler.quick_reclaim_s) == (0.2, 45.0)
+        assert (broker.config.tick_s, broker.reconciler.quick_reclaim_s,
+                broker.actuator.config.rendezvous_margin_s) == (0.2, 45.0, 30.0)
         spec = JobSpec(name="knob", team="ml", run='echo "beat=$FLEET_HEARTBEAT_INTERVAL"',
                        gpus=GpuRange(min=1, max=2), batch_size=BatchRange(min=8, max=64),
                        work_samples=8)

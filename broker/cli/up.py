@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 
 from broker.cli.app import app, console, fail
-from broker.protocol import BrokerEnv
+from broker.protocol import ENV_PREFIX, BrokerEnv
 
 
 @app.command()
@@ -30,7 +30,7 @@ def up(
     config: Path | None = typer.Option(
         None, envvar=BrokerEnv.BROKER_CONFIG, show_envvar=True,
         help="Broker config YAML (sections scheduler, broker, api; docs/configuration.md). "
-        "FLEET_<SECTION>__<KEY> variables override it, and these flags override both"),
+        f"{ENV_PREFIX}<SECTION>__<KEY> variables override it, and these flags override both"),
     policy: str | None = typer.Option(
         None, help="elastic | fixed-batch | static (scheduler.policy; default elastic)"),
     admission: str | None = typer.Option(
