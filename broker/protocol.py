@@ -212,7 +212,7 @@ class Rendezvous(BaseModel):
     @field_validator("addr")
     @classmethod
     def _host_port(cls, v: str | None) -> str | None:
-        if v is not None and not is_host_port(v):
+        if v is not None and not _is_host_port(v):
             raise ValueError("must be host:port, e.g. 10.0.0.5:29500 or [fd00::5]:29500 (host: "
                              "an IP address or DNS name, port 1-65535)")
         return v
@@ -232,7 +232,7 @@ def agent_action(action: str) -> Action | None:
     return Action.CHECKPOINT_EXIT if action == CHECKPOINT_EXIT else None
 
 
-def is_host_port(addr: str) -> bool:
+def _is_host_port(addr: str) -> bool:
     """Is ``addr`` "host:port" with an IP address ("[...]" around IPv6) or DNS name as host
     and a port in 1-65535?"""
     host, sep, port = addr.rpartition(":")

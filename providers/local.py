@@ -75,8 +75,7 @@ PASS_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGU
                       "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE"})
 PASS_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_")
 # Never passed, even when a fleet file's pass_env names them.
-BROKER_SECRETS = frozenset({BrokerEnv.ADMIN_TOKEN, Env.AGENT_TOKEN, BrokerEnv.TEAM_TOKENS,
-                            BrokerEnv.REDIS_URL, BrokerEnv.TOKEN})
+BROKER_SECRETS = BrokerEnv.SECRETS
 TOKEN_FILE = "agent-token"  # in the node's directory, 0600, until the agent reads it
 
 
