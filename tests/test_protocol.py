@@ -74,3 +74,27 @@ def test_agent_imports_without_the_control_plane() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def _broker_imports(package: str) -> set[str]:
+    out = set()
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "broker":
+                out.add(node.module or "")
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name.split(".")[0] == "broker"}
+    return out
+
+
+def test_providers_use_only_the_contracts_of_the_broker_and_policies_none() -> None:
+    assert _broker_imports("providers") <= {"broker.protocol", "broker.errors"}
+    assert _broker_imports("policies") == set()
+    for contract in ("protocol", "errors"):
+        tree = ast.parse((ROOT / "broker" / f"{contract}.py").read_text())
+        used = {(n.module or "").split(".")[0] for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom)} | {
+            a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+            for a in n.names}
+        assert used <= {"__future__", "ipaddress", "math", "re", "string", "enum", "typing",
+                        "functools", "pydantic", "policies"}, (contract, used)
