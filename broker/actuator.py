@@ -18,6 +18,7 @@ from broker import secrets, skyenv, transitions
 from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
+from broker.protocol import Env
 from broker.runtime.files import FILES_ENV
 from broker.sealed import Sealer, SealError
 from broker.store import Conflict, Plan, Store
@@ -57,9 +58,7 @@ class ActuatorConfig(BaseModel):
     # rendezvous, so the broker, not a survivor, decides that a stand-in is not coming
     launch_deadline_s: float | None = None
     secrets_dir: Path | None = None  # where the key that opens the jobs' secrets is (its state dir)
-
-
-RENDEZVOUS_MARGIN_S = 600.0  # a stand-in's launch, after the deadline, and its boot
+    rendezvous_margin_s: float = 600.0  # a stand-in's launch, after the deadline, and its boot
 
 
 def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorConfig, *,
@@ -94,33 +93,33 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     env = {
         **spec.envs,
         **(secret_env or {}),
-        "FLEET_JOB_ID": job.id,
-        "FLEET_ATTEMPT": str(intent.attempt),
-        "FLEET_LAUNCH_KEY": key,
-        "FLEET_NPROC": str(per_node),
-        "FLEET_NNODES": str(nodes),
-        "FLEET_ROUND": str(intent.round),
-        "FLEET_GLOBAL_BATCH_SIZE": str(intent.batch_size or spec.batch_size.initial),
-        "FLEET_BATCH_MODE": spec.batch_mode.value,
-        "FLEET_CHECKPOINT_URI": checkpoint,
-        "FLEET_RUN": spec.run,
-        **({"FLEET_SETUP": spec.setup} if spec.setup and spec.run_per_node else {}),
-        "FLEET_HEARTBEAT_INTERVAL": str(config.heartbeat_interval_s),
+        Env.JOB_ID: job.id,
+        Env.ATTEMPT: str(intent.attempt),
+        Env.LAUNCH_KEY: key,
+        Env.NPROC: str(per_node),
+        Env.NNODES: str(nodes),
+        Env.ROUND: str(intent.round),
+        Env.GLOBAL_BATCH_SIZE: str(intent.batch_size or spec.batch_size.initial),
+        Env.BATCH_MODE: spec.batch_mode.value,
+        Env.CHECKPOINT_URI: checkpoint,
+        Env.RUN: spec.run,
+        **({Env.SETUP: spec.setup} if spec.setup and spec.run_per_node else {}),
+        Env.HEARTBEAT_INTERVAL: str(config.heartbeat_interval_s),
     }
     if nodes == 1:  # one node is its own master; a gang meets at the broker's rendezvous
-        env["FLEET_MASTER_ADDR"] = "127.0.0.1"
+        env[Env.MASTER_ADDR] = "127.0.0.1"
     elif config.launch_deadline_s is not None:
-        env["FLEET_RENDEZVOUS_TIMEOUT"] = f"{config.launch_deadline_s + RENDEZVOUS_MARGIN_S:g}"
+        env[Env.RENDEZVOUS_TIMEOUT] = f"{config.launch_deadline_s + config.rendezvous_margin_s:g}"
     # The spec's interval is the runtime's default; an interval the script passes itself wins.
     every, in_steps = spec.checkpoint.every
-    env["FLEET_CHECKPOINT_EVERY_STEPS" if in_steps else "FLEET_CHECKPOINT_EVERY_SECONDS"] = \
+    env[Env.CHECKPOINT_EVERY_STEPS if in_steps else Env.CHECKPOINT_EVERY_SECONDS] = \
         str(every)
     if config.broker_url:
-        env["FLEET_BROKER_URL"] = ",".join(dict.fromkeys([config.broker_url, *config.peer_urls]))
+        env[Env.BROKER_URL] = ",".join(dict.fromkeys([config.broker_url, *config.peer_urls]))
     agent = config.use_agent or backend_starts_agent
     if config.agent_token and agent:  # the key, never handed out: the agent gets its attempt's
         # token (the provider hands it over in a way the job cannot read back, see docs/security)
-        env["FLEET_AGENT_TOKEN"] = attempt_token(config.agent_token, job.id, intent.attempt)
+        env[Env.AGENT_TOKEN] = attempt_token(config.agent_token, job.id, intent.attempt)
     if spec.workdir or spec.file_mounts:  # the agent places them before setup (runtime.files)
         env[FILES_ENV] = json.dumps({"workdir": spec.workdir, "mounts": [
             m.model_dump(mode="json") for m in spec.file_mounts]})
@@ -144,9 +143,9 @@ def _script(spec: JobSpec) -> str:
     under bash (its examples use bash syntax), setup in a process of its own whose failure fails
     the node, the script text read from the environment (never spliced into a command line)."""
     if spec.run_per_node:
-        setup = 'bash -c "$FLEET_SETUP" || exit $?\n' if spec.setup else ""
-        return setup + 'exec bash -c "$FLEET_RUN"'
-    return (f"{spec.setup}\n" if spec.setup else "") + 'exec sh -c "$FLEET_RUN"'
+        setup = f'bash -c "${Env.SETUP}" || exit $?\n' if spec.setup else ""
+        return setup + f'exec bash -c "${Env.RUN}"'
+    return (f"{spec.setup}\n" if spec.setup else "") + f'exec sh -c "${Env.RUN}"'
 
 
 def launch_price(nodes: list[Node], pool_price: float) -> float:

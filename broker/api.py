@@ -9,39 +9,49 @@ names each field.
 
 # No `from __future__ import annotations`: FastAPI resolves the local Annotated aliases.
 
-import ipaddress
 import json
-import math
-import re
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 import redis
-from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    SecretStr,
-    ValidationError,
-    field_validator,
-)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from broker import __version__
+from broker import __version__, errors
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
 from broker.dashboard import mount_ui, router
+from broker.errors import (
+    Conflict,
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    PayloadTooLarge,
+    Unauthenticated,
+    Unavailable,
+    UnsupportedMedia,
+)
 from broker.files import MAX_BLOB_BYTES, BlobStore
 from broker.models import MAX_NOTE_CHARS, MAX_NOTES, JobRecord, JobState
 from broker.preview import placement_preview
+from broker.protocol import (
+    HEARTBEAT_PATH,
+    JOB_ID,
+    RENDEZVOUS_PATH,
+    BrokerEnv,
+    Heartbeat,
+    HeartbeatReply,
+    Rendezvous,
+    RendezvousReply,
+    agent_action,
+)
 from broker.sealed import Sealer
 from broker.spec import (
     FORMAT_SKYPILOT,
@@ -56,7 +66,7 @@ from broker.spec import (
     parse_spec_text,
     preview,
 )
-from broker.store import CHECKPOINT_EXIT, JobNotFound, NotDurable, Store
+from broker.store import Store
 from broker.waiting import (
     NOT_YET_SEEN,
     WAITING_STATES,
@@ -64,30 +74,11 @@ from broker.waiting import (
     never_runs,
     queue_positions,
 )
-from policies.models import BLOB_PREFIX, REMOTE_SCHEMES, Accelerator, JobSpec, Market, Pool
+from policies.models import BLOB_PREFIX, REMOTE_SCHEMES, JobSpec, Market, Pool
 
-JOB_ID = r"^[a-z0-9][a-z0-9_.-]{0,80}$"
-# A node's idempotency key (FLEET_LAUNCH_KEY): "<job>:<fence>:<attempt>", a stand-in's with
-# "~r<rank>.<round>" after it (providers.base.replacement_key).
-LAUNCH_KEY = r"^[A-Za-z0-9:~._-]{1,160}$"
-LAUNCH_KEY_FIELD = Field(
-    default=None, max_length=160, pattern=LAUNCH_KEY,
-    description="the node's FLEET_LAUNCH_KEY (letters, digits, ':', '~', '.', '-', '_'; at most "
-                "160): a node the broker replaced no longer holds its rank's key and is told "
-                "to stop; none (an agent from before keys) only while no rank was replaced")
-DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 SPEC_MEDIA = ("application/yaml", "application/x-yaml", "text/yaml", "text/plain",
               "application/json", LAUNCH_MEDIA)
 STREAM_ID_PART_MAX = 2**64 - 1  # Redis stream ids are <ms>-<seq>, each an unsigned 64-bit number
-
-
-class ApiError(HTTPException):
-    """A 4xx with a message and, for bad input, one problem per field."""
-
-    def __init__(self, status: int, message: str, problems: list[Problem] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(status_code=status, detail=message, headers=headers)
-        self.problems = problems or []
 
 
 def _error_body(status: int, message: str, problems: list[Problem]) -> dict[str, Any]:
@@ -156,7 +147,7 @@ class _BoundedJsonRequest(Request):
             try:
                 self._json = load_json(await self.body(), "body")
             except SpecError as exc:
-                raise ApiError(422, "invalid request body", exc.problems) from None
+                raise InvalidInput("invalid request body", exc.problems) from None
         return self._json
 
 
@@ -168,97 +159,6 @@ class _BoundedJsonRoute(APIRoute):
             return await handler(_BoundedJsonRequest(request.scope, request.receive))
 
         return bounded
-
-
-class Heartbeat(BaseModel):
-    """What a job's agent reports (rank 0 reports progress; every rank may report liveness)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    job_id: str = Field(pattern=JOB_ID)
-    attempt: int = Field(ge=0, le=10**9)
-    node_rank: int = Field(default=0, ge=0, le=4096)
-    round: int = Field(default=0, ge=0, le=10**9, description="the agent's rendezvous round")
-    launch_key: str | None = LAUNCH_KEY_FIELD
-    state: str = Field(default="running", max_length=32)
-    step: int | None = Field(default=None, ge=0, le=10**15)
-    samples_done: int | None = Field(default=None, ge=0, le=10**18)
-    samples_per_sec: float | None = Field(default=None, ge=0, le=1e12)
-    world_size: int | None = Field(default=None, ge=1, le=4096)
-    global_batch_size: int | None = Field(default=None, ge=1, le=10**7)
-    checkpoint_step: int | None = Field(default=None, ge=0, le=10**15)
-    # strict: a size sent as a string or a fraction is a broken agent, not something to coerce
-    checkpoint_bytes: int | None = Field(
-        default=None, ge=0, le=10**16, strict=True,
-        description="size in bytes of the checkpoint of checkpoint_step: every rank's files and "
-                    "the manifest (placement prices its egress on a move)")
-    grad_noise_scale: float | None = Field(
-        default=None, ge=0, le=1e15, description="the gradient noise scale in samples, as the "
-        "runtime measures it (per-replica and all-reduced gradients): the batch beyond which a "
-        "larger one buys little progress per sample")
-    accelerator: Accelerator | None = Field(
-        default=None, description="the node's accelerator type (FLEET_ACCELERATOR): the "
-        "throughput measured is kept per type")
-    exit_code: int | None = Field(default=None, ge=-255, le=255,
-                                  description="the command's exit code, in the last report")
-    notice: str | None = Field(default=None, max_length=500,
-                               description="the node's preemption notice, once it came")
-    error: str | None = Field(default=None, max_length=500,
-                              description="why the command failed, as the runtime named it "
-                              "(e.g. 'checkpoint write failed: no space left on device'), in "
-                              "a failed last report")
-
-    @field_validator("samples_per_sec", "grad_noise_scale")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
-
-
-class HeartbeatReply(BaseModel):
-    action: str | None = Field(description="null: keep going; 'checkpoint-exit': checkpoint, "
-                                           "then exit 75")
-    round: int = Field(description="the job's rendezvous round; above the agent's: stop the "
-                                   "workers and re-form the group in that round")
-    brokers: list[str] = Field(default_factory=list, description="every live broker "
-                               "replica's API URL: the agent reports to any of them, also to "
-                               "one started after its launch")
-
-
-class Rendezvous(BaseModel):
-    """A node's visit to its job's rendezvous: it checks in for its round (rank 0 with the
-    master's address)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    job_id: str = Field(pattern=JOB_ID)
-    attempt: int = Field(ge=0, le=10**9)
-    round: int = Field(ge=0, le=10**9)
-    node_rank: int = Field(ge=0, le=4096)
-    addr: str | None = Field(default=None, max_length=270,
-                             description="this node's 'host:port' (host: an IP address, IPv6 in "
-                                         "brackets, or a DNS name; port 1-65535); rank 0's is "
-                                         "the round's master and required for its check-in")
-    launch_key: str | None = LAUNCH_KEY_FIELD
-
-    @field_validator("addr")
-    @classmethod
-    def _host_port(cls, v: str | None) -> str | None:
-        if v is not None and not _is_host_port(v):
-            raise ValueError("must be host:port, e.g. 10.0.0.5:29500 or [fd00::5]:29500 (host: "
-                             "an IP address or DNS name, port 1-65535)")
-        return v
-
-
-class RendezvousReply(BaseModel):
-    round: int = Field(description="the job's current round (above the node's: move to it)")
-    nnodes: int = Field(description="nodes in the job")
-    master: str | None = Field(description="'host:port' rank 0 registered for that round, "
-                                           "once every node checked in for it; null until then")
-    addrs: list[str] | None = Field(default=None, description="every node's 'host:port' by "
-                                    "rank ('' where a node gave none), with master")
-    action: str | None = Field(description="null: keep going; 'checkpoint-exit': exit 75")
 
 
 class PreemptRequest(BaseModel):
@@ -325,10 +225,10 @@ def build_app(store: Store, config: ApiConfig, *,
         scheme, _, token = (authorization or "").partition(" ")
         return token.strip() if scheme.lower() == "bearer" else None
 
-    def unauthenticated(authorization: str | None) -> ApiError:
+    def unauthenticated(authorization: str | None) -> Unauthenticated:
         why = "missing bearer token" if not authorization else "invalid token"
-        return ApiError(401, f"{why}: send 'Authorization: Bearer TOKEN' (fleet uses "
-                        "FLEET_TOKEN or ~/.config/fleet/config.yaml)",
+        return Unauthenticated(f"{why}: send 'Authorization: Bearer TOKEN' (fleet uses "
+                        f"{BrokerEnv.TOKEN} or ~/.config/fleet/config.yaml)",
                         headers={"WWW-Authenticate": "Bearer"})
 
     async def principal(authorization: Annotated[str | None, Header()] = None) -> Principal:
@@ -339,12 +239,12 @@ def build_app(store: Store, config: ApiConfig, *,
 
     async def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role is Role.AGENT:
-            raise ApiError(403, "an agent token may only post heartbeats and rendezvous visits")
+            raise Forbidden("an agent token may only post heartbeats and rendezvous visits")
         return who
 
     async def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role is not Role.ADMIN:
-            raise ApiError(403, "this needs an admin token")
+            raise Forbidden("this needs an admin token")
         return who
 
     async def reporter(authorization: Annotated[str | None, Header()] = None,
@@ -356,7 +256,7 @@ def build_app(store: Store, config: ApiConfig, *,
         token = bearer(authorization)
         who = config.authenticate(token)
         if who is not None and who.role not in (Role.AGENT, Role.ADMIN):
-            raise ApiError(403, "agent endpoints need the job attempt's agent token")
+            raise Forbidden("agent endpoints need the job attempt's agent token")
         if token is None or (who is None and not is_attempt_shaped(token)):
             raise unauthenticated(authorization)
         return token, who
@@ -364,7 +264,7 @@ def build_app(store: Store, config: ApiConfig, *,
     def for_attempt(caller: tuple[str, Principal | None], job_id: str, attempt: int) -> None:
         token, who = caller
         if who is None and not config.is_attempt(token, job_id, attempt):
-            raise ApiError(403, "agent endpoints need the job attempt's agent token; this one "
+            raise Forbidden("agent endpoints need the job attempt's agent token; this one "
                            "is for another job or attempt")
 
     Reporter = Annotated[tuple[str, Principal | None], Depends(reporter)]
@@ -375,14 +275,14 @@ def build_app(store: Store, config: ApiConfig, *,
     def visible_job(job_id: str, who: Principal) -> JobRecord:
         job = store.get_job(job_id)
         if job is None or not who.can_see(job.team):
-            raise ApiError(404, f"no job {job_id!r} (fleet jobs lists yours)")
+            raise NotFound(f"no job {job_id!r} (fleet jobs lists yours)")
         return job
 
     def visible_team(who: Principal, team: str | None) -> str | None:
         """A team token sees its own team's jobs; an admin any team's, or all (None)."""
         if who.role is not Role.ADMIN:
             if team is not None and team != who.team:
-                raise ApiError(404, f"no team {team!r} visible to this token")
+                raise NotFound(f"no team {team!r} visible to this token")
             return who.team
         return team
 
@@ -430,13 +330,11 @@ def build_app(store: Store, config: ApiConfig, *,
         """Body: the job spec as YAML (own format or SkyPilot task) or JSON. A retry with the
         same ``Idempotency-Key`` returns the first job instead of a second one."""
         body = await _read_spec_body(request)
-        try:  # in a worker thread: a big spec never holds up the event loop
-            parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot,
-                                                   _is_launch(request))
-        except SpecError as exc:
-            raise ApiError(422, "invalid job spec", exc.problems) from None
+        # in a worker thread: a big spec never holds up the event loop
+        parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot,
+                                               _is_launch(request))
         if never := admit(parsed, spec):
-            raise ApiError(422, "the job can never run on this fleet", never)
+            raise InvalidInput("the job can never run on this fleet", never)
         team = _submit_team(spec, who)
         if spec.team != team:
             spec = spec.model_copy(update={"team": team})
@@ -444,8 +342,9 @@ def build_app(store: Store, config: ApiConfig, *,
         sealed = None
         if parsed.secrets:
             if sealer is None:
-                raise ApiError(422, "this broker keeps no secrets key, so it takes no secrets; "
-                               "start it with a state dir (fleet up) or FLEET_SECRETS_KEY")
+                raise InvalidInput("this broker keeps no secrets key, so it takes no secrets; "
+                                   "start it with a state dir (fleet up) or "
+                                   f"{BrokerEnv.SECRETS_KEY}")
             sealed = sealer.seal({k: v.get_secret_value() for k, v in parsed.secrets.items()})
         job = await run_in_threadpool(store.submit, spec, team=team,
                                       request_key=idempotency_key,
@@ -462,11 +361,11 @@ def build_app(store: Store, config: ApiConfig, *,
     async def put_blob(request: Request, who: User) -> dict[str, Any]:
         """Body: the tar.gz ``fleet launch`` packs; returns its ``ref`` for the spec."""
         if blobs is None:
-            raise ApiError(422, "this broker keeps no files; launch without workdir and local "
+            raise InvalidInput("this broker keeps no files; launch without workdir and local "
                            "file_mounts, or start it with a state dir (fleet up)")
         data = await request.body()
         if data[:2] != b"\x1f\x8b":
-            raise ApiError(422, "the body is not gzip data; send what `fleet launch` packs")
+            raise InvalidInput("the body is not gzip data; send what `fleet launch` packs")
         return {"ref": await run_in_threadpool(blobs.put, data), "bytes": len(data)}
 
     @app.get("/v1/agent/blobs/{digest}", tags=["agent"], responses=_READ,
@@ -481,10 +380,10 @@ def build_app(store: Store, config: ApiConfig, *,
         ref = BLOB_PREFIX + digest
         if job is None or ref not in {job.spec.workdir, *(m.source for m in
                                                           job.spec.file_mounts)}:
-            raise ApiError(404, f"job {job_id!r} has no file {ref}")
+            raise NotFound(f"job {job_id!r} has no file {ref}")
         path = blobs.path(digest) if blobs is not None else None
         if path is None:
-            raise ApiError(404, f"{ref} is not kept here; launch the job again")
+            raise NotFound(f"{ref} is not kept here; launch the job again")
         return FileResponse(path, media_type="application/gzip")
 
     @app.get("/v1/jobs", tags=["jobs"], summary="List jobs (yours; an admin sees all)",
@@ -514,10 +413,7 @@ def build_app(store: Store, config: ApiConfig, *,
     ) -> dict[str, Any]:
         """Body: a job spec, as for submitting one."""
         body = await _read_spec_body(request)
-        try:
-            parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot)
-        except SpecError as exc:
-            raise ApiError(422, "invalid job spec", exc.problems) from None
+        parsed, spec = await run_in_threadpool(_parse_submission, body, gpus, spot)
         never = admit(parsed, spec)
         return {"spec": spec.model_dump(mode="json"), "format": parsed.format,
                 "warnings": parsed.warnings,
@@ -542,10 +438,7 @@ def build_app(store: Store, config: ApiConfig, *,
         """``finished``: the job had already ended (completed, failed, cancelled, dropped)
         before this call, which then changed nothing."""
         before = visible_job(job_id, who)
-        try:
-            job = store.request_cancel(job_id)
-        except JobNotFound:
-            raise ApiError(404, f"no job {job_id!r}") from None
+        job = store.request_cancel(job_id)
         return {"job": job_view(job), "finished": before.state.terminal}
 
     @app.get("/v1/jobs/{job_id}/logs", tags=["jobs"], summary="Log lines from an offset",
@@ -604,7 +497,7 @@ def build_app(store: Store, config: ApiConfig, *,
             found, last = _team_events(store, who, since, limit)
         return {"events": [e.model_dump(mode="json") for e in found], "next": last}
 
-    @app.post("/v1/agent/heartbeat", tags=["agent"], response_model=HeartbeatReply,
+    @app.post(HEARTBEAT_PATH, tags=["agent"], response_model=HeartbeatReply,
               responses=_POST,
               summary="An agent's progress report; the reply tells it to go on or stop")
     def heartbeat(beat: Heartbeat, caller: Reporter) -> HeartbeatReply:
@@ -612,25 +505,19 @@ def build_app(store: Store, config: ApiConfig, *,
         report = beat.model_dump()
         if not report["samples_per_sec"]:
             report["samples_per_sec"] = None  # 0 = not measured yet, not a real throughput
-        try:
-            said = store.record_heartbeat(**report)
-        except JobNotFound:
-            raise ApiError(404, f"no job {beat.job_id!r}") from None
-        return HeartbeatReply(action=_agent_action(said.action), round=said.round,
+        said = store.record_heartbeat(**report)
+        return HeartbeatReply(action=agent_action(said.action), round=said.round,
                               brokers=store.broker_urls())
 
-    @app.post("/v1/agent/rendezvous", tags=["agent"], response_model=RendezvousReply,
+    @app.post(RENDEZVOUS_PATH, tags=["agent"], response_model=RendezvousReply,
               responses=_POST,
               summary="A multi-node job's rendezvous: every node checks in (rank 0 with the "
                       "master's address) and polls until its whole round has")
     def rendezvous(visit: Rendezvous, caller: Reporter) -> RendezvousReply:
         for_attempt(caller, visit.job_id, visit.attempt)
-        try:
-            got = store.rendezvous(visit.job_id, visit.attempt, visit.round, visit.node_rank,
-                                   visit.addr, visit.launch_key)
-        except JobNotFound:
-            raise ApiError(404, f"no job {visit.job_id!r}") from None
-        return RendezvousReply(**{**got, "action": _agent_action(got["action"])})
+        got = store.rendezvous(visit.job_id, visit.attempt, visit.round, visit.node_rank,
+                               visit.addr, visit.launch_key)
+        return RendezvousReply(**{**got, "action": agent_action(got["action"])})
 
     @app.post("/v1/chaos/preempt", status_code=202, tags=["chaos"], responses=_POST,
               summary="Reclaim every spot node in a region (admin)")
@@ -640,7 +527,7 @@ def build_app(store: Store, config: ApiConfig, *,
         hits = [p for p in spot if req.region in (p.region, f"{p.cloud}:{p.region}")]
         if not hits:
             known = sorted({f"{p.cloud}:{p.region}" for p in spot}) or ["none"]
-            raise ApiError(404, f"no spot pool in region {req.region!r}; spot regions: "
+            raise NotFound(f"no spot pool in region {req.region!r}; spot regions: "
                            + ", ".join(known))
         store.request_preempt(hits[0].region, duration_s=req.duration_s)
         return {"accepted": True, "region": hits[0].region,
@@ -653,9 +540,9 @@ def build_app(store: Store, config: ApiConfig, *,
                    who: Annotated[Principal, Depends(admin)]) -> dict[str, Any]:
         job = store.get_job(req.job_id)
         if job is None:
-            raise ApiError(404, f"no job {req.job_id!r}")
+            raise NotFound(f"no job {req.job_id!r}")
         if job.state is not JobState.RUNNING or req.rank >= job.nodes:
-            raise ApiError(409, f"job {job.id} is {job.state.value} on {job.nodes} node(s): "
+            raise Conflict(f"job {job.id} is {job.state.value} on {job.nodes} node(s): "
                            f"rank {req.rank} is not a running node of it")
         store.request_command("node", job_id=job.id, rank=req.rank, how=req.how)
         return {"accepted": True, "job_id": job.id, "rank": req.rank, "how": req.how}
@@ -682,7 +569,7 @@ def _check_files(spec: JobSpec, blobs: BlobStore | None) -> None:
             problems.append(Problem(field=field, value=source, message=(
                 "not kept by this broker; upload it first (POST /v1/blobs)")))
     if problems:
-        raise ApiError(422, "invalid job spec", problems)
+        raise SpecError(problems)
 
 
 def _is_launch(request: Request) -> bool:
@@ -712,39 +599,13 @@ def _parse_submission(body: bytes, gpus: str | None, spot: str | None,
     return parsed, spec
 
 
-def _agent_action(action: str) -> str | None:
-    """An agent endpoint's ``action``: null to keep going, or ``checkpoint-exit``."""
-    return CHECKPOINT_EXIT if action == CHECKPOINT_EXIT else None
-
-
-def _is_host_port(addr: str) -> bool:
-    """Is ``addr`` "host:port" with an IP address ("[...]" around IPv6) or DNS name as host
-    and a port in 1-65535?"""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
-        return False
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            return ipaddress.ip_address(host[1:-1]).version == 6
-        except ValueError:
-            return False
-    try:
-        ipaddress.IPv4Address(host)
-        return True
-    except ValueError:
-        pass
-    labels = host.removesuffix(".").split(".")
-    return len(host) <= 253 and all(DNS_LABEL.fullmatch(x) for x in labels) and \
-        not labels[-1].isdigit()
-
-
 def _submit_team(spec: JobSpec, who: Principal) -> str:
     """A team token submits for its own team; ``team:`` in the spec must then agree."""
     if who.role is Role.ADMIN:
         return spec.team
     assert who.team is not None  # team grants always carry a team
     if spec.team not in ("default", who.team):
-        raise ApiError(403, f"this token belongs to team {who.team!r}, the spec says team "
+        raise Forbidden(f"this token belongs to team {who.team!r}, the spec says team "
                        f"{spec.team!r}; remove team: or use that team's token",
                        [Problem(field="team", value=repr(spec.team),
                                 message=f"must be {who.team!r} for this token")])
@@ -776,7 +637,7 @@ def _team_events(store: Store, who: Principal, since: str,
 async def _read_spec_body(request: Request) -> bytes:
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media and media not in SPEC_MEDIA:
-        raise ApiError(415, f"content type {media!r} is not a job spec; send "
+        raise UnsupportedMedia(f"content type {media!r} is not a job spec; send "
                        + ", ".join(SPEC_MEDIA))
     return await request.body()
 
@@ -797,7 +658,7 @@ class BodyLimit:
         limit = self.wider.get(scope.get("path", ""), self.limit)
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            response = JSONResponse(self._error(limit), status_code=413)
+            response = JSONResponse(self._error(limit), status_code=PayloadTooLarge.status)
             await response(scope, receive, send)
             return
         seen = 0
@@ -808,35 +669,42 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:  # a chunked upload: stop reading at the limit
-                    raise ApiError(413, self._error(limit)["error"]["message"])
+                    # an HTTPException: FastAPI passes those through its body parsing as
+                    # they are (anything else there becomes a 400)
+                    raise StarletteHTTPException(PayloadTooLarge.status,
+                                                 self._error(limit)["error"]["message"])
             return message
 
         await self.app(scope, limited, send)
 
     @staticmethod
     def _error(limit: int) -> dict[str, Any]:
-        return _error_body(413, f"request body is over the {limit}-byte limit", [])
+        return _error_body(PayloadTooLarge.status,
+                           f"request body is over the {limit}-byte limit", [])
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    """One handler answers every error: a FleetError (``broker.errors`` gives its status), or
+    what FastAPI, Starlette or Redis raise, first made into one."""
+
+    async def fleet_error(request: Request, exc: Exception) -> JSONResponse:
+        err = errors.as_fleet_error(exc)
+        return JSONResponse(_error_body(err.status, err.message, err.problems),
+                            status_code=err.status, headers=err.headers)
+
+    for cls in errors.handled():
+        app.add_exception_handler(cls, fleet_error)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        problems = exc.problems if isinstance(exc, ApiError) else []
-        return JSONResponse(_error_body(exc.status_code, str(exc.detail), problems),
+        # routing's own (an unknown path: 404, a wrong method: 405)
+        return JSONResponse(_error_body(exc.status_code, str(exc.detail), []),
                             status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(NotDurable)
-    async def not_durable(request: Request, exc: NotDurable) -> JSONResponse:
-        # not acknowledged: the same Idempotency-Key on a retry never makes a second job
-        message = (f"not accepted: the submission could not be made durable ({exc}); retry "
-                   "later with the same Idempotency-Key")
-        return JSONResponse(_error_body(503, message, []), status_code=503,
-                            headers={"Retry-After": "5"})
 
     @app.exception_handler(redis.RedisError)
     async def store_down(request: Request, exc: redis.RedisError) -> JSONResponse:
-        message = "the broker's state store (redis) is unavailable; check `fleet up`"
-        return JSONResponse(_error_body(503, message, []), status_code=503)
+        return await fleet_error(request, Unavailable(
+            "the broker's state store (redis) is unavailable; check `fleet up`"))
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -848,4 +716,4 @@ def _install_error_handlers(app: FastAPI) -> None:
             value = err.get("input") if err["type"] != "missing" else None
             problems.append(Problem(field=where, message=err["msg"].removeprefix(
                 "Value error, "), value=None if value is None else preview(value)))
-        return JSONResponse(_error_body(422, "invalid request", problems), status_code=422)
+        return await fleet_error(request, InvalidInput("invalid request", problems))

@@ -16,12 +16,12 @@ import re
 import secrets
 from collections.abc import Mapping
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from broker.errors import InvalidInput
+from broker.protocol import BrokerEnv
 from broker.spec import MAX_SPEC_BYTES
 from policies.models import check_name
 
@@ -61,7 +61,7 @@ class TokenGrant(BaseModel):
         return None if v is None else check_name(v, "team")
 
 
-class ConfigError(ValueError):
+class ConfigError(InvalidInput):
     """The broker's API settings are invalid; the message names the entry and the fix."""
 
 
@@ -91,8 +91,11 @@ class ApiConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tokens: list[TokenGrant] = Field(default_factory=list)
-    max_body_bytes: int = Field(default=MAX_SPEC_BYTES + 4096, ge=1024, le=16 * 1024 * 1024)
+    tokens: list[TokenGrant] = Field(default_factory=list, description="a list of {team: NAME "
+                                     "| admin: true | agent: true, token: TEXT | token_sha256: "
+                                     "HEX} (docs/security.md)")
+    max_body_bytes: int = Field(default=MAX_SPEC_BYTES + 4096, ge=1024, le=16 * 1024 * 1024,
+                                description="the largest request body the API reads")
     max_list: int = Field(default=10_000, ge=1, description="most jobs one listing returns")
     # The key attempt tokens are made with (the broker's agent key); set at start, never in a file.
     attempt_key: SecretStr | None = Field(default=None, exclude=True)
@@ -145,32 +148,26 @@ class ApiConfig(BaseModel):
         ``FLEET_TEAM_TOKENS`` (``team=token,team2=token2``)."""
         env = os.environ if environ is None else environ
         grants = []
-        if env.get("FLEET_ADMIN_TOKEN"):
-            grants.append(_grant(env["FLEET_ADMIN_TOKEN"], Role.ADMIN, None, "FLEET_ADMIN_TOKEN"))
-        if env.get("FLEET_AGENT_TOKEN"):
-            grants.append(_grant(env["FLEET_AGENT_TOKEN"], Role.AGENT, None, "FLEET_AGENT_TOKEN"))
-        for i, item in enumerate(filter(None, env.get("FLEET_TEAM_TOKENS", "").split(","))):
+        if env.get(BrokerEnv.ADMIN_TOKEN):
+            grants.append(_grant(env[BrokerEnv.ADMIN_TOKEN], Role.ADMIN, None,
+                                 BrokerEnv.ADMIN_TOKEN))
+        if env.get(BrokerEnv.AGENT_TOKEN):
+            grants.append(_grant(env[BrokerEnv.AGENT_TOKEN], Role.AGENT, None,
+                                 BrokerEnv.AGENT_TOKEN))
+        for i, item in enumerate(filter(None, env.get(BrokerEnv.TEAM_TOKENS, "").split(","))):
             team, sep, token = item.strip().partition("=")
             if not sep:
-                raise ConfigError(f"FLEET_TEAM_TOKENS entry {i + 1}: write team=token pairs "
+                raise ConfigError(f"{BrokerEnv.TEAM_TOKENS} entry {i + 1}: write team=token pairs "
                                   "separated by commas")
-            grants.append(_grant(token, Role.TEAM, team, f"FLEET_TEAM_TOKENS entry {i + 1}"))
+            grants.append(_grant(token, Role.TEAM, team, f"{BrokerEnv.TEAM_TOKENS} entry {i + 1}"))
         return grants
 
     @classmethod
-    def load(cls, path: str | Path | None = None,
+    def load(cls, section: Mapping[str, Any] | None = None,
              environ: Mapping[str, str] | None = None) -> ApiConfig:
-        """The ``api:`` section of a broker config YAML (if given) plus the tokens from env."""
-        data: Any = {}
-        if path is not None:
-            try:
-                data = yaml.safe_load(Path(path).read_text()) or {}
-            except (OSError, yaml.YAMLError) as exc:
-                raise ConfigError(f"{path}: cannot read the broker config ({exc})") from None
-            if not isinstance(data, Mapping):
-                raise ConfigError(f"{path}: the broker config must be a YAML mapping")
-            data = data.get("api", {})
-        config = cls.from_mapping(data)
+        """The ``api`` section of the broker config (``broker.config``) plus the tokens from
+        env."""
+        config = cls.from_mapping(section)
         return config.model_copy(update={"tokens": [*config.tokens, *cls.from_env(environ)]})
 
 

@@ -18,32 +18,23 @@ from urllib.parse import quote
 import httpx
 import yaml
 
+from broker import errors
 from broker.models import MAX_NOTE_CHARS, MAX_NOTES
+from broker.protocol import BrokerEnv
 from broker.spec import LAUNCH_MEDIA, Problem
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 
-EXIT_BAD_INPUT = 2
-EXIT_NOT_FOUND = 3
-EXIT_AUTH = 4
-EXIT_UNREACHABLE = 5
 
 
-class ClientError(Exception):
-    """A request the broker refused or could not answer; ``exit_code`` is the CLI's."""
-
-    def __init__(self, message: str, exit_code: int, problems: list[Problem] | None = None,
-                 status: int | None = None) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-        self.problems = problems or []
-        self.status = status
+class BrokerUnreachable(errors.Unavailable):
+    """No answer from the broker, or not the API's: worth one retry of a keyed submission."""
 
 
 def config_path(environ: Mapping[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
-    if env.get("FLEET_CONFIG"):
-        return Path(env["FLEET_CONFIG"])
+    if env.get(BrokerEnv.CONFIG):
+        return Path(env[BrokerEnv.CONFIG])
     base = Path(env["XDG_CONFIG_HOME"]) if env.get("XDG_CONFIG_HOME") else (
         Path.home() / ".config")
     return base / "fleet" / "config.yaml"
@@ -56,10 +47,10 @@ def read_client_config(environ: Mapping[str, str] | None = None) -> dict[str, st
     except FileNotFoundError:
         return {}
     except (OSError, yaml.YAMLError) as exc:
-        raise ClientError(f"{path}: cannot read the client config ({exc}); fix or delete it",
-                          EXIT_BAD_INPUT) from None
+        raise errors.InvalidInput(
+            f"{path}: cannot read the client config ({exc}); fix or delete it") from None
     if not isinstance(data, Mapping) or set(data) - {"url", "token"}:
-        raise ClientError(f"{path}: write a mapping with url and token only", EXIT_BAD_INPUT)
+        raise errors.InvalidInput(f"{path}: write a mapping with url and token only")
     return {k: str(v) for k, v in data.items() if v is not None}
 
 
@@ -75,15 +66,16 @@ def write_client_config(url: str, token: str, environ: Mapping[str, str] | None 
 
 
 class BrokerClient:
-    """Calls the API; every failure becomes a ``ClientError`` with a clear message."""
+    """Calls the API; every failure becomes a ``broker.errors.FleetError`` (the class of the
+    answer's status) with the broker's message."""
 
     def __init__(self, url: str | None = None, token: str | None = None, *,
                  timeout: float = 30.0, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
-        saved = read_client_config(env) if not (url or env.get("FLEET_URL")) or not (
-            token or env.get("FLEET_TOKEN")) else {}
-        self.url = (url or env.get("FLEET_URL") or saved.get("url") or DEFAULT_URL).rstrip("/")
-        self.token = token or env.get("FLEET_TOKEN") or saved.get("token")
+        saved = read_client_config(env) if not (url or env.get(BrokerEnv.URL)) or not (
+            token or env.get(BrokerEnv.TOKEN)) else {}
+        self.url = (url or env.get(BrokerEnv.URL) or saved.get("url") or DEFAULT_URL).rstrip("/")
+        self.token = token or env.get(BrokerEnv.TOKEN) or saved.get("token")
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
@@ -115,8 +107,8 @@ class BrokerClient:
                 return self._call("POST", "/v1/jobs", content=spec_json, headers=headers,
                                   params={"note": [n[:MAX_NOTE_CHARS]
                                                    for n in notes[:MAX_NOTES]]})
-            except ClientError as exc:
-                if attempt == 2 or exc.status is not None or exc.exit_code != EXIT_UNREACHABLE:
+            except BrokerUnreachable:
+                if attempt == 2:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -176,28 +168,26 @@ class BrokerClient:
         try:
             r = self.http.request(method, path, **kw)
         except httpx.TransportError as exc:
-            raise ClientError(
+            raise BrokerUnreachable(
                 f"cannot reach the broker at {self.url} ({type(exc).__name__}); start it with "
-                "`fleet up`, or point FLEET_URL / --url at a running one", EXIT_UNREACHABLE,
+                f"`fleet up`, or point {BrokerEnv.URL} / --url at a running one",
             ) from None
         if r.status_code < 400:
             try:
                 return r.json()
             except ValueError:
-                raise ClientError(f"{self.url} answered, but not as a FleetBroker API; check "
-                                  "FLEET_URL / --url", EXIT_UNREACHABLE) from None
+                raise BrokerUnreachable(f"{self.url} answered, but not as a FleetBroker API; "
+                                        f"check {BrokerEnv.URL} / --url") from None
         try:
             err = r.json()["error"]
             message = err["message"]
             problems = [Problem.model_validate(p) for p in err.get("problems", [])]
         except (ValueError, KeyError, TypeError):
             message, problems = f"HTTP {r.status_code}: {r.text[:200]}", []
-        code = {401: EXIT_AUTH, 403: EXIT_AUTH, 404: EXIT_NOT_FOUND}.get(r.status_code)
-        if code is None:
-            code = EXIT_UNREACHABLE if r.status_code >= 500 else EXIT_BAD_INPUT
         if r.status_code == 401 and not self.token:
-            message += "; no token configured: set FLEET_TOKEN, pass --token, or run fleet login"
-        raise ClientError(message, code, problems, status=r.status_code)
+            message += (f"; no token configured: set {BrokerEnv.TOKEN}, pass --token, or run "
+                        "fleet login")
+        raise errors.for_status(r.status_code)(message, problems)
 
 
 def _seg(job_id: str) -> str:

@@ -8,7 +8,7 @@ import sys
 
 # The control plane's third-party packages: the `[broker]` extra, none of them in the base install.
 CONTROL_PLANE_PACKAGES = frozenset({"fastapi", "uvicorn", "redis", "scipy", "typer", "rich",
-                                    "pydantic", "yaml", "httpx"})
+                                    "yaml", "httpx"})
 
 
 def main() -> None:

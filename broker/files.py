@@ -14,6 +14,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from broker.errors import InvalidInput
 from broker.runtime.files import FILE_MEMBER  # a pack of one file holds it under this name
 from policies.models import BLOB_PREFIX
 
@@ -22,7 +23,7 @@ MAX_PACKED_BYTES = 1024 * 1024 * 1024  # what a pack may hold, uncompressed
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
-class PackError(ValueError):
+class PackError(InvalidInput):
     """A path that cannot be packed: missing, or over the size caps."""
 
 

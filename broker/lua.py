@@ -191,8 +191,8 @@ return {jobs, progress, redis.call('HGETALL', p .. 'pools'), redis.call('HGETALL
 # stand-in (``providers.base.replacement_key``: "<launch_key>~r<rank>.<round>", stand_ins naming
 # the round it was launched for; cjson keys the object with strings) or else the launch's own.
 # A node the broker gave up on (a late stand-in, a partitioned node) still holds the attempt's
-# token but not that key. A visitor without a key (an agent from before keys) passes only while
-# its rank was never replaced; a record without a launch key has nothing to check against.
+# token but not that key, and neither does a visitor without a key; a record without a launch
+# key has nothing to check against.
 _JOB_SHAPE = """
 local function job_shape(key)
   local doc = cjson.decode(redis.call('HGET', key, 'doc'))
@@ -202,7 +202,6 @@ local function holds_rank(doc, rank, node_key)
   local launch = doc['launch_key']
   local stand_ins = type(doc['stand_ins']) == 'table' and doc['stand_ins'] or {}
   local since = stand_ins[string.format('%d', rank)]
-  if node_key == '' then return since == nil end  -- an old agent holds a rank never replaced
   if type(launch) ~= 'string' then return true end
   if since then
     return node_key == launch .. '~r' .. string.format('%d', rank) .. '.' ..
@@ -241,7 +240,7 @@ local leader = rank == 0 and rnd == round
 local member = rnd <= round and rank < nodes
 local from = attempt .. ':' .. rnd
 if leader then
-  local final = rnd == 0 and ('exit:' .. attempt) or ('exit:' .. from .. ':0')
+  local final = 'exit:' .. from .. ':0'
   if redis.call('HEXISTS', progress, final) == 1 then leader = false end
   if redis.call('HGET', progress, 'progress_from') == from then
     for i = 10, 8 + 2 * np, 2 do
@@ -265,8 +264,8 @@ redis.call('HSETNX', progress, 'beat:' .. attempt, now)  -- the attempt's first
 return {st, redis.call('HGET', key, 'cancel_requested') or 'false', round}
 """
 
-# ARGV: prefix, job, attempt, round, node_rank, addr ('' = none), ttl_s, node_key ('' = none:
-# an agent from before keys). A node's check-in for the job's current attempt and round, in the
+# ARGV: prefix, job, attempt, round, node_rank, addr ('' = none), ttl_s, node_key ('' = none).
+# A node's check-in for the job's current attempt and round, in the
 # hash rdzv:<job> (field "<attempt>:<round>:<rank>"): rank 0's "host:port" (rank 0 without one
 # has not checked in), another rank's address or '' (an address already there stays). A visit
 # for another round or a rank the job lacks records nothing; so does one from a node that does

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from broker.errors import Conflict
 from policies.models import JobSpec, Market
 
 # A job's translation notes as a client sends them (``POST /v1/jobs?note=``): at most this many,
@@ -83,10 +84,14 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 }
 
 
+class IllegalTransition(Conflict, ValueError):
+    """A job state change that ``TRANSITIONS`` does not allow."""
+
+
 def check_transition(old: JobState, new: JobState) -> None:
-    """Raise ``ValueError`` unless ``old -> new`` is in ``TRANSITIONS``."""
+    """Raise ``IllegalTransition`` unless ``old -> new`` is in ``TRANSITIONS``."""
     if new not in TRANSITIONS[old]:
-        raise ValueError(f"illegal job transition {old.value} -> {new.value}")
+        raise IllegalTransition(f"illegal job transition {old.value} -> {new.value}")
 
 
 class JobRecord(BaseModel):

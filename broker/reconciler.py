@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from broker import secrets, transitions
 from broker.models import Intent, IntentKind, JobRecord, JobState
+from broker.protocol import EXIT_FINISHED, EXIT_STOPPED
 from broker.recovery import gang_state
-from broker.runtime.assignment import EXIT_FINISHED, EXIT_STOPPED
 from broker.store import AgentReport, Conflict, Plan, Store
 from policies.migration import (
     DEFAULT_DECAY_S,

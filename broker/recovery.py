@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from broker.models import JobRecord
-from broker.runtime.assignment import EXIT_FINISHED, EXIT_STOPPED
+from broker.protocol import EXIT_FINISHED, EXIT_STOPPED
 from broker.store import AgentReport
 from providers.base import Node, NodeState
 

@@ -16,13 +16,15 @@ from pathlib import Path
 from cryptography.fernet import Fernet, InvalidToken
 
 from broker import secrets
+from broker.errors import FleetError
+from broker.protocol import BrokerEnv
 from providers.local import write_private
 
 KEY_FILE = "secrets.key"
-KEY_ENV = "FLEET_SECRETS_KEY"
+KEY_ENV = BrokerEnv.SECRETS_KEY
 
 
-class SealError(ValueError):
+class SealError(FleetError):
     """Sealed secrets that this broker's key cannot open (another key, or altered)."""
 
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ from broker.actuator import Actuator, ActuatorConfig
 from broker.files import BlobStore
 from broker.fleet import FleetProvider, build_fleet_provider
 from broker.models import JobState
-from broker.reconciler import Reconciler
+from broker.protocol import BrokerEnv
+from broker.reconciler import QUICK_RECLAIM_S, Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.sealed import Sealer
 from broker.store import Conflict, Plan, StaleFence, Store
@@ -46,9 +48,6 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_FLEET = REPO / "examples" / "fleets" / "local.yaml"
 REDIS_HINT = ("redis-server not found on PATH: install it (Debian/Ubuntu: apt-get install "
               "redis-server; macOS: brew install redis) or pass --redis-url redis://HOST:PORT")
-# A leader loop that has not come round for this long is taken to be hung: its lease is no
-# longer renewed, so a standby takes over (a pass may wait this long on a cloud's API).
-LEASE_STALL_S = 60.0
 
 
 class BrokerConfig(BaseModel):
@@ -56,13 +55,20 @@ class BrokerConfig(BaseModel):
     redis_url: str | None = None  # None: start an embedded redis-server under state_dir
     fleet: Path = DEFAULT_FLEET
     owner: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
-    tick_s: float = Field(default=1.0, gt=0)
-    lease_ttl_s: float = Field(default=5.0, gt=0)
+    tick_s: float = Field(default=1.0, gt=0, description="the round interval: the broker loop "
+                          "wakes this often (and on every event) to plan and act")
+    lease_ttl_s: float = Field(default=5.0, gt=0, description="the leader lease's time to live: "
+                               "a replica takes over this long after the leader stopped renewing")
+    lease_stall_s: float = Field(default=60.0, gt=0, description="a leader whose loop has not "
+                                 "come round this long is taken to be hung and stops renewing "
+                                 "its lease, so a standby takes over (a pass may wait this long "
+                                 "on a cloud's API)")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     use_agent: bool = True
     broker_url: str | None = None
     agent_token: str | None = None
-    heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    heartbeat_interval_s: float = Field(default=5.0, gt=0, description="seconds between a job "
+                                        "agent's heartbeats (its progress and liveness)")
     blocklist_decay_s: float = Field(default=DEFAULT_DECAY_S, gt=0,
                                      description="how long a reclaimed spot location stays "
                                      "blocked (SpotHedge's reset may free it earlier)")
@@ -72,10 +78,19 @@ class BrokerConfig(BaseModel):
                                        "completed without it")
     confirm_durable: bool = Field(default=True, description="acknowledge a submission only "
                                   "once Redis confirmed it durable (docs/operations.md)")
+    quick_reclaim_s: float = Field(default=QUICK_RECLAIM_S, gt=0, description="a spot reclaim "
+                                   "this soon after a launch is an early one; two early ones "
+                                   "within the blocklist's refusal decay put the pool under "
+                                   "reclaim (backed off)")
     launch_deadline_s: float = Field(default=1200.0, gt=0,
                                      description="a cloud VM whose agent has not sent its first "
                                      "heartbeat this long after launch is terminated and its "
                                      "job requeued (needs broker_url: agents report there)")
+    rendezvous_margin_s: float = Field(
+        default=ActuatorConfig.model_fields["rendezvous_margin_s"].default, gt=0,
+        description="how much longer than launch_deadline_s a multi-node job's agents wait at "
+        "the rendezvous for a round's group (a stand-in's launch and boot), so that the broker, "
+        "not a survivor, decides a stand-in is not coming")
 
 
 # The embedded server's users (redis.io/docs/latest/operate/oss_and_stack/management/security/acl).
@@ -305,7 +320,7 @@ class Broker:
             heartbeat_interval_s=config.heartbeat_interval_s,
             max_failures=config.scheduler.max_failures,
             launch_deadline_s=config.launch_deadline_s if config.broker_url else None,
-            secrets_dir=config.state_dir))
+            secrets_dir=config.state_dir, rendezvous_margin_s=config.rendezvous_margin_s))
         self.reconciler = Reconciler(
             store, provider, max_failures=config.scheduler.max_failures,
             blocklist_decay_s=config.blocklist_decay_s,
@@ -314,7 +329,8 @@ class Broker:
             # agents re-form a multi-node group with a stand-in through the broker's rendezvous
             replace_lost_nodes=config.broker_url is not None,
             final_report_wait_s=config.final_report_wait_s
-            if config.broker_url and config.use_agent else None)
+            if config.broker_url and config.use_agent else None,
+            quick_reclaim_s=config.quick_reclaim_s)
         self.fence = 0
         self.rounds = 0
         self._announced = -math.inf  # when this replica last named its API URL in Redis
@@ -416,10 +432,10 @@ class Broker:
     def _keep_lease(self) -> None:
         """Renew the lease a third of its TTL apart on this thread's own timer, so that neither
         a long pass nor API requests served by this process can let it lapse; a loop that has
-        not come round for ``LEASE_STALL_S`` is no longer renewed for."""
+        not come round for ``lease_stall_s`` is no longer renewed for."""
         while not self._stop.wait(self.config.lease_ttl_s / 3):
             fence = self.fence
-            if not fence or time.monotonic() - self._came_round > LEASE_STALL_S:
+            if not fence or time.monotonic() - self._came_round > self.config.lease_stall_s:
                 continue
             try:
                 held = self.store.acquire_lease(self.config.owner, self.config.lease_ttl_s)
@@ -499,8 +515,8 @@ def _tokens(state_dir: Path) -> dict[str, str]:
 
     path = state_dir / "tokens.json"
     saved = json.loads(path.read_text()) if path.exists() else {}
-    tokens = {"admin": os.environ.get("FLEET_ADMIN_TOKEN") or saved.get("admin") or new_token(),
-              "agent": os.environ.get("FLEET_AGENT_TOKEN") or saved.get("agent") or new_token()}
+    tokens = {"admin": os.environ.get(BrokerEnv.ADMIN_TOKEN) or saved.get("admin") or new_token(),
+              "agent": os.environ.get(BrokerEnv.AGENT_TOKEN) or saved.get("agent") or new_token()}
     if tokens != saved:
         write_private(path, json.dumps(tokens))
     elif path.exists():
@@ -514,10 +530,10 @@ class Stack:
     HTTP API (agents' heartbeats included) on ``host:port`` and the broker loop."""
 
     def __init__(self, config: BrokerConfig, *, host: str = "127.0.0.1", port: int = 8470,
-                 api_config_path: Path | None = None) -> None:
+                 api: Mapping[str, Any] | None = None) -> None:
         self.config = config
         self.host, self.port = host, port or free_port()
-        self.api_config_path = api_config_path
+        self.api = api  # the broker config's api section (broker.config)
         self.redis: EmbeddedRedis | None = None
         self.broker: Broker | None = None
         self._server: Any = None
@@ -544,7 +560,7 @@ class Stack:
         else:
             register_url_password(url)
         self.tokens = _tokens(state)
-        api_config = (ApiConfig.load(self.api_config_path)
+        api_config = (ApiConfig.load(self.api)
                       .with_token(self.tokens["admin"], Role.ADMIN)
                       .with_token(self.tokens["agent"], Role.AGENT)
                       .with_attempt_key(self.tokens["agent"]))

@@ -13,10 +13,11 @@ import json
 import time
 
 from broker.models import JobRecord
+from broker.protocol import Env
 from policies.models import Pool
 
 # The agent's switch: one worker process per node, with the node's SKYPILOT_* rank and IPs.
-PER_NODE_ENV = "FLEET_PER_NODE"
+PER_NODE_ENV = Env.PER_NODE
 
 
 def task_id(job: JobRecord) -> str:

@@ -20,6 +20,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError
 from yaml.cyaml import CParser
 
+from broker.errors import InvalidInput
+from broker.protocol import ENV_PREFIX
 from policies.models import (
     CLOUD_REGION,
     REMOTE_SCHEMES,
@@ -65,14 +67,19 @@ class Problem(BaseModel):
         return f"{self.field}{shown}: {self.message}"
 
 
-class SpecError(ValueError):
+class SpecError(InvalidInput):
     """A spec that cannot be accepted; ``problems`` lists every reason."""
 
+    problems: list[Problem]
+
     def __init__(self, problems: list[Problem]) -> None:
-        self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         noun = "problem" if len(problems) == 1 else "problems"
-        super().__init__(f"invalid job spec ({len(problems)} {noun}):\n{lines}")
+        super().__init__(f"invalid job spec ({len(problems)} {noun}):\n{lines}", problems)
+
+    @property
+    def message(self) -> str:
+        return "invalid job spec"  # the API's answer: its problems list each reason
 
 
 class ParsedSpec(BaseModel):
@@ -416,7 +423,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REGION_PATTERN = re.compile(r"^[a-z0-9*?\[\]!-]+:[a-z0-9*?\[\]!_-]+$")
 _CLOUD_REGION = re.compile(CLOUD_REGION)
 CLOUDS = ("aws", "gcp", "azure", "local")  # the clouds a region pattern may name
-_RESERVED_ENV_PREFIX = "FLEET_"
+_RESERVED_ENV_PREFIX = ENV_PREFIX
 
 
 def parse_duration(value: Any) -> float | None:

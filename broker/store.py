@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from broker import lua, transitions
+from broker import errors, lua, transitions
 from broker.models import (
     TERMINAL_STATES,
     Event,
@@ -25,6 +25,7 @@ from broker.models import (
     Placement,
     check_transition,
 )
+from broker.protocol import CHECKPOINT_EXIT, CONTINUE
 from policies.job_model import measurement_key
 from policies.migration import Blocklist
 from policies.models import Accelerator, JobSpec, Pool
@@ -36,8 +37,6 @@ _PROGRESS_FIELDS = (
     "checkpoint_bytes", "grad_noise_scale",
 )
 ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
-CHECKPOINT_EXIT = "checkpoint-exit"
-CONTINUE = "continue"
 BLOCKLIST_KEY = "blocklist"  # the reclaimed spot locations (policies.migration.Blocklist JSON)
 PREEMPTIONS_KEY = "pool:preemptions"  # hash: pool id -> preemptions the reconciler handled there
 NODE_HOURS_KEY = "pool:node_hours"  # hash: pool id -> node-hours of closed placement intervals
@@ -46,11 +45,8 @@ BROKERS_KEY = "brokers"  # hash: a broker replica's API URL -> until when it cou
 
 
 def report_field(kind: str, attempt: int, round: int, rank: int) -> str:
-    """The progress-hash field of a node's ``exit`` code or ``notice`` in one attempt and round.
-    Rank 0 of round 0 keeps the single-node name (``exit:<attempt>``), which agents from before
-    multi-node jobs write and a single-node job only ever uses."""
-    if rank == 0 and round == 0:
-        return f"{kind}:{attempt}"
+    """The progress-hash field of a node's ``exit`` code, ``notice`` or ``error`` in one attempt
+    and round (``lua.HEARTBEAT`` names rank 0's final one the same way)."""
     return f"{kind}:{attempt}:{round}:{rank}"
 
 
@@ -89,25 +85,33 @@ class Directive:
     round: int
 
 
-class StoreError(Exception):
+class StoreError(errors.FleetError):
     """Base of the store's refusals."""
 
 
-class JobNotFound(StoreError):
-    pass
+class JobNotFound(StoreError, errors.NotFound):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job {job_id!r} (fleet jobs lists yours)")
+        self.job_id = job_id
 
 
-class Conflict(StoreError):
+class Conflict(StoreError, errors.Conflict):
     """The record changed since it was read (or is in an unexpected state); re-read, retry."""
 
 
-class StaleFence(StoreError):
+class StaleFence(StoreError, errors.Conflict):
     """The caller's fencing token no longer holds the leader lease; it must stop acting."""
 
 
-class NotDurable(StoreError):
+class NotDurable(StoreError, errors.Unavailable):
     """Redis took a write (or refused it) without confirming it durable: the caller must not
     acknowledge it. A retry with the same request key returns the same job once it is."""
+
+    def __init__(self, why: str) -> None:
+        # not acknowledged: the same Idempotency-Key on a retry never makes a second job
+        super().__init__(f"not accepted: the submission could not be made durable ({why}); "
+                         "retry later with the same Idempotency-Key",
+                         headers={"Retry-After": "5"})
 
 
 # Kept outside ``doc``: the hash's plain fields and the agent-reported progress.
@@ -263,7 +267,7 @@ class Store:
     def __init__(self, client: redis.Redis, *, prefix: str = "fb:", confirm_durable: bool = True,
                  durable_timeout_s: float = 3.0) -> None:
         if not client.get_connection_kwargs().get("decode_responses"):
-            raise ValueError("Store needs a redis client made with decode_responses=True")
+            raise StoreError("Store needs a redis client made with decode_responses=True")
         self.r = client
         self.p = prefix
         # Whether a submission returns only once Redis confirmed it durable (``_confirm_durable``)
@@ -416,8 +420,8 @@ class Store:
         whose rank-0 worker measures it; the others report liveness, exit codes and notices), and
         the exit code and any preemption notice of node ``node_rank`` in ``round`` of ``attempt``
         (dropped for a round the job has not reached or a rank it lacks). ``launch_key`` is the
-        node's FLEET_LAUNCH_KEY: a node that does not hold the rank's current key
-        (``lua.HEARTBEAT``) records nothing and is told to stop. The checkpoint's size is kept with
+        node's launch key: a node that does not hold the rank's current key (``lua.HEARTBEAT``)
+        records nothing and is told to stop. The checkpoint's size is kept with
         its step (unknown when the report has none), so a size never describes another checkpoint
         than the one recorded. Returns the action for the agent (``continue``, or
         ``checkpoint-exit`` for a stale attempt, a replaced node, a requested cancel or a job being
@@ -452,14 +456,13 @@ class Store:
         """One node's visit to its job's rendezvous: checks node ``node_rank`` in for ``round``
         of ``attempt`` when both are the job's current ones (with ``addr``, "host:port": rank 0
         must send its own, the round's master; another rank may) and the node holds the rank's
-        current ``launch_key`` (its FLEET_LAUNCH_KEY: the launch's, or its stand-in's; None, an
-        agent from before keys, only while the job has no stand-ins), and returns ``{"round",
-        "nnodes", "master", "addrs", "action"}``: the job's current round and node count, the
-        address rank 0 registered for that round once every rank of the job checked in for it
-        (None until then, for a stale attempt and for a node the broker replaced; it never
-        changes once given), every rank's address by rank ('' where it gave none) once the
-        master is named, and the action, as for a heartbeat (``continue`` or
-        ``checkpoint-exit``)."""
+        current ``launch_key`` (the launch's, or its stand-in's; None only for a job whose record
+        has no launch key), and returns ``{"round", "nnodes", "master", "addrs", "action"}``:
+        the job's current round and node count, the address rank 0 registered for that round
+        once every rank of the job checked in for it (None until then, for a stale attempt and
+        for a node the broker replaced; it never changes once given), every rank's address by
+        rank ('' where it gave none) once the master is named, and the action, as for a
+        heartbeat (``continue`` or ``checkpoint-exit``)."""
         reply = self._rendezvous(args=[self.p, job_id, int(attempt), int(round),
                                        int(node_rank), addr or "", RENDEZVOUS_TTL_S,
                                        launch_key or ""])

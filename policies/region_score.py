@@ -27,11 +27,12 @@ DEFAULT_CHECKPOINT_INTERVAL_S = 100.0  # the job spec's default (policies.models
 class Egress(BaseModel):
     """Checkpoint transfer prices in USD per GB (list prices of the big three, rounded)."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    same_region: float = Field(default=0.0, ge=0)
-    same_cloud: float = Field(default=0.02, ge=0, description="inter-region inside one cloud")
-    cross_cloud: float = Field(default=0.09, ge=0, description="internet egress")
+    same_region: float = Field(default=0.0, ge=0, description="USD/GB inside one region")
+    same_cloud: float = Field(default=0.02, ge=0,
+                              description="USD/GB inter-region inside one cloud")
+    cross_cloud: float = Field(default=0.09, ge=0, description="USD/GB internet egress")
 
     def per_gb(self, src_cloud: str | None, src_region: str | None, dst: Pool) -> float:
         if src_cloud is None:
@@ -78,10 +79,11 @@ class JobNeeds(BaseModel):
 class Stickiness(BaseModel):
     """Move a running job only if it saves more than both margins over its remaining work."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    min_saving_usd: float = Field(default=1.0, ge=0)
-    min_saving_fraction: float = Field(default=0.1, ge=0, le=1)
+    min_saving_usd: float = Field(default=1.0, ge=0, description="USD a move must save at least")
+    min_saving_fraction: float = Field(default=0.1, ge=0, le=1, description="share of the "
+                                       "job's remaining cost a move must save at least")
 
     def threshold(self, current_cost: float) -> float:
         return max(self.min_saving_usd, self.min_saving_fraction * current_cost)

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from broker.protocol import BrokerEnv
 from policies.models import Accelerator, Market, Offer
 from providers import bootstrap
 from providers.base import (
@@ -43,8 +44,8 @@ from providers.catalog import (
 log = logging.getLogger(__name__)
 
 NOT_CONFIGURED = (
-    "azure is not configured: set AZURE_SUBSCRIPTION_ID, FLEET_AZURE_RESOURCE_GROUP and "
-    "FLEET_AZURE_SUBNET_ID, and sign in for DefaultAzureCredential (`az login`, or "
+    f"azure is not configured: set AZURE_SUBSCRIPTION_ID, {BrokerEnv.AZURE_RESOURCE_GROUP} and "
+    f"{BrokerEnv.AZURE_SUBNET_ID}, and sign in for DefaultAzureCredential (`az login`, or "
     "AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, or a managed identity)."
 )
 QUOTA_CODES = {"OperationNotAllowed", "QuotaExceeded", "SubscriptionQuotaExceeded"}
@@ -120,8 +121,8 @@ class AzureProvider(Provider):
         power_ttl_s: float = 30.0,
     ) -> None:
         self.subscription_id = subscription_id or os.environ.get("AZURE_SUBSCRIPTION_ID")
-        self.resource_group = resource_group or os.environ.get("FLEET_AZURE_RESOURCE_GROUP")
-        self.subnet_id = subnet_id or os.environ.get("FLEET_AZURE_SUBNET_ID")
+        self.resource_group = resource_group or os.environ.get(BrokerEnv.AZURE_RESOURCE_GROUP)
+        self.subnet_id = subnet_id or os.environ.get(BrokerEnv.AZURE_SUBNET_ID)
         if not (self.subscription_id and self.resource_group and self.subnet_id):
             raise NotConfiguredError(NOT_CONFIGURED)
         if eviction_policy not in ("Delete", "Deallocate"):

@@ -16,10 +16,11 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from broker.errors import ProviderFailure
 from policies.models import Accelerator, Market, Offer
 
 
-class ProviderError(Exception):
+class ProviderError(ProviderFailure):
     """Base of the errors a provider maps its backend's failures to."""
 
 

@@ -9,6 +9,7 @@ import shlex
 import uuid
 from importlib import metadata
 
+from broker.protocol import Env, shell
 from policies.models import Market
 from providers.base import LaunchRequest
 
@@ -20,7 +21,7 @@ ACCELERATOR_TAG = "fleet-accelerator"
 GPUS_TAG = "fleet-gpus"
 FIRST_RANK_TAG = "fleet-first-rank"  # the launch's first node rank (``LaunchRequest.first_rank``)
 RANK_TAG = "fleet-node-rank"  # one node's rank, where each VM of a launch is made on its own
-RANK_ENV = "FLEET_NODE_RANK"
+RANK_ENV = Env.NODE_RANK
 
 # UUIDv5 namespace for request ids derived from idempotency keys (fixed forever: changing it
 # would make retried launches after an upgrade look new).
@@ -28,22 +29,22 @@ REQUEST_NAMESPACE = uuid.UUID("6f1c2b8e-3f4a-5d6e-8a9b-0c1d2e3f4a5b")
 
 # Where the agent on a spot VM polls for the preemption notice (each cloud's metadata service).
 NOTICE_URLS = {
-    "aws": ("FLEET_NOTICE_AWS_URL", "http://169.254.169.254/latest/meta-data/spot/instance-action"),
-    "gcp": ("FLEET_NOTICE_GCP_URL",
+    "aws": (Env.NOTICE_AWS_URL, "http://169.254.169.254/latest/meta-data/spot/instance-action"),
+    "gcp": (Env.NOTICE_GCP_URL,
             "http://metadata.google.internal/computeMetadata/v1/instance/preempted"),
-    "azure": ("FLEET_NOTICE_AZURE_URL",
+    "azure": (Env.NOTICE_AZURE_URL,
               "http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01"),
 }
 # Where a node of a multi-node AWS launch reads its ``ami-launch-index`` (IMDSv2, ``rank_step``);
 # the request's env or the machine may point elsewhere, as with the notice URLs.
-AWS_METADATA_URL = ("FLEET_METADATA_AWS_URL", "http://169.254.169.254")
+AWS_METADATA_URL = (Env.METADATA_AWS_URL, "http://169.254.169.254")
 
 
 # What a start script pip-installs when the image lacks the agent (see ``agent_install_spec``):
 # fleetbroker's base install, the agent and runtime without the control plane's packages.
-AGENT_INSTALL_ENV = "FLEET_AGENT_INSTALL"
+AGENT_INSTALL_ENV = Env.AGENT_INSTALL
 # The start script's power-off once the agent exited; empty keeps the VM up.
-SHUTDOWN_ENV = "FLEET_SHUTDOWN_COMMAND"
+SHUTDOWN_ENV = Env.SHUTDOWN_COMMAND
 DEFAULT_SHUTDOWN = "shutdown -h now"
 APT_LOCK_TIMEOUT_S = 300  # cloud images run unattended-upgrades at boot
 
@@ -115,15 +116,15 @@ def agent_env(request: LaunchRequest, cloud: str, rank: int | None = None) -> di
     return {
         **(dict([notice]) if notice else {}),  # the request's env may point elsewhere
         **job,
-        "FLEET_JOB_ID": request.job_id,
-        "FLEET_IDEMPOTENCY_KEY": request.idempotency_key,
-        "FLEET_CLOUD": cloud,
-        "FLEET_REGION": request.region,
-        "FLEET_MARKET": request.market.value,
-        "FLEET_ACCELERATOR": request.accelerator.value,
-        "FLEET_GPUS_PER_NODE": str(request.gpus_per_node),
-        "FLEET_NODES": str(request.nodes),
-        "FLEET_FIRST_RANK": str(request.first_rank),
+        Env.JOB_ID: request.job_id,
+        Env.IDEMPOTENCY_KEY: request.idempotency_key,
+        Env.CLOUD: cloud,
+        Env.REGION: request.region,
+        Env.MARKET: request.market.value,
+        Env.ACCELERATOR: request.accelerator.value,
+        Env.GPUS_PER_NODE: str(request.gpus_per_node),
+        Env.NODES: str(request.nodes),
+        Env.FIRST_RANK: str(request.first_rank),
         **({RANK_ENV: str(rank)} if rank is not None else {}),
     }
 
@@ -185,13 +186,13 @@ def agent_invocation(request: LaunchRequest) -> str:
 # neither the agent's environment (/proc/PID/environ, readable by the job) nor the job's holds
 # it. ``printf`` is a bash builtin: the token is on no command line. The shell keeps it as an
 # unexported variable for the exit trap's report.
-TOKEN_TO_FILE = r"""if [ -n "${FLEET_AGENT_TOKEN:-}" ]; then
-  FLEET_AGENT_TOKEN_FILE=$(umask 077 && mktemp "${TMPDIR:-/tmp}/fleet-agent-token.XXXXXX")
-  printf '%s' "$FLEET_AGENT_TOKEN" > "$FLEET_AGENT_TOKEN_FILE"
-  export FLEET_AGENT_TOKEN_FILE
-  export -n FLEET_AGENT_TOKEN
+TOKEN_TO_FILE = shell(r"""if [ -n "${@AGENT_TOKEN:-}" ]; then
+  @AGENT_TOKEN_FILE=$(umask 077 && mktemp "${TMPDIR:-/tmp}/fleet-agent-token.XXXXXX")
+  printf '%s' "$@AGENT_TOKEN" > "$@AGENT_TOKEN_FILE"
+  export @AGENT_TOKEN_FILE
+  export -n @AGENT_TOKEN
 fi
-"""
+""")
 
 
 def agent_command(request: LaunchRequest) -> str:
@@ -214,7 +215,7 @@ def env_function(request: LaunchRequest, cloud: str, rank: int | None = None) ->
 # A node of a multi-node AWS launch: one RunInstances, so one user data for all its instances;
 # each adds its ``ami-launch-index`` (0..nodes-1, from IMDSv2) to the launch's first rank. An
 # unreadable index fails the script: the exit trap reports the failure (rank unknown: 0).
-AWS_RANK_STEP = r"""fleet_launch_index() {
+AWS_RANK_STEP = shell(r"""fleet_launch_index() {
   local base="$fleet_metadata" imds index
   local tries=(-fsS -m 5 --retry 5 --retry-delay 1 --retry-connrefused)
   imds=$(curl "${tries[@]}" -X PUT -H 'X-aws-ec2-metadata-token-ttl-seconds: 300' \
@@ -228,11 +229,11 @@ AWS_RANK_STEP = r"""fleet_launch_index() {
     }
   echo "$index"
 }
-if [ -z "${FLEET_NODE_RANK:-}" ]; then
+if [ -z "${@NODE_RANK:-}" ]; then
   fleet_index=$(fleet_launch_index)
-  export FLEET_NODE_RANK=$((FLEET_FIRST_RANK + fleet_index))
+  export @NODE_RANK=$((@FIRST_RANK + fleet_index))
 fi
-"""
+""")
 
 
 def rank_step(request: LaunchRequest, cloud: str, rank: int | None) -> str:
@@ -253,24 +254,24 @@ def rank_step(request: LaunchRequest, cloud: str, rank: int | None) -> str:
 # it was launched for, which the broker reads). The token reaches curl on stdin, never on a
 # command line or in the output. Then the VM powers off: a VM whose job ended must not bill until
 # the reconciler notices.
-EXIT_TRAP = r"""fleet_report_failure() {
-  [ -n "${FLEET_BROKER_URL:-}" ] || return 0
+EXIT_TRAP = shell(r"""fleet_report_failure() {
+  [ -n "${@BROKER_URL:-}" ] || return 0
   command -v curl >/dev/null || { echo "fleet: no curl to report the failure" >&2; return 1; }
   local body
   body=$(printf '{"job_id": "%s", "attempt": %d, "round": %d, "node_rank": %d, ' \
-    "$FLEET_JOB_ID" "${FLEET_ATTEMPT:-0}" "${FLEET_ROUND:-0}" "${FLEET_NODE_RANK:-0}")
+    "$@JOB_ID" "${@ATTEMPT:-0}" "${@ROUND:-0}" "${@NODE_RANK:-0}")
   # the node's key: the broker takes a report only from the node that holds its rank now
-  [ -z "${FLEET_LAUNCH_KEY:-}" ] || body+=$(printf '"launch_key": "%s", ' "$FLEET_LAUNCH_KEY")
+  [ -z "${@LAUNCH_KEY:-}" ] || body+=$(printf '"launch_key": "%s", ' "$@LAUNCH_KEY")
   body+=$(printf '"state": "failed", "exit_code": %d}' "$1")
-  printf 'Authorization: Bearer %s\n' "${FLEET_AGENT_TOKEN:-}" | curl -fsS -m 10 --retry 3 \
+  printf 'Authorization: Bearer %s\n' "${@AGENT_TOKEN:-}" | curl -fsS -m 10 --retry 3 \
     -o /dev/null -H @- -H 'Content-Type: application/json' --data-binary "$body" \
-    "${FLEET_BROKER_URL%/}/v1/agent/heartbeat"
+    "${@BROKER_URL%/}@HEARTBEAT_PATH"
 }
 fleet_exit() {
   local code=$?
   trap - EXIT
   trap '' TERM INT  # a signal now must not cut the report or the power-off short
-  if [ "$code" != 0 ] && [ "$code" != 75 ]; then
+  if [ "$code" != 0 ] && [ "$code" != @EXIT_STOPPED ]; then
     echo "fleet: the agent exited with $code; reporting the failure to the broker" >&2
     ( fleet_job_env; fleet_report_failure "$code" ) || echo "fleet: could not report it" >&2
   fi
@@ -281,7 +282,7 @@ fleet_exit() {
   exit "$code"
 }
 trap fleet_exit EXIT
-"""
+""")
 
 
 def run_agent(request: LaunchRequest) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from broker.protocol import BrokerEnv
 from policies.models import Accelerator, Market, Offer, Pool, pool_id
 from providers.base import CapacityError, LaunchRequest, Quota
 
@@ -56,7 +57,7 @@ class CatalogOffer(Offer):
 
 def config_dir() -> Path:
     """``$FLEET_CONFIG_DIR``, else ``$XDG_CONFIG_HOME/fleetbroker`` (``~/.config/fleetbroker``)."""
-    if env := os.environ.get("FLEET_CONFIG_DIR"):
+    if env := os.environ.get(BrokerEnv.CONFIG_DIR):
         return Path(env)
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "fleetbroker"

@@ -18,11 +18,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from broker.protocol import BrokerEnv
 from providers.base import ProviderError
 
 log = logging.getLogger(__name__)
 
-JOB_USER_ENV = "FLEET_JOB_USER"
+JOB_USER_ENV = BrokerEnv.JOB_USER
 DEFAULT_JOB_USER = "nobody"
 
 

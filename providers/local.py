@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from broker.protocol import BrokerEnv, Env
 from policies.models import Accelerator, Market, Offer, Pool
 from providers.base import (
     CapacityError,
@@ -76,8 +77,7 @@ PASS_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGU
                       "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE"})
 PASS_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_")
 # Never passed, even when a fleet file's pass_env names them.
-BROKER_SECRETS = frozenset({"FLEET_ADMIN_TOKEN", "FLEET_AGENT_TOKEN", "FLEET_TEAM_TOKENS",
-                            "FLEET_REDIS_URL", "FLEET_TOKEN"})
+BROKER_SECRETS = BrokerEnv.SECRETS
 TOKEN_FILE = "agent-token"  # in the node's directory, 0600, until the agent reads it
 
 
@@ -315,7 +315,7 @@ class LocalProvider(Provider):
         gpus = request.gpus_per_node * request.nodes
         if self.capacity().get(region.pool().id, 0) < gpus:
             raise CapacityError(f"region {region.region} has fewer than {gpus} free GPUs")
-        checkpoint = urlparse(request.env.get("FLEET_CHECKPOINT_URI", ""))
+        checkpoint = urlparse(request.env.get(Env.CHECKPOINT_URI, ""))
         if self.job_user and self.checkpoint_root and checkpoint.path and \
                 checkpoint.scheme in ("", "file"):
             hand_over(Path(checkpoint.path), self.checkpoint_root, self.job_user)
@@ -324,27 +324,26 @@ class LocalProvider(Provider):
         except FileExistsError:
             return [self._node(d) for d in dirs if d.exists()]
         env = {**job_environment(dict(os.environ), tuple(self.fleet.pass_env)),
-               **request.env, "FLEET_WORKDIR": str(self.workdir)}
+               **request.env, Env.WORKDIR: str(self.workdir)}
         # The attempt token goes to the agent in a file it reads and deletes before any of the
         # job's code runs, never in an environment (a job could read /proc/PID/environ).
-        token = env.pop("FLEET_AGENT_TOKEN", None)
+        token = env.pop(Env.AGENT_TOKEN, None)
         # Jobs run from the work dir with this interpreter's tools first on PATH, so `python
         # examples/x.py` finds the same packages as the broker.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env["PYTHONPATH"] = os.pathsep.join(
             x for x in (str(self.workdir), env.get("PYTHONPATH")) if x)
-        env.setdefault("FLEET_GRACE_PERIOD", str(self.fleet.grace_period_s))
-        if "FLEET_MASTER_ADDR" in env or "FLEET_BROKER_URL" not in env:
+        env.setdefault(Env.GRACE_PERIOD, str(self.fleet.grace_period_s))
+        if Env.MASTER_ADDR in env or Env.BROKER_URL not in env:
             # no rendezvous: the nodes of this launch meet on this machine's loopback
-            env.setdefault("FLEET_MASTER_ADDR", "127.0.0.1")
-            env.setdefault("FLEET_MASTER_PORT", str(_free_port()))
+            env.setdefault(Env.MASTER_ADDR, "127.0.0.1")
+            env.setdefault(Env.MASTER_PORT, str(_free_port()))
         for rank, node_dir in zip(ranks, dirs, strict=True):
             node_dir.mkdir(exist_ok=True)
             # the node's home for its files (broker.runtime.files): ~ and relative mount paths
-            node_env = {**env, "FLEET_NODE_RANK": str(rank),
-                        "FLEET_FILES_ROOT": str(node_dir.resolve())}
+            node_env = {**env, Env.NODE_RANK: str(rank), Env.FILES_ROOT: str(node_dir.resolve())}
             if token:
-                node_env["FLEET_AGENT_TOKEN_FILE"] = str((node_dir / TOKEN_FILE).resolve())
+                node_env[Env.AGENT_TOKEN_FILE] = str((node_dir / TOKEN_FILE).resolve())
                 write_private(node_dir / TOKEN_FILE, token)
             self._start(node_dir, request, region, rank, node_env)
         return [self._node(d) for d in dirs]
@@ -358,9 +357,9 @@ class LocalProvider(Provider):
                 "rank": rank, "launched_at": time.time()}
         (node_dir / "meta.json").write_text(json.dumps(meta))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "providers.local_node", str(node_dir),
-             *(["--user", self.job_user.name] if self.job_user else []), "--",
-             *request.command],
+            [sys.executable, "-m", "providers.local_node", str(node_dir), str(self.workdir),
+             *(["--user", self.job_user.name] if self.job_user else []),
+             "--token", Env.AGENT_TOKEN_FILE, Env.AGENT_TOKEN_FD, "--", *request.command],
             env=env, start_new_session=True, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             cwd=str(Path(__file__).resolve().parent.parent),

@@ -1,12 +1,15 @@
 """Supervisor of one local "node": runs the job's command in the node's process group and
 records its exit status in the node directory, so a restarted broker still learns how it ended.
 
-Usage: ``python -m providers.local_node NODE_DIR [--user NAME] -- CMD ARGS...`` (started by
-``LocalProvider``). With ``--user`` the command runs as that user, with its own group and no
-other; the supervisor keeps the broker's user, to write the node's log and exit record where the
-job cannot. The agent's token file (``FLEET_AGENT_TOKEN_FILE``, 0600 in the node directory) is
-read and deleted here and handed to the command on an inherited pipe, ``FLEET_AGENT_TOKEN_FD``:
-a job of another user could not open the file, and a pipe leaves nothing to read back.
+Usage: ``python -m providers.local_node NODE_DIR WORKDIR [--user NAME] [--token FILE_VAR FD_VAR]
+-- CMD ARGS...`` (started by ``LocalProvider``; the command runs in WORKDIR). With ``--user`` the
+command runs as that user, with its own group and no other; the supervisor keeps the broker's
+user, to write the node's log and exit record where the job cannot. With ``--token`` the agent's
+token file (named by the variable FILE_VAR, 0600 in the node directory) is read and deleted here
+and handed to the command on an inherited pipe whose number is in FD_VAR: a job of another user
+could not open the file, and a pipe leaves nothing to read back. The variable names come as
+arguments (``broker.protocol`` holds them) so that this supervisor imports the standard library
+only and starts fast.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ def _noop(signum: int, frame: object) -> None:
     A handler (not SIG_IGN) so the child does not inherit an ignored SIGTERM."""
 
 
-def _token_pipe(env: dict[str, str]) -> int | None:
+def _token_pipe(env: dict[str, str], file_var: str, fd_var: str) -> int | None:
     """Move the token from its file into a pipe; the read end's number, or None."""
-    path = env.pop("FLEET_AGENT_TOKEN_FILE", None)
+    path = env.pop(file_var, None)
     if not path:
         return None
     try:
@@ -40,19 +43,21 @@ def _token_pipe(env: dict[str, str]) -> int | None:
     read, write = os.pipe()
     os.write(write, token)  # 64 bytes: far below a pipe's buffer
     os.close(write)
-    env["FLEET_AGENT_TOKEN_FD"] = str(read)
+    env[fd_var] = str(read)
     return read
 
 
 def main(argv: list[str]) -> int:
-    node_dir = Path(argv[0])
+    node_dir, workdir = Path(argv[0]), argv[1]
     cmd = argv[argv.index("--") + 1:]
-    user = argv[argv.index("--user") + 1] if "--user" in argv[:argv.index("--")] else None
+    opts = argv[2:argv.index("--")]
+    user = opts[opts.index("--user") + 1] if "--user" in opts else None
+    names = opts[opts.index("--token") + 1:opts.index("--token") + 3] if "--token" in opts else None
     os.umask(0o077)  # the node's log, and the job's files (checkpoints): owner only
     signal.signal(signal.SIGTERM, _noop)
     signal.signal(signal.SIGINT, _noop)
     env = dict(os.environ)
-    token_fd = _token_pipe(env)
+    token_fd = _token_pipe(env, *names) if names else None
     as_user: dict[str, Any] = {}
     if user is not None:
         pw = pwd.getpwnam(user)
@@ -60,7 +65,7 @@ def main(argv: list[str]) -> int:
         env.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
     with open(node_dir / "output.log", "ab", buffering=0) as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                stdin=subprocess.DEVNULL, cwd=env.get("FLEET_WORKDIR"),
+                                stdin=subprocess.DEVNULL, cwd=workdir,
                                 pass_fds=() if token_fd is None else (token_fd,), **as_user)
         if token_fd is not None:
             os.close(token_fd)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from broker.protocol import shell
 from policies.models import Accelerator, Market, Offer
 from providers import bootstrap
 from providers.base import (
@@ -41,8 +42,8 @@ CLOUD_LABEL = "fleet-cloud"  # one SkyPilot provider per cloud lists only its ow
 STATE = {"INIT": NodeState.PENDING, "UP": NodeState.RUNNING, "STOPPED": NodeState.TERMINATED}
 # A node of a multi-node cluster: its rank in the job is the launch's first plus SkyPilot's
 # own node rank (0 on the head node), which SkyPilot exports to every node's run.
-RANK_LINE = ("export FLEET_NODE_RANK=$((FLEET_FIRST_RANK + "
-             "${SKYPILOT_NODE_RANK:?SkyPilot sets it on every node}))\n")
+RANK_LINE = shell("export @NODE_RANK=$((@FIRST_RANK + "
+                  "${SKYPILOT_NODE_RANK:?SkyPilot sets it on every node}))\n")
 
 
 class SkyBackend(Protocol):

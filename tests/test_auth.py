@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from broker import config as broker_config
 from broker.auth import ApiConfig, ConfigError, Principal, Role, hash_token, new_token
 
 TOKEN = "s3cret-token-0123456789"
@@ -17,7 +18,7 @@ def test_grants_from_config_and_env(tmp_path: Path) -> None:
                    "  max_body_bytes: 10000\n")
     env = {"FLEET_ADMIN_TOKEN": "admin-token-0123456789",
            "FLEET_TEAM_TOKENS": "vision=vision-token-012345, nlp=nlp-token-0123456789"}
-    config = ApiConfig.load(cfg, env)
+    config = ApiConfig.load(broker_config.load(cfg).api, env)
     assert config.max_body_bytes == 10000
     assert config.authenticate(TOKEN) == Principal(role=Role.TEAM, team="ml")
     assert config.authenticate("admin-token-0123456789") == Principal(role=Role.ADMIN)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import broker
-from broker.api import Heartbeat
+from broker.protocol import Heartbeat
 from policies.models import Accelerator, Market
 from providers import bootstrap
 from providers.base import LaunchRequest, replacement_key

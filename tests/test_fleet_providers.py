@@ -611,10 +611,12 @@ def test_a_vm_whose_agent_never_reports_is_terminated_at_the_launch_deadline(
     broker_pass(store, aws_fleet, fence)
     jobs = {j.id: j for j in map(store.get_job, (silent.id, talks.id, old.id)) if j}
     assert {j.state for j in jobs.values()} == {JobState.RUNNING}
-    store.record_heartbeat(talks.id, jobs[talks.id].attempt, samples_done=1)
+    store.record_heartbeat(talks.id, jobs[talks.id].attempt, samples_done=1,
+                           launch_key=jobs[talks.id].launch_key)
     # an agent that reported to a broker from before the first-beat record: only its job's
     # last heartbeat says so (the first start of a new broker must not kill it)
-    store.record_heartbeat(old.id, jobs[old.id].attempt, samples_done=1)
+    store.record_heartbeat(old.id, jobs[old.id].attempt, samples_done=1,
+                           launch_key=jobs[old.id].launch_key)
     store.r.hdel(f"{store.p}progress:{old.id}", f"beat:{jobs[old.id].attempt}")
     launched = max(j.launched_at or 0.0 for j in jobs.values())
     now = [launched + 1199.0]

@@ -1,11 +1,12 @@
 """The node's light install (issue 15, item 7): the base install is the agent and runtime with
 no control-plane package, ``[broker]`` adds the control plane. In a fresh venv without the
-system's site-packages, holding only this checkout and the base install's one dependency, the
+system's site-packages, holding only this checkout and the base install's dependencies, the
 agent runs a command and ``fastapi`` (and every other control-plane package) cannot be
 imported; the ``fleet`` script says which extra to install."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import shutil
 import subprocess
@@ -14,11 +15,12 @@ import tomllib
 import venv
 from pathlib import Path
 
-import tenacity
-
 from broker.console import CONTROL_PLANE_PACKAGES
 
 REPO = Path(__file__).resolve().parent.parent
+# the base install's packages as modules: its two dependencies and theirs
+BASE_MODULES = ("tenacity", "pydantic", "pydantic_core", "annotated_types", "typing_extensions",
+                "typing_inspection")
 # pip names of the control plane's packages (module yaml is PyYAML)
 PIP_NAMES = {"yaml": "pyyaml"}
 
@@ -31,7 +33,7 @@ def test_the_base_install_holds_no_control_plane_package() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     base = {_name(r) for r in project["dependencies"]}
     control = {PIP_NAMES.get(m, m) for m in CONTROL_PLANE_PACKAGES}
-    assert base == {"tenacity"}
+    assert base == {"tenacity", "pydantic"}
     assert control <= {_name(r) for r in project["optional-dependencies"]["broker"]}
     assert "broker" in project["optional-dependencies"]["all"][0]
     assert project["scripts"]["fleet"] == "broker.console:main"
@@ -41,9 +43,16 @@ def test_the_agent_runs_in_a_fresh_venv_without_the_control_plane(tmp_path: Path
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(system_site_packages=False, with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
-    # the base install: this checkout's packages and its one dependency, nothing else
+    # the base install: this checkout's packages and its dependencies (tenacity; pydantic and
+    # what it imports), nothing else
     site = tmp_path / "site"
-    shutil.copytree(Path(tenacity.__file__).parent, site / "tenacity")
+    for module in BASE_MODULES:
+        path = Path(importlib.import_module(module).__file__ or "")
+        if path.name == "__init__.py":
+            shutil.copytree(path.parent, site / module)
+        else:
+            site.mkdir(exist_ok=True)
+            shutil.copy(path, site / path.name)
     env = {"PYTHONPATH": f"{REPO}:{site}", "PATH": "/usr/bin:/bin", "PYTHONNOUSERSITE": "1"}
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:

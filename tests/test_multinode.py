@@ -238,7 +238,8 @@ def test_a_stand_in_that_never_comes_to_the_rendezvous_is_replaced_again(
     past the launch deadline it counts as lost too, and a second stand-in is launched."""
     loop = Loop(store, provider, replace=True, launch_deadline_s=1.0)
     job, ranks = running_gang(loop)
-    store.rendezvous(job.id, job.attempt, 0, 0, "127.0.0.1:29400")  # rank 0's agent, round 0
+    store.rendezvous(job.id, job.attempt, 0, 0, "127.0.0.1:29400",  # rank 0's agent, round 0
+                     job.launch_key)
     provider.lose(ranks[1])
     loop.until(lambda: loop.job(job.id).round == 1 and len(loop.job(job.id).node_ids) == 2)
     (hung,) = [i for i in loop.job(job.id).node_ids if i != ranks[0]]
@@ -261,7 +262,7 @@ def test_a_node_of_the_first_launch_that_never_comes_up_is_replaced(
     its agent never comes): past the launch deadline it counts as lost and is replaced."""
     loop = Loop(store, provider, replace=True, launch_deadline_s=1.0)
     job, ranks = running_gang(loop)
-    store.rendezvous(job.id, job.attempt, 0, 0, "127.0.0.1:29400")
+    store.rendezvous(job.id, job.attempt, 0, 0, "127.0.0.1:29400", job.launch_key)
     loop.until(lambda: loop.job(job.id).round == 1 and len(loop.job(job.id).node_ids) == 2)
     mended = loop.job(job.id)
     assert ranks[0] in mended.node_ids and ranks[1] not in mended.node_ids
@@ -275,7 +276,8 @@ def test_a_finished_gang_whose_vms_are_deleted_completes(
     loop = Loop(store, provider, replace=True)
     job, ranks = running_gang(loop)
     for rank, node_id in ranks.items():
-        store.record_heartbeat(job.id, job.attempt, node_rank=rank, exit_code=0)
+        store.record_heartbeat(job.id, job.attempt, node_rank=rank, exit_code=0,
+                               launch_key=job.launch_key)
         provider.lose(node_id)
     loop.until(lambda: all(n.state is NodeState.TERMINATED for n in provider.nodes()))
     for node_id in ranks.values():
@@ -322,10 +324,12 @@ def test_a_launch_that_goes_down_whole_is_released_once_every_rank_reported(
     monkeypatch.setattr(provider, "outlives_agent", lambda node: True)  # as VMs do
     loop = Loop(store, provider, replace=True)
     job, _ = running_gang(loop)
-    store.record_heartbeat(job.id, job.attempt, node_rank=1, exit_code=0)
+    store.record_heartbeat(job.id, job.attempt, node_rank=1, exit_code=0,
+                           launch_key=job.launch_key)
     loop.reconciler.run(loop.fence)
     assert {n.state for n in provider.nodes()} == {NodeState.RUNNING}
-    store.record_heartbeat(job.id, job.attempt, node_rank=0, exit_code=0)
+    store.record_heartbeat(job.id, job.attempt, node_rank=0, exit_code=0,
+                           launch_key=job.launch_key)
     loop.reconciler.run(loop.fence)
     assert NodeState.RUNNING not in {n.state for n in provider.nodes()}
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from broker.models import JobRecord, JobState
-from broker.store import CHECKPOINT_EXIT, CONTINUE, RENDEZVOUS_TTL_S, JobNotFound, Plan, Store
+from broker.protocol import CHECKPOINT_EXIT, CONTINUE
+from broker.store import RENDEZVOUS_TTL_S, JobNotFound, Plan, Store
 from policies.models import Accelerator
 from providers.base import replacement_key
 from tests.test_store import spec
@@ -118,24 +119,17 @@ def test_a_replaced_rank_counts_only_with_its_stand_ins_key(store: Store) -> Non
     assert store.rendezvous(job.id, 1, 2, 1, None, LAUNCH) == superseded  # still refused
 
 
-def test_a_job_without_stand_ins_takes_agents_without_a_key(store: Store) -> None:
-    """Agents from before keys keep working until the broker replaces a node; a key, once
-    sent, must be the launch's."""
+def test_a_node_without_the_launch_key_is_told_to_stop(store: Store) -> None:
+    """A job launched with a key takes only the nodes that hold it (or their stand-ins'): a
+    report without a key, or with another, records nothing and is told to stop."""
     job = change(store, two_node_job(store).id, launch_key=LAUNCH)
-    assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:1", None)["action"] == CONTINUE
+    assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:1", None)["action"] == CHECKPOINT_EXIT
+    assert store.record_heartbeat(job.id, 1, node_rank=0, exit_code=0).action == CHECKPOINT_EXIT
     assert store.rendezvous(job.id, 1, 0, 1, None, "other-1:1:1")["action"] == CHECKPOINT_EXIT
-    assert store.checked_in([job]) == {job.id: {0}}
+    assert store.checked_in([job]) == {job.id: set()}
+    assert store.r.hget(f"{store.p}progress:{job.id}", "exit:1:0:0") is None
+    assert store.rendezvous(job.id, 1, 0, 0, "10.0.0.5:1", LAUNCH)["action"] == CONTINUE
     assert store.rendezvous(job.id, 1, 0, 1, None, LAUNCH)["master"] == "10.0.0.5:1"
-
-
-def test_an_agent_without_a_key_keeps_a_rank_never_replaced(store: Store) -> None:
-    """A gang launched before keys (or on an image with an older agent): rank 1 was replaced,
-    rank 0 never was, so its keyless agent still counts; rank 1's keyless one does not."""
-    job = replaced_job(store)
-    assert store.rendezvous(job.id, 1, 2, 0, "10.0.0.5:1", None)["action"] == CONTINUE
-    assert store.record_heartbeat(job.id, 1, node_rank=0, round=2).action == CONTINUE
-    assert store.rendezvous(job.id, 1, 2, 1, None, None)["action"] == CHECKPOINT_EXIT
-    assert store.checked_in([job]) == {job.id: {0}}
 
 
 def test_heartbeats_keep_the_rendezvous_record_while_the_gang_trains(store: Store) -> None:
@@ -212,8 +206,7 @@ def test_agent_reports_per_node_and_round(store: Store) -> None:
     # Rank 1's worker measures nothing: its report must not reset rank 0's progress.
     store.record_heartbeat(job.id, 1, node_rank=1, samples_done=0, notice="gcp preempted")
     progress = store.r.hgetall(f"{store.p}progress:{job.id}")
-    # rank 0 of round 0 keeps the single-node names, which agents from before write too
-    assert progress["exit:1"] == "0" and progress["notice:1:0:1"] == '"gcp preempted"'
+    assert progress["exit:1:0:0"] == "0" and progress["notice:1:0:1"] == '"gcp preempted"'
     job = store.get_job(job.id)
     assert job is not None and job.samples_done == 500
     report = store.agent_reports([job])[job.id]
@@ -261,7 +254,7 @@ def test_heartbeats_of_a_round_or_rank_the_job_lacks_record_nothing(store: Store
     assert (got.samples_done, got.samples_per_sec, got.checkpoint_step, got.checkpoint_bytes,
             got.measured_gpus, got.measured) == (500, 40.0, 7, 1000, 2, {"T4:2x64": 40.0})
     # their exit codes count: rank 0's in round 0, rank 1's in the current round
-    assert store.r.hget(key, "exit:1") == "75"
+    assert store.r.hget(key, "exit:1:0:0") == "75"
     assert store.agent_reports([got])[got.id].exits == {1: 75}
     store.record_heartbeat(job.id, 1, node_rank=0, round=2, samples_done=900)  # a later round
     assert store.get_job(job.id).samples_done == 500  # type: ignore[union-attr]

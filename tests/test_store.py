@@ -11,7 +11,8 @@ import pytest
 import redis
 
 from broker.models import Intent, IntentKind, JobState, Placement, check_transition
-from broker.store import CHECKPOINT_EXIT, CONTINUE, Conflict, Plan, StaleFence, Store
+from broker.protocol import CHECKPOINT_EXIT, CONTINUE
+from broker.store import Conflict, Plan, StaleFence, Store
 from policies.models import Accelerator, BatchRange, JobSpec, Market, Pool
 from tests.redis_server import RedisServer
 

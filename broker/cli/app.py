@@ -6,10 +6,31 @@ import json
 import sys
 from typing import Any, NoReturn
 
+import click
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
+
+from broker import errors
+
+
+class _FleetGroup(TyperGroup):
+    """The CLI's one error handler: a FleetError (or an error ``broker.errors`` maps) from any
+    command is one clear error line, a line per problem, and its class's exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except errors.handled() as exc:
+            err = errors.as_fleet_error(exc)
+            err_console.print(f"[bold red]error:[/] {err.message}", highlight=False)
+            for p in err.problems:
+                err_console.print(f"  - {p}", highlight=False, markup=False)
+            raise typer.Exit(err.exit_code) from None
+
 
 app = typer.Typer(
+    cls=_FleetGroup,
     name="fleet",
     help="FleetBroker: one elastic GPU fleet across AWS, GCP, Azure and local machines.",
     no_args_is_help=True,
@@ -35,10 +56,7 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True,
                                        help="Print the version and exit")) -> None:
     """Keeps ``fleet`` a command group even while only one subcommand is registered."""
 
-EXIT_USAGE = 2  # bad input: a spec, a flag or a file the user must fix
-
-
-def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+def fail(message: str, code: int = errors.InvalidInput.exit_code) -> NoReturn:
     """Print one clear error line (no traceback) and exit."""
     err_console.print(f"[bold red]error:[/] {message}", highlight=False)
     raise typer.Exit(code)

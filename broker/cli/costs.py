@@ -9,7 +9,8 @@ import typer
 from rich.table import Table
 
 from broker.cli.app import app, print_json
-from broker.cli.jobs import JsonOpt, TokenOpt, UrlOpt, _call, _client, _print_table
+from broker.cli.jobs import JsonOpt, TokenOpt, UrlOpt, _print_table
+from broker.client import BrokerClient
 
 
 def _saving(line: dict[str, Any]) -> str:
@@ -30,8 +31,8 @@ def cost_report(
     as_json: bool = JsonOpt, url: str | None = UrlOpt, token: str | None = TokenOpt,
 ) -> None:
     """Cost per job and per team, summed over every placement interval, vs all on-demand."""
-    with _client(url, token) as client:
-        out = _call(client, "costs", team=team, states=state, limit=limit)
+    with BrokerClient(url, token) as client:
+        out = client.costs(team=team, states=state, limit=limit)
     if as_json:
         print_json(out)
         return

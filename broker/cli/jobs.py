@@ -1,7 +1,7 @@
 """``fleet launch/jobs/job/logs/cancel/capacity/events/chaos/login/token``: the API's client side.
 
-Exit codes: 0 ok, 1 nothing done (cancelling a job that had already ended), 2 bad input,
-3 not found, 4 auth, 5 broker unreachable.
+Exit codes: those of ``broker.errors`` (0 ok, 2 bad input, 3 not found, 4 auth, 5 broker
+unreachable, 6 conflict), and 1 when nothing was done (cancelling a job that had already ended).
 """
 
 from __future__ import annotations
@@ -11,67 +11,38 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from broker import errors
 from broker.cli.app import app, console, err_console, fail, print_json
 from broker.cli.launch_env import launch_env
 from broker.cli.launch_files import upload_files
-from broker.client import (
-    EXIT_BAD_INPUT,
-    BrokerClient,
-    ClientError,
-    config_path,
-    write_client_config,
-)
+from broker.client import BrokerClient, config_path, write_client_config
 from broker.files import PackError
 from broker.models import JobState
+from broker.protocol import BrokerEnv
 from broker.spec import (
     UNBOUNDED_WORK,
     ParsedSpec,
-    Problem,
     SpecError,
     apply_overrides,
     load_spec_file,
 )
 
-UrlOpt = typer.Option(None, "--url", envvar="FLEET_URL", show_envvar=True,
+UrlOpt = typer.Option(None, "--url", envvar=BrokerEnv.URL, show_envvar=True,
                       help="Broker URL (default: client config, else http://127.0.0.1:8470)")
-TokenOpt = typer.Option(None, "--token", envvar="FLEET_TOKEN", show_envvar=True,
+TokenOpt = typer.Option(None, "--token", envvar=BrokerEnv.TOKEN, show_envvar=True,
                         help="API token (default: the client config file)")
 JsonOpt = typer.Option(False, "--json", help="Print JSON instead of a table")
 
 chaos_app = typer.Typer(help="Fault injection on a running broker (admin token).",
                         no_args_is_help=True)
 app.add_typer(chaos_app, name="chaos")
-
-
-def _fail_problems(message: str, problems: list[Problem], code: int) -> NoReturn:
-    """Like ``fail``, then one line per problem (field, value, fix)."""
-    if not problems:
-        fail(message, code)
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    for p in problems:
-        err_console.print(f"  - {p}", highlight=False, markup=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def _client(url: str | None, token: str | None) -> BrokerClient:
-    try:
-        return BrokerClient(url, token)
-    except ClientError as exc:
-        fail(str(exc), exc.exit_code)
-
-
-def _call(client: BrokerClient, fn: str, *args: Any, **kw: Any) -> dict[str, Any]:
-    try:
-        return getattr(client, fn)(*args, **kw)
-    except ClientError as exc:
-        _fail_problems(str(exc), exc.problems, exc.exit_code)
 
 
 def _print_table(renderable: Any) -> None:
@@ -134,18 +105,18 @@ def launch(
         parsed = load_spec_file(spec, launch=launch_env(env, secret))
         job_spec = apply_overrides(parsed.spec, gpus=gpus, spot=spot)
     except SpecError as exc:
-        _fail_problems(f"{spec}: invalid job spec", exc.problems, EXIT_BAD_INPUT)
+        raise errors.InvalidInput(f"{spec}: invalid job spec", exc.problems) from None
     if dryrun:
         _dryrun(parsed.model_copy(update={"spec": job_spec}), as_json, url, token)
         return
     for note in parsed.warnings:
         err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
-    with _client(url, token) as client:
+    with BrokerClient(url, token) as client:
         try:
-            job_spec = upload_files(job_spec, lambda data: _call(client, "put_blob", data))
+            job_spec = upload_files(job_spec, lambda data: client.put_blob(data))
         except PackError as exc:
-            fail(f"{spec}: {exc}", EXIT_BAD_INPUT)
-        out = _call(client, "submit", job_spec.model_dump_json(), notes=parsed.warnings,
+            fail(f"{spec}: {exc}")
+        out = client.submit(job_spec.model_dump_json(), notes=parsed.warnings,
                     secrets={k: v.get_secret_value() for k, v in parsed.secrets.items()})
         job = out["job"]
         if as_json:
@@ -165,9 +136,9 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
         with BrokerClient(url, token, timeout=5.0) as client:
             found: dict[str, Any] | None = client.preview(parsed.spec.model_dump_json())
             broker, unreached = client.url, None
-    except ClientError as exc:
+    except errors.FleetError as exc:
         if exc.problems:  # the broker answered: the job cannot run there
-            _fail_problems(str(exc), exc.problems, exc.exit_code)
+            raise
         found, broker, unreached = None, None, str(exc)
     s = parsed.spec
     job = {"name": s.name, "format": parsed.format,
@@ -175,6 +146,8 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
            "gpus": s.gpus.model_dump(), "batch_size": s.batch_size.model_dump(),
            "batch_mode": s.batch_mode.value, "spot": s.spot.value,
            "regions": s.regions.model_dump(), "env_names": sorted(s.envs),
+           "secret_names": sorted(s.secret_envs), "nodes": s.nodes, "workdir": s.workdir,
+           "mounts": [m.model_dump(mode="json") for m in s.file_mounts],
            "checkpoint": s.checkpoint.model_dump(), "notes": parsed.warnings}
     preview = None if found is None else {"broker": broker, "never_runs": found["never_runs"],
                                           "pools": found["pools"]}
@@ -189,8 +162,14 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
              + f"  batch {b.min}-{b.max} ({s.batch_mode.value})  spot {s.spot.value}",
              f"regions allow {', '.join(s.regions.allow)}"
              + (f" deny {', '.join(s.regions.deny)}" if s.regions.deny else ""),
-             f"env {', '.join(job['env_names']) or '-'}  checkpoint "
+             f"env {', '.join(job['env_names']) or '-'}  secrets "
+             f"{', '.join(job['secret_names']) or '-'}  checkpoint "
              f"{s.checkpoint.uri or 'the broker default'} every {s.checkpoint.interval}"]
+    if s.nodes:
+        lines.append(f"nodes {s.nodes} (setup and run once per node)")
+    if s.workdir:
+        lines.append(f"workdir {s.workdir} (packed at launch)")
+    lines += [f"mount {m.path} <- {m.source} ({m.mode.value})" for m in s.file_mounts]
     for line in lines:  # user text (region patterns, URIs) is never read as markup
         console.print(line, highlight=False, markup=False)
     for note in parsed.warnings:
@@ -224,8 +203,8 @@ def list_jobs(
     as_json: bool = JsonOpt, url: str | None = UrlOpt, token: str | None = TokenOpt,
 ) -> None:
     """List jobs (a team token sees its own; an admin sees all)."""
-    with _client(url, token) as client:
-        out = _call(client, "jobs", states=state, team=team)
+    with BrokerClient(url, token) as client:
+        out = client.jobs(states=state, team=team)
     if as_json:
         print_json(out["jobs"])
         return
@@ -252,8 +231,8 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
              as_json: bool = JsonOpt, url: str | None = UrlOpt,
              token: str | None = TokenOpt) -> None:
     """Show one job: state, assignment, progress, placements and cost."""
-    with _client(url, token) as client:
-        out = _call(client, "job", job_id)
+    with BrokerClient(url, token) as client:
+        out = client.job(job_id)
     if as_json:
         print_json(out)
         return
@@ -304,14 +283,14 @@ def logs(job_id: str = typer.Argument(..., help="Job ID"),
          interval: float = typer.Option(1.0, "--interval", min=0.05, hidden=True),
          url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
     """Print a job's log lines."""
-    with _client(url, token) as client:
+    with BrokerClient(url, token) as client:
         _print_logs(client, job_id, offset, follow=follow, interval=interval)
 
 
 def _print_logs(client: BrokerClient, job_id: str, offset: int, *, follow: bool,
                 interval: float) -> None:
     while True:
-        out = _call(client, "logs", job_id, offset)
+        out = client.logs(job_id, offset)
         for line in out["lines"]:
             typer.echo(line)
         offset = out["next_offset"]
@@ -335,15 +314,16 @@ def cancel(job_ids: list[str] | None = typer.Argument(None, help="Job IDs"),
     if bool(job_ids) == all_jobs:
         fail("give job IDs or --all (not both)")
     results = []
-    with _client(url, token) as client:
+    with BrokerClient(url, token) as client:
         if all_jobs:
             live = [s.value for s in JobState if not s.terminal]
-            found = _call(client, "jobs", states=live, team=team)["jobs"]
+            found = client.jobs(states=live, team=team)["jobs"]
             if not team and len({j["team"] for j in found}) > 1:
                 fail("this token sees several teams' jobs; name one with --team")
-            job_ids = [j["id"] for j in found]
+            # a job already told to stop is not cancelled twice
+            job_ids = [j["id"] for j in found if not j.get("cancel_requested")]
         for job_id in job_ids or []:
-            results.append(_call(client, "cancel", job_id))
+            results.append(client.cancel(job_id))
     if as_json:
         print_json([{**r["job"], "finished_before": r["finished"]} for r in results])
     for r in results:
@@ -366,8 +346,8 @@ def cancel(job_ids: list[str] | None = typer.Argument(None, help="Job IDs"),
 def capacity(as_json: bool = JsonOpt, url: str | None = UrlOpt,
              token: str | None = TokenOpt) -> None:
     """The fleet's pools: GPUs, GPUs in use, market and price."""
-    with _client(url, token) as client:
-        out = _call(client, "capacity")
+    with BrokerClient(url, token) as client:
+        out = client.capacity()
     if as_json:
         print_json(out)
         return
@@ -398,13 +378,13 @@ def events(job_id: str | None = typer.Option(None, "--job", help="Only this job'
         """Every event after ``since``, oldest first, page by page."""
         nonlocal since
         while True:
-            out = _call(client, "events", since=since, job_id=job_id, limit=page)
+            out = client.events(since=since, job_id=job_id, limit=page)
             yield from out["events"]
             since = out["next"]
             if len(out["events"]) < page:
                 return
 
-    with _client(url, token) as client:
+    with BrokerClient(url, token) as client:
         # The stream is read oldest first: the last N are what a bounded queue keeps of it.
         for e in deque(pages(client), maxlen=limit) if limit else pages(client):
             _print_event(e, as_json)
@@ -429,8 +409,8 @@ def chaos_preempt(region: str = typer.Argument(..., help="A spot region (or clou
                                                  help="Seconds the region stays reclaimed"),
                   url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
     """Reclaim every spot node in REGION: its jobs checkpoint and move elsewhere."""
-    with _client(url, token) as client:
-        out = _call(client, "preempt", region, duration)
+    with BrokerClient(url, token) as client:
+        out = client.preempt(region, duration)
     console.print(f"preempting {out['region']} ({', '.join(out['pools'])}) for "
                   f"{out['duration_s']:.0f}s", highlight=False)
 
@@ -444,8 +424,8 @@ def chaos_node(job_id: str = typer.Argument(..., help="A running job"),
                url: str | None = UrlOpt, token: str | None = TokenOpt) -> None:
     """Take one node of a job away (local pretend regions): a multi-node job replaces it."""
     how = "kill" if kill else "reclaim"
-    with _client(url, token) as client:
-        out = _call(client, "node_chaos", job_id, rank, how)
+    with BrokerClient(url, token) as client:
+        out = client.node_chaos(job_id, rank, how)
     console.print(f"{out['how']} node of rank {out['rank']} of {out['job_id']}", highlight=False)
 
 
@@ -455,7 +435,7 @@ def login(url: str = typer.Option(..., "--url", help="Broker URL"),
                                     help="API token")) -> None:
     """Save the broker URL and token in the client config file (mode 600)."""
     with BrokerClient(url, token) as client:
-        _call(client, "jobs")  # proves both before they are saved
+        client.jobs()  # proves both before they are saved
     console.print(f"saved to {write_client_config(url, token)}", highlight=False)
 
 
@@ -466,5 +446,5 @@ def token() -> None:
 
     fresh = new_token()
     console.print(f"token:        {fresh}\ntoken_sha256: {hash_token(fresh)}", highlight=False)
-    err_console.print(f"(the client reads its token from FLEET_TOKEN or {config_path()})",
+    err_console.print(f"(the client reads its token from {BrokerEnv.TOKEN} or {config_path()})",
                       highlight=False)

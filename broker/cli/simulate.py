@@ -71,8 +71,8 @@ def simulate(
 ) -> None:
     """Simulate WORKLOAD.csv files on CLUSTER with POLICY and report job completion times."""
     from broker.scheduler import Admission, Policy
-    from broker.sim.cluster import ClusterError, fleet_capacity, read_pool_specs
-    from broker.sim.engine import Baseline, SimConfig, SimulationError
+    from broker.sim.cluster import fleet_capacity, read_pool_specs
+    from broker.sim.engine import Baseline, SimConfig
     from broker.sim.report import spot_summary, summary, write_jobs
     from broker.sim.spot import (
         MarketPolicy,
@@ -82,7 +82,7 @@ def simulate(
         sim_pools,
         simulate_spot,
     )
-    from broker.sim.workload import WorkloadError, read_workload
+    from broker.sim.workload import read_workload
     from policies.goodput import EfficiencyModel
 
     gone = [f"--{name.replace('_', '-')}" for name, given in (
@@ -132,27 +132,25 @@ def simulate(
             spot = SpotConfig(market, checkpoint_interval, checkpoint_on_notice)
         else:
             pools = classic_pools(specs)
-    except (ValueError, ClusterError) as e:
+    except ValueError as e:  # ClusterError included
         fail(str(e))
     paths = _expand(workloads)
     settings = {"policy": pol.value, "cluster": cluster, "admission": adm.value,
                 "interval": interval, "restart_penalty": restart_penalty,
                 "efficiency": eff.value, "slowdown": slowdown, "seed": seed}
-    try:
-        loaded = [read_workload(p) for p in paths]  # validate every file before simulating
-        if market is not None:
-            settings.update(spot_policy=market.value, checkpoint_interval=checkpoint_interval,
-                            checkpoint_on_notice=checkpoint_on_notice)
-            spot_results = [(str(p), simulate_spot(jobs, pools, cfg, spot))
-                            for p, jobs in zip(paths, loaded, strict=True)]
-            results = [(name, r.result) for name, r in spot_results]
-            out = spot_summary(spot_results, settings)
-        else:
-            show = not json_out and sys.stderr.isatty()
-            results = _simulate_all(paths, pools, cfg, workers, show)
-            out = summary(results, settings)
-    except (WorkloadError, SimulationError) as e:
-        fail(str(e))
+    # a bad workload file or simulation setting is an InvalidInput: the CLI's handler names it
+    loaded = [read_workload(p) for p in paths]  # validate every file before simulating
+    if market is not None:
+        settings.update(spot_policy=market.value, checkpoint_interval=checkpoint_interval,
+                        checkpoint_on_notice=checkpoint_on_notice)
+        spot_results = [(str(p), simulate_spot(jobs, pools, cfg, spot))
+                        for p, jobs in zip(paths, loaded, strict=True)]
+        results = [(name, r.result) for name, r in spot_results]
+        out = spot_summary(spot_results, settings)
+    else:
+        show = not json_out and sys.stderr.isatty()
+        results = _simulate_all(paths, pools, cfg, workers, show)
+        out = summary(results, settings)
     if jobs_out:
         write_jobs(jobs_out, results)
     if json_out:

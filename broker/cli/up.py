@@ -12,6 +12,7 @@ from pathlib import Path
 import typer
 
 from broker.cli.app import app, console, fail
+from broker.protocol import ENV_PREFIX, BrokerEnv
 
 
 @app.command()
@@ -19,7 +20,7 @@ def up(
     state_dir: Path = typer.Option(Path(".state"), help="Where Redis data, node state and "
                                    "checkpoints live"),
     redis_url: str | None = typer.Option(
-        None, envvar="FLEET_REDIS_URL", show_envvar=True,
+        None, envvar=BrokerEnv.REDIS_URL, show_envvar=True,
         help="Use this Redis instead of starting one: redis://[user:password@]host:port/db "
         "or rediss:// (TLS). Prefer the variable: a command line is visible to every local "
         "user"),
@@ -27,31 +28,33 @@ def up(
                                       "clouds (examples/fleets/*.yaml)"),
     host: str = typer.Option("127.0.0.1", help="API listen address"),
     port: int = typer.Option(8470, help="API port"),
-    config: Path | None = typer.Option(None, help="Broker config YAML (api tokens)"),
-    policy: str = typer.Option("elastic", help="elastic | fixed-batch | static"),
-    admission: str = typer.Option("queue", help="queue | drop"),
+    config: Path | None = typer.Option(
+        None, envvar=BrokerEnv.BROKER_CONFIG, show_envvar=True,
+        help="Broker config YAML (sections scheduler, broker, api; docs/configuration.md). "
+        f"{ENV_PREFIX}<SECTION>__<KEY> variables override it, and these flags override both"),
+    policy: str | None = typer.Option(
+        None, help="elastic | fixed-batch | static (scheduler.policy; default elastic)"),
+    admission: str | None = typer.Option(
+        None, help="queue | drop (scheduler.admission; default queue)"),
 ) -> None:
     """Run the broker in the foreground until Ctrl-C."""
+    from broker import config as broker_config
     from broker.auth import ConfigError
     from broker.client import write_client_config
     from broker.fleet import FleetFile
-    from broker.scheduler import Admission, Policy, SchedulerConfig
     from broker.secrets import redact_url, scrub
-    from broker.server import DEFAULT_FLEET, BrokerConfig, Stack
+    from broker.server import DEFAULT_FLEET, Stack
 
     os.umask(0o077)  # the broker's files (state, logs, checkpoints, its jobs'): owner only
-    try:
-        sched = SchedulerConfig(policy=Policy(policy), admission=Admission(admission))
-    except ValueError:
-        fail(f"--policy must be elastic, fixed-batch or static and --admission queue or drop "
-             f"(got {policy!r}, {admission!r})")
+    flags = {k: v for k, v in (("policy", policy), ("admission", admission)) if v is not None}
+    settings = broker_config.load(config, {"scheduler": flags})
     fleet = fleet or DEFAULT_FLEET
     try:
         FleetFile.load(fleet)
     except ValueError as exc:
         fail(str(exc))
-    stack = Stack(BrokerConfig(state_dir=state_dir, redis_url=redis_url, fleet=fleet,
-                               scheduler=sched), host=host, port=port, api_config_path=config)
+    stack = Stack(settings.broker_config(state_dir=state_dir, redis_url=redis_url, fleet=fleet),
+                  host=host, port=port, api=settings.api)
     try:
         stack.start()
     except (RuntimeError, ConfigError, ValueError) as exc:

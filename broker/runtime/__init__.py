@@ -103,9 +103,9 @@ every node of the round checked in, a barrier: no worker starts torch's init (wh
 short) while a node of the group, such as a lost node's stand-in, is still booting, and the master
 it names never changes. A node counts only with its rank's current key: one the broker replaced (a
 stand-in that came too late, a partitioned node) is told ``checkpoint-exit`` by the rendezvous and
-by heartbeats, which record nothing from it; an agent without a key is refused so once the job has
-stand-ins. A reply with a higher round moves the agent there first; no group within
-FLEET_RENDEZVOUS_TIMEOUT: exit 1; ``checkpoint-exit``: exit 75.
+by heartbeats, which record nothing from it; so is an agent without a key. A reply with a
+higher round moves the agent there first; no group within FLEET_RENDEZVOUS_TIMEOUT: exit 1;
+``checkpoint-exit``: exit 75.
 A multi-node job survives a lost node: the broker launches a replacement of the same rank and
 bumps the round. A heartbeat reply whose ``round`` is above the agent's stops its workers (as a
 stop does, without stopping the agent) and the agent re-forms the group in the new round with new
@@ -126,7 +126,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from broker.runtime.assignment import EXIT_FINISHED, EXIT_STOPPED, Assignment
+from broker.protocol import EXIT_FINISHED, EXIT_STOPPED
+from broker.runtime.assignment import Assignment
 from broker.runtime.store import open_store
 
 if TYPE_CHECKING:

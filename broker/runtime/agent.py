@@ -1,8 +1,8 @@
 """The node agent: runs a job's workers, streams their logs, sends heartbeats, stops them cleanly.
 
 ``python -m broker.runtime.agent [options] -- CMD ARGS...``; the contract (environment, heartbeat,
-exit codes) is in :mod:`broker.runtime`. Standard library and ``tenacity`` only: it starts fast
-and needs no torch.
+exit codes) is in :mod:`broker.runtime`, its names in :mod:`broker.protocol`. Standard library,
+pydantic and ``tenacity`` only: it starts fast and needs no torch.
 """
 
 from __future__ import annotations
@@ -31,24 +31,22 @@ from typing import IO, Any
 from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay
 from tenacity.wait import wait_exponential_jitter
 
-from broker.runtime import failure
-from broker.runtime.assignment import (
+from broker.protocol import (
+    CHECKPOINT_EXIT,
+    EXIT_FAILED,
     EXIT_FINISHED,
     EXIT_STOPPED,
-    AssignmentError,
-    env_float,
-    env_int,
+    EXIT_USAGE,
+    HEARTBEAT_PATH,
+    PROGRESS_FIELDS,
+    RENDEZVOUS_PATH,
+    Env,
 )
+from broker.runtime import failure
+from broker.runtime.assignment import AssignmentError, env_float, env_int
 from broker.runtime.files import FilesError, files_of, files_root, place
 from broker.runtime.notices import pollers
 
-EXIT_USAGE = 2
-EXIT_FAILED = 1
-CHECKPOINT_EXIT = "checkpoint-exit"
-# What a heartbeat takes from the progress file, when the file has it (a field the node does not
-# know is left out: the broker keeps what it has).
-PROGRESS_KEYS = ("step", "samples_done", "samples_per_sec", "world_size", "global_batch_size",
-                 "checkpoint_step", "checkpoint_bytes", "grad_noise_scale")
 # How long the final report is tried (FLEET_REPORT_TIMEOUT), with exponential backoff from
 # FINAL_REPORT_FIRST_WAIT_S up to FLEET_REPORT_MAX_WAIT between tries, jittered: every broker
 # down at once (a failover, Redis away: 503, a rate limit: 429, a network blip) must not lose
@@ -60,7 +58,7 @@ FINAL_REPORT_MAX_WAIT_S = 15.0
 # not a survivor waiting for it, decides that a stand-in is not coming (and replaces it again).
 RENDEZVOUS_TIMEOUT_S = 1800.0
 # The agent's own: never in its workers' environment.
-SECRET_ENV = ("FLEET_AGENT_TOKEN", "FLEET_AGENT_TOKEN_FILE", "FLEET_AGENT_TOKEN_FD")
+SECRET_ENV = (Env.AGENT_TOKEN, Env.AGENT_TOKEN_FILE, Env.AGENT_TOKEN_FD)
 
 
 def log(message: str) -> None:
@@ -144,41 +142,42 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
         )
     p = argparse.ArgumentParser(prog="python -m broker.runtime.agent", description=__doc__,
                                 usage="%(prog)s [options] -- CMD ARGS...")
-    p.add_argument("--job-id", default=env.get("FLEET_JOB_ID") or "local")
-    p.add_argument("--attempt", type=int, default=env_int(env, "FLEET_ATTEMPT", 0))
-    p.add_argument("--round", type=int, default=env_int(env, "FLEET_ROUND", 0))
-    p.add_argument("--nproc", type=int, default=env_int(env, "FLEET_NPROC", 1, minimum=1))
-    p.add_argument("--nnodes", type=int, default=env_int(env, "FLEET_NNODES", 1, minimum=1))
-    p.add_argument("--node-rank", type=int, default=env_int(env, "FLEET_NODE_RANK", 0))
-    p.add_argument("--master-addr", default=env.get("FLEET_MASTER_ADDR") or None)
+    p.add_argument("--job-id", default=env.get(Env.JOB_ID) or "local")
+    p.add_argument("--attempt", type=int, default=env_int(env, Env.ATTEMPT, 0))
+    p.add_argument("--round", type=int, default=env_int(env, Env.ROUND, 0))
+    p.add_argument("--nproc", type=int, default=env_int(env, Env.NPROC, 1, minimum=1))
+    p.add_argument("--nnodes", type=int, default=env_int(env, Env.NNODES, 1, minimum=1))
+    p.add_argument("--node-rank", type=int, default=env_int(env, Env.NODE_RANK, 0))
+    p.add_argument("--master-addr", default=env.get(Env.MASTER_ADDR) or None)
     p.add_argument(
-        "--master-port", type=int, default=env_int(env, "FLEET_MASTER_PORT", None, minimum=1)
+        "--master-port", type=int, default=env_int(env, Env.MASTER_PORT, None, minimum=1)
     )
-    p.add_argument("--grace-period", type=float, default=env_float(env, "FLEET_GRACE_PERIOD", 25.0))
+    p.add_argument("--grace-period", type=float, default=env_float(env, Env.GRACE_PERIOD, 25.0))
     p.add_argument(
-        "--heartbeat-interval", type=float, default=env_float(env, "FLEET_HEARTBEAT_INTERVAL", 5.0)
+        "--heartbeat-interval", type=float, default=env_float(env, Env.HEARTBEAT_INTERVAL, 5.0)
     )
     p.add_argument(
-        "--notice-interval", type=float, default=env_float(env, "FLEET_NOTICE_INTERVAL", 5.0)
+        "--notice-interval", type=float, default=env_float(env, Env.NOTICE_INTERVAL, 5.0)
     )
-    p.add_argument("--broker-url", default=env.get("FLEET_BROKER_URL") or None,
+    p.add_argument("--broker-url", default=env.get(Env.BROKER_URL) or None,
                    help="the broker's URL, or every replica's, comma-separated")
     opts = p.parse_args(argv[:split])  # --help prints the options and exits 0
     urls = tuple(dict.fromkeys(u.strip().rstrip("/") for u in (opts.broker_url or "").split(",")
                                if u.strip()))
     opts.broker_url = urls[0] if urls else None
     if opts.nproc < 1 or opts.nnodes < 1:
-        raise AssignmentError("--nproc and --nnodes (FLEET_NPROC, FLEET_NNODES) must be at least 1")
+        raise AssignmentError(
+            f"--nproc and --nnodes ({Env.NPROC}, {Env.NNODES}) must be at least 1")
     if not 0 <= opts.node_rank < opts.nnodes:
         raise AssignmentError(
-            f"FLEET_NODE_RANK={opts.node_rank} must be below FLEET_NNODES={opts.nnodes}"
+            f"{Env.NODE_RANK}={opts.node_rank} must be below {Env.NNODES}={opts.nnodes}"
         )
     if opts.round < 0:
-        raise AssignmentError(f"FLEET_ROUND={opts.round} is negative; set it to 0 or more")
+        raise AssignmentError(f"{Env.ROUND}={opts.round} is negative; set it to 0 or more")
     if opts.nnodes > 1 and opts.master_addr is None and not opts.broker_url:
         raise AssignmentError(
-            f"FLEET_NNODES={opts.nnodes} needs a master: set FLEET_MASTER_ADDR and "
-            "FLEET_MASTER_PORT (--master-addr, --master-port), or FLEET_BROKER_URL "
+            f"{Env.NNODES}={opts.nnodes} needs a master: set {Env.MASTER_ADDR} and "
+            f"{Env.MASTER_PORT} (--master-addr, --master-port), or {Env.BROKER_URL} "
             "(--broker-url) to meet the other nodes through the broker's rendezvous"
         )
     if opts.nnodes == 1 or opts.master_addr is not None:  # the master is known now
@@ -186,7 +185,8 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
         if opts.master_port is None:
             if opts.nnodes > 1:
                 raise AssignmentError(
-                    "FLEET_MASTER_PORT is required with FLEET_MASTER_ADDR when FLEET_NNODES > 1"
+                    f"{Env.MASTER_PORT} is required with {Env.MASTER_ADDR} when "
+                    f"{Env.NNODES} > 1"
                 )
             opts.master_port = free_port()
     config = AgentConfig(
@@ -202,25 +202,25 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
         notice_interval=max(opts.notice_interval, 0.05),
         broker_url=opts.broker_url,
         broker_urls=urls,
-        token=env.get("FLEET_AGENT_TOKEN") or None,
+        token=env.get(Env.AGENT_TOKEN) or None,
         notice_urls=(
-            env.get("FLEET_NOTICE_AWS_URL") or None,
-            env.get("FLEET_NOTICE_GCP_URL") or None,
-            env.get("FLEET_NOTICE_AZURE_URL") or None,
+            env.get(Env.NOTICE_AWS_URL) or None,
+            env.get(Env.NOTICE_GCP_URL) or None,
+            env.get(Env.NOTICE_AZURE_URL) or None,
         ),
         round=opts.round,
-        node_addr=env.get("FLEET_NODE_ADDR", "").strip() or None,
-        rendezvous_poll=max(env_float(env, "FLEET_RENDEZVOUS_POLL", 1.0), 0.05),  # type: ignore[type-var]
-        rendezvous_timeout=env_float(env, "FLEET_RENDEZVOUS_TIMEOUT",  # type: ignore[arg-type]
+        node_addr=env.get(Env.NODE_ADDR, "").strip() or None,
+        rendezvous_poll=max(env_float(env, Env.RENDEZVOUS_POLL, 1.0), 0.05),  # type: ignore[type-var]
+        rendezvous_timeout=env_float(env, Env.RENDEZVOUS_TIMEOUT,  # type: ignore[arg-type]
                                      RENDEZVOUS_TIMEOUT_S),
-        rejoin_timeout=env_float(env, "FLEET_REJOIN_TIMEOUT", 120.0),  # type: ignore[arg-type]
-        launch_key=env.get("FLEET_LAUNCH_KEY", "").strip() or None,
-        accelerator=env.get("FLEET_ACCELERATOR", "").strip() or None,
-        report_timeout=env_float(env, "FLEET_REPORT_TIMEOUT",  # type: ignore[arg-type]
+        rejoin_timeout=env_float(env, Env.REJOIN_TIMEOUT, 120.0),  # type: ignore[arg-type]
+        launch_key=env.get(Env.LAUNCH_KEY, "").strip() or None,
+        accelerator=env.get(Env.ACCELERATOR, "").strip() or None,
+        report_timeout=env_float(env, Env.REPORT_TIMEOUT,  # type: ignore[arg-type]
                                  FINAL_REPORT_TIMEOUT_S),
-        report_max_wait=max(env_float(env, "FLEET_REPORT_MAX_WAIT",  # type: ignore[type-var]
+        report_max_wait=max(env_float(env, Env.REPORT_MAX_WAIT,  # type: ignore[type-var]
                                       FINAL_REPORT_MAX_WAIT_S), 0.01),
-        per_node=env.get("FLEET_PER_NODE", "").strip() == "1",
+        per_node=env.get(Env.PER_NODE, "").strip() == "1",
     )
     return config, argv[split + 1 :]
 
@@ -236,7 +236,7 @@ class Agent:
         self.env = env
         self.workdir = Path(tempfile.mkdtemp(prefix="fleet-agent-"))
         # The broker may choose where progress goes; by default it stays in the agent's folder.
-        self.progress_file = Path(env.get("FLEET_PROGRESS_FILE") or self.workdir / "progress.json")
+        self.progress_file = Path(env.get(Env.PROGRESS_FILE) or self.workdir / "progress.json")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stop_reason: str | None = None  # why the agent itself stops
         self.halt_reason: str | None = None  # why the last round's workers were stopped
@@ -277,13 +277,13 @@ class Agent:
                 "GROUP_RANK": str(c.node_rank),
                 "MASTER_ADDR": self.master[0],
                 "MASTER_PORT": str(self.master[1]),
-                "FLEET_JOB_ID": c.job_id,
-                "FLEET_ATTEMPT": str(c.attempt),
-                "FLEET_ROUND": str(self.round),
-                "FLEET_NPROC": str(c.nproc),
-                "FLEET_NNODES": str(self.nnodes),
-                "FLEET_NODE_RANK": str(c.node_rank),
-                "FLEET_PROGRESS_FILE": str(self.progress_file),
+                Env.JOB_ID: c.job_id,
+                Env.ATTEMPT: str(c.attempt),
+                Env.ROUND: str(self.round),
+                Env.NPROC: str(c.nproc),
+                Env.NNODES: str(self.nnodes),
+                Env.NODE_RANK: str(c.node_rank),
+                Env.PROGRESS_FILE: str(self.progress_file),
                 failure.ERROR_ENV: str(self.workdir / "error"),
                 "PYTHONUNBUFFERED": "1",
             }
@@ -301,13 +301,13 @@ class Agent:
             "GROUP_RANK": str(c.node_rank),
             "MASTER_ADDR": self.master[0],
             "MASTER_PORT": str(self.master[1]),
-            "FLEET_JOB_ID": c.job_id,
-            "FLEET_ATTEMPT": str(c.attempt),
-            "FLEET_ROUND": str(self.round),
-            "FLEET_NPROC": str(c.nproc),
-            "FLEET_NNODES": str(self.nnodes),
-            "FLEET_NODE_RANK": str(c.node_rank),
-            "FLEET_PROGRESS_FILE": str(self.progress_file),
+            Env.JOB_ID: c.job_id,
+            Env.ATTEMPT: str(c.attempt),
+            Env.ROUND: str(self.round),
+            Env.NPROC: str(c.nproc),
+            Env.NNODES: str(self.nnodes),
+            Env.NODE_RANK: str(c.node_rank),
+            Env.PROGRESS_FILE: str(self.progress_file),
             failure.ERROR_ENV: str(self.workdir / "error"),
             "PYTHONUNBUFFERED": "1",
             "SKYPILOT_NODE_RANK": str(c.node_rank),
@@ -390,7 +390,7 @@ class Agent:
         c = self.config
         query = urllib.parse.urlencode({"job_id": c.job_id, "attempt": c.attempt})
         headers = {"Authorization": f"Bearer {c.token}"} if c.token else {}
-        why = "no broker URL (FLEET_BROKER_URL)"
+        why = f"no broker URL ({Env.BROKER_URL})"
         for wait in (0.0, 1.0, 3.0, 9.0):
             self._stop.wait(wait)
             for url in list(self.brokers):
@@ -468,7 +468,7 @@ class Agent:
             "round": self.round,
             "state": state,
             **self._key(),
-            **{k: p[k] for k in PROGRESS_KEYS if k in p},
+            **{k: p[k] for k in PROGRESS_FIELDS if k in p},
         }
         if c.accelerator and "samples_per_sec" in p:
             body["accelerator"] = c.accelerator
@@ -479,7 +479,7 @@ class Agent:
             if exit_code not in (EXIT_FINISHED, EXIT_STOPPED) and \
                     (error := failure.read(self.workdir / "error")):
                 body["error"] = error  # the cause a worker named (broker.runtime.failure)
-        return self.send("/v1/agent/heartbeat", body)
+        return self.send(HEARTBEAT_PATH, body)
 
     def final_report(self, code: int) -> None:
         """The last heartbeat, with the exit code and the last progress, tried at every broker
@@ -500,13 +500,13 @@ class Agent:
             retry_error_callback=lambda _: None)
         if retrying(self.heartbeat, self.state, exit_code=code) is None:
             log(f"no broker took the final report within {self.config.report_timeout:g} s "
-                "(FLEET_REPORT_TIMEOUT); giving up")
+                f"({Env.REPORT_TIMEOUT}); giving up")
 
     def visit_rendezvous(self, round_: int, addr: str | None) -> dict[str, Any]:
         """One visit to the broker's rendezvous for ``round_``; a checkpoint-exit stops the
         agent, a higher round is noted."""
         c = self.config
-        reply = self.post("/v1/agent/rendezvous", {
+        reply = self.post(RENDEZVOUS_PATH, {
             "job_id": c.job_id, "attempt": c.attempt, "round": round_,
             "node_rank": c.node_rank, "addr": addr, **self._key()})
         self._obey(reply)
@@ -557,7 +557,7 @@ class Agent:
                 host = local_ip(self.config.broker_url or "")
             except (OSError, UnicodeError) as exc:
                 log(f"cannot tell this node's address toward the broker ({exc}); will retry; "
-                    "FLEET_NODE_ADDR sets it")
+                    f"{Env.NODE_ADDR} sets it")
                 return None
         return join_host_port(host, free_port("", avoid=avoid))
 
@@ -592,7 +592,7 @@ class Agent:
                     "nodes checked in")
             if time.monotonic() > deadline:
                 log(f"the group of round {round_} did not form at the broker's rendezvous "
-                    f"within {c.rendezvous_timeout:g} s (FLEET_RENDEZVOUS_TIMEOUT): not every "
+                    f"within {c.rendezvous_timeout:g} s ({Env.RENDEZVOUS_TIMEOUT}): not every "
                     "node of the round checked in; giving up")
                 return EXIT_FAILED
             self._stop.wait(c.rendezvous_poll)
@@ -620,7 +620,7 @@ class Agent:
         c = self.config
         self.state = "rejoining"
         log(f"workers ended with exit {code} without a stop, as they do when a peer node is "
-            f"lost: waiting up to {c.rejoin_timeout:g} s (FLEET_REJOIN_TIMEOUT) for the broker "
+            f"lost: waiting up to {c.rejoin_timeout:g} s ({Env.REJOIN_TIMEOUT}) for the broker "
             f"to start a round after {self.round}, else exiting with {code}")
         self._beat()
         deadline = time.monotonic() + c.rejoin_timeout
@@ -746,18 +746,18 @@ def take_token(env: dict[str, str]) -> None:
     code runs, into ``env`` (this process's memory only: never into its environment, which a job
     could read in /proc/PID/environ); and make this process non-dumpable on Linux, so a non-root
     job cannot read its memory or /proc files either."""
-    fd = env.pop("FLEET_AGENT_TOKEN_FD", None)
-    path = env.pop("FLEET_AGENT_TOKEN_FILE", None)
+    fd = env.pop(Env.AGENT_TOKEN_FD, None)
+    path = env.pop(Env.AGENT_TOKEN_FILE, None)
     if fd:
         try:
             with open(int(fd), closefd=True) as f:
-                env["FLEET_AGENT_TOKEN"] = f.read().strip()
+                env[Env.AGENT_TOKEN] = f.read().strip()
         except (OSError, ValueError) as exc:
             log(f"cannot read the token pipe: {exc}; reports will be refused")
     elif path:
         try:
             with open(path) as f:
-                env["FLEET_AGENT_TOKEN"] = f.read().strip()
+                env[Env.AGENT_TOKEN] = f.read().strip()
         except OSError as exc:
             log(f"cannot read the token file: {exc.strerror}; reports will be refused")
         with contextlib.suppress(OSError):

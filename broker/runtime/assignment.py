@@ -6,12 +6,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-EXIT_FINISHED = 0
-EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped cleanly after a checkpoint; resume later
+from broker.errors import InvalidInput
+from broker.protocol import Env
+
 BATCH_MODES = ("fixed", "elastic")
 
 
-class AssignmentError(ValueError):
+class AssignmentError(InvalidInput):
     """A FLEET_* / torchrun variable or an argument has a value the runtime cannot use."""
 
 
@@ -76,22 +77,22 @@ class Assignment:
         rank = env_int(env, "RANK", 0)
         if rank >= world:  # type: ignore[operator]
             raise AssignmentError(f"RANK={rank} must be below WORLD_SIZE={world}")
-        mode = env.get("FLEET_BATCH_MODE", "").strip().lower() or None
+        mode = env.get(Env.BATCH_MODE, "").strip().lower() or None
         if mode is not None and mode not in BATCH_MODES:
-            raise AssignmentError(f"FLEET_BATCH_MODE={mode!r}; use one of {', '.join(BATCH_MODES)}")
+            raise AssignmentError(f"{Env.BATCH_MODE}={mode!r}; use one of {', '.join(BATCH_MODES)}")
         return cls(
             rank=rank,  # type: ignore[arg-type]
             world_size=world,  # type: ignore[arg-type]
             local_rank=env_int(env, "LOCAL_RANK", 0),  # type: ignore[arg-type]
             local_world_size=env_int(env, "LOCAL_WORLD_SIZE", 1, minimum=1),  # type: ignore[arg-type]
-            job_id=env.get("FLEET_JOB_ID", "").strip() or "local",
-            attempt=env_int(env, "FLEET_ATTEMPT", 0),  # type: ignore[arg-type]
-            global_batch_size=env_int(env, "FLEET_GLOBAL_BATCH_SIZE", None, minimum=1),
+            job_id=env.get(Env.JOB_ID, "").strip() or "local",
+            attempt=env_int(env, Env.ATTEMPT, 0),  # type: ignore[arg-type]
+            global_batch_size=env_int(env, Env.GLOBAL_BATCH_SIZE, None, minimum=1),
             batch_mode=mode,
-            checkpoint_uri=env.get("FLEET_CHECKPOINT_URI", "").strip() or None,
-            progress_file=env.get("FLEET_PROGRESS_FILE", "").strip() or None,
-            progress_interval=env_float(env, "FLEET_PROGRESS_INTERVAL", 1.0),  # type: ignore[arg-type]
-            checkpoint_every_steps=env_int(env, "FLEET_CHECKPOINT_EVERY_STEPS", None, minimum=1),
-            checkpoint_every_seconds=env_float(env, "FLEET_CHECKPOINT_EVERY_SECONDS", None),
-            checkpoint_keep=env_int(env, "FLEET_CHECKPOINT_KEEP", 3, minimum=1),  # type: ignore[arg-type]
+            checkpoint_uri=env.get(Env.CHECKPOINT_URI, "").strip() or None,
+            progress_file=env.get(Env.PROGRESS_FILE, "").strip() or None,
+            progress_interval=env_float(env, Env.PROGRESS_INTERVAL, 1.0),  # type: ignore[arg-type]
+            checkpoint_every_steps=env_int(env, Env.CHECKPOINT_EVERY_STEPS, None, minimum=1),
+            checkpoint_every_seconds=env_float(env, Env.CHECKPOINT_EVERY_SECONDS, None),
+            checkpoint_keep=env_int(env, Env.CHECKPOINT_KEEP, 3, minimum=1),  # type: ignore[arg-type]
         )

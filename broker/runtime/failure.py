@@ -1,7 +1,7 @@
 """Why a worker failed, in a few words the broker can show: the runtime names the cause of a
 failure it understands (``checkpoint write failed: no space left on device``) in the file the
 agent gives it (FLEET_ERROR_FILE), and the agent sends that with its final report; without it
-the broker can only say "command exited 1". Standard library only."""
+the broker can only say "command exited 1"."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import contextlib
 import errno
 import os
 
-ERROR_ENV = "FLEET_ERROR_FILE"
+from broker.protocol import Env
+
+ERROR_ENV = Env.ERROR_FILE
 MAX_ERROR_CHARS = 200
 
 

@@ -23,8 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-FILES_ENV = "FLEET_FILES"
-ROOT_ENV = "FLEET_FILES_ROOT"  # where ~ and relative node paths point (default: $HOME)
+from broker.errors import FleetError
+from broker.protocol import Env
+
+FILES_ENV = Env.FILES
+ROOT_ENV = Env.FILES_ROOT
 BLOB_PREFIX = "blob:sha256:"  # policies.models.BLOB_PREFIX (the agent imports no pydantic)
 FILE_MEMBER = ".fleet-single-file"  # broker.files: a pack of one file
 WORKDIR = "sky_workdir"  # as SkyPilot: the workdir lands in ~/sky_workdir
@@ -36,7 +39,7 @@ SDK = {"s3": ("boto3", "boto3"), "gs": ("google.cloud.storage", "google-cloud-st
        "az": ("azure.storage.blob", "azure-storage-blob")}
 
 
-class FilesError(RuntimeError):
+class FilesError(FleetError):
     """A file the job needs could not be placed; the message names what and the fix."""
 
 

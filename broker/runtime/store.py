@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from broker.protocol import Env
+
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step-(\d{10})$")
 
@@ -150,7 +152,7 @@ class StagedStore(CheckpointStore):
         default = (
             Path(tempfile.gettempdir()) / "fleet-ckpt" / hashlib.sha1(uri.encode()).hexdigest()[:12]
         )
-        self.cache = Path(cache_dir or os.environ.get("FLEET_CHECKPOINT_CACHE") or default)
+        self.cache = Path(cache_dir or os.environ.get(Env.CHECKPOINT_CACHE) or default)
 
     @abstractmethod
     def _put(self, local: Path, key: str) -> None: ...

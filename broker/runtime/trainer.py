@@ -34,8 +34,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
+from broker.protocol import EXIT_STOPPED
 from broker.runtime import failure
-from broker.runtime.assignment import BATCH_MODES, EXIT_STOPPED, Assignment
+from broker.runtime.assignment import BATCH_MODES, Assignment
 from broker.runtime.checkpoint import Checkpointer
 from broker.runtime.data import MicroBatch, step_plan
 from broker.runtime.noise import NoiseScale

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from policies.region_score import DEFAULT_RESTART_S, Egress, Stickiness
 
@@ -21,8 +21,16 @@ class Admission(StrEnum):
 
 
 class SchedulerConfig(BaseModel):
-    policy: Policy = Policy.ELASTIC
-    admission: Admission = Admission.QUEUE
+    """The round's settings (the ``scheduler`` section of the broker config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Policy = Field(default=Policy.ELASTIC, description="elastic: the allocator picks "
+                           "GPU count and batch size; fixed-batch: GPU count scales, the batch "
+                           "stays the spec's initial one; static: gpus.min at the initial batch, "
+                           "never rescaled")
+    admission: Admission = Field(default=Admission.QUEUE, description="queue: a job that does "
+                                 "not fit waits; drop: it is dropped in the round it arrives")
     speedup_exponent: float = Field(
         default=0.25, gt=0, le=1, description="a job's value is its speed-up over one GPU to this "
         "power: concave, so a waiting job's first GPUs are worth more than a large job's "

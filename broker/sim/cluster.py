@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from broker.errors import InvalidInput
 from broker.sim.traces import SpotTrace, TraceError, read_trace
 from policies.apps import ACCELERATOR_TRACES
 from policies.choices import TypeCapacity
@@ -30,7 +31,7 @@ from policies.models import Accelerator, Market, Pool
 from providers.catalog import CLOUDS, UNKNOWN_RATE, CatalogOffer, load_offers, pool_prior
 
 
-class ClusterError(ValueError):
+class ClusterError(InvalidInput):
     """A cluster spec the simulator cannot use; the message says what to fix."""
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from broker.errors import InvalidInput
 from broker.scheduler import Admission, Policy
 from broker.sim.workload import WorkloadJob
 from policies.apps import APP_SPECS, Application
@@ -22,7 +23,7 @@ from policies.trace_throughput import Placement
 from providers.measurements import load_application
 
 
-class SimulationError(ValueError):
+class SimulationError(InvalidInput):
     """The workload cannot run on this cluster at all (says which job and why)."""
 
 

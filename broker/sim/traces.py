@@ -13,8 +13,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from broker.errors import InvalidInput
 
-class TraceError(ValueError):
+
+class TraceError(InvalidInput):
     """A trace file the simulator cannot use; the message names the file and what to fix."""
 
 

@@ -10,12 +10,13 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
+from broker.errors import InvalidInput
 from policies.apps import APP_SPECS
 
 COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
 
 
-class WorkloadError(ValueError):
+class WorkloadError(InvalidInput):
     """A malformed workload file; the message names the file, line and column."""
 
 

@@ -100,13 +100,15 @@ def test_completion_waits_for_the_final_report_and_takes_its_progress(loop) -> N
         time.sleep(0.1)
     running = store.get_job(job.id)
     assert running is not None and running.state is JobState.RUNNING  # the command ended
-    store.record_heartbeat(job.id, running.attempt, samples_done=128_384, checkpoint_step=1000)
+    key = running.launch_key  # the node's: the broker takes reports only from it
+    store.record_heartbeat(job.id, running.attempt, samples_done=128_384, checkpoint_step=1000,
+                           launch_key=key)
     step()
     step()
     waiting = store.get_job(job.id)
     assert waiting is not None and waiting.state is JobState.RUNNING, waiting.reason
     store.record_heartbeat(job.id, running.attempt, samples_done=256_000, checkpoint_step=2000,
-                           exit_code=0)  # the agent's final report lands at a replica
+                           exit_code=0, launch_key=key)  # the final report lands at a replica
     step()
     done = store.get_job(job.id)
     assert done is not None and done.state is JobState.COMPLETED and done.reason == "finished"

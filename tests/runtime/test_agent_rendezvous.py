@@ -246,4 +246,4 @@ def test_a_new_round_gets_its_own_deadline_and_carries_the_reports(
     assert code == 1 and "the group of round 1 did not form" in output, output
     assert waited > 2.0, f"gave up {waited:.1f} s into round 1: the deadline was not reset"
     assert store.agent_reports([job])[job.id].exits == {0: 1}
-    assert store.r.hget(f"{store.p}progress:{job.id}", "exit:1") is None  # not under round 0
+    assert store.r.hget(f"{store.p}progress:{job.id}", "exit:1:0:0") is None  # not under round 0
