@@ -17,14 +17,15 @@ import redis
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from broker import __version__
+from broker import __version__, metrics
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
 from broker.models import JobRecord, JobState
@@ -166,6 +167,9 @@ class Heartbeat(BaseModel):
         default=None, ge=0, le=10**16, strict=True,
         description="size in bytes of the checkpoint of checkpoint_step: every rank's files and "
                     "the manifest (placement prices its egress on a move)")
+    checkpoint_seconds: float | None = Field(
+        default=None, ge=0, le=10**7, description="how long writing and committing the "
+        "checkpoint of checkpoint_step took (fleet_checkpoint_duration_seconds)")
     grad_noise_scale: float | None = Field(
         default=None, ge=0, le=1e15, description="the gradient noise scale in samples, as the "
         "runtime measures it (per-replica and all-reduced gradients): the batch beyond which a "
@@ -182,7 +186,7 @@ class Heartbeat(BaseModel):
                               "(e.g. 'checkpoint write failed: no space left on device'), in "
                               "a failed last report")
 
-    @field_validator("samples_per_sec", "grad_noise_scale")
+    @field_validator("samples_per_sec", "grad_noise_scale", "checkpoint_seconds")
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and not math.isfinite(v):
@@ -283,6 +287,14 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     async def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role is Role.AGENT:
             raise ApiError(403, "an agent token may only post heartbeats and rendezvous visits")
+        if who.role is Role.METRICS:
+            raise ApiError(403, "a metrics token may only read /metrics")
+        return who
+
+    async def scraper(who: Annotated[Principal, Depends(principal)]) -> Principal:
+        if who.role not in (Role.ADMIN, Role.METRICS):
+            raise ApiError(403, "/metrics needs the admin token or a metrics token "
+                           "(FLEET_METRICS_TOKEN, or api.tokens: {metrics: true, ...})")
         return who
 
     async def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
@@ -311,6 +323,7 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
                            "is for another job or attempt")
 
     Reporter = Annotated[tuple[str, Principal | None], Depends(reporter)]
+    checkpoints = metrics.CheckpointReports()
 
     User = Annotated[Principal, Depends(user)]
     JobId = Annotated[str, Path(pattern=JOB_ID, max_length=81)]
@@ -333,6 +346,23 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
     @app.get("/healthz", tags=["meta"], summary="Liveness (no token needed)")
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
+
+    @app.get("/readyz", tags=["meta"], summary="Readiness: Redis answers and a leader holds "
+             "the lease (no token needed)",
+             responses={503: {"model": ErrorBody, "description": "not ready, and why"}})
+    def readyz() -> JSONResponse:
+        ready, reason, leader = readiness(store)
+        if not ready:
+            return JSONResponse(_error_body(503, f"not ready: {reason}", []), status_code=503)
+        return JSONResponse({"status": "ready", "version": __version__, "leader_fence": leader})
+
+    scrape = metrics.registry(store)
+
+    @app.get("/metrics", tags=["meta"], response_class=PlainTextResponse,
+             summary="Prometheus metrics (admin or metrics token)",
+             responses=_errors(401, 403, 503))
+    def prometheus(who: Annotated[Principal, Depends(scraper)]) -> Response:
+        return Response(generate_latest(scrape), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/jobs", status_code=201, tags=["jobs"], summary="Submit a job",
               responses=_errors(401, 403, 413, 415, 422, 503),
@@ -460,13 +490,16 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
               summary="An agent's progress report; the reply tells it to go on or stop")
     def heartbeat(beat: Heartbeat, caller: Reporter) -> HeartbeatReply:
         for_attempt(caller, beat.job_id, beat.attempt)
-        report = beat.model_dump()
+        report = beat.model_dump(exclude={"checkpoint_seconds"})
         if not report["samples_per_sec"]:
             report["samples_per_sec"] = None  # 0 = not measured yet, not a real throughput
         try:
             said = store.record_heartbeat(**report)
         except JobNotFound:
             raise ApiError(404, f"no job {beat.job_id!r}") from None
+        if beat.node_rank == 0:  # rank 0 reports the job's checkpoint (store.record_heartbeat)
+            checkpoints.observe(beat.job_id, beat.attempt, beat.checkpoint_step,
+                                beat.checkpoint_bytes, beat.checkpoint_seconds)
         return HeartbeatReply(action=_agent_action(said.action), round=said.round)
 
     @app.post("/v1/agent/rendezvous", tags=["agent"], response_model=RendezvousReply,
@@ -511,6 +544,18 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
         return {"accepted": True, "job_id": job.id, "rank": req.rank, "how": req.how}
 
     return app
+
+
+def readiness(store: Store) -> tuple[bool, str, int | None]:
+    """Whether this replica can serve: Redis answers and the leader lease is known (some
+    replica holds it). Returns (ready, why not, the leader's fence)."""
+    try:
+        leader = store.leader()
+    except redis.RedisError as exc:
+        return False, f"redis does not answer ({type(exc).__name__})", None
+    if leader is None:
+        return False, "no broker replica holds the leader lease yet", None
+    return True, "", leader[0]
 
 
 def _parse_submission(body: bytes, gpus: str | None,

@@ -32,6 +32,7 @@ class Role(StrEnum):
     TEAM = "team"  # submits and sees its own jobs only
     ADMIN = "admin"  # sees every job, may preempt regions (chaos)
     AGENT = "agent"  # a job's agent: may post heartbeats and rendezvous visits only
+    METRICS = "metrics"  # a Prometheus scraper: may read /metrics only
 
 
 class Principal(BaseModel):
@@ -126,11 +127,12 @@ class ApiConfig(BaseModel):
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> ApiConfig:
         """From the ``api:`` mapping; each token entry is ``{team: NAME | admin: true | agent:
-        true, token: TEXT | token_sha256: HEX}``."""
+        true | metrics: true, token: TEXT | token_sha256: HEX}``."""
         data = dict(data or {})
         entries = data.pop("tokens", None) or []
         if not isinstance(entries, list):
-            raise ConfigError("api.tokens: write a list of {team|admin|agent, token|token_sha256}")
+            raise ConfigError("api.tokens: write a list of {team|admin|agent|metrics, "
+                              "token|token_sha256}")
         grants = [_entry(e, f"api.tokens[{i}]") for i, e in enumerate(entries)]
         try:
             return cls(tokens=grants, **data)
@@ -141,7 +143,7 @@ class ApiConfig(BaseModel):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> list[TokenGrant]:
-        """Tokens from ``FLEET_ADMIN_TOKEN``, ``FLEET_AGENT_TOKEN`` and
+        """Tokens from ``FLEET_ADMIN_TOKEN``, ``FLEET_AGENT_TOKEN``, ``FLEET_METRICS_TOKEN`` and
         ``FLEET_TEAM_TOKENS`` (``team=token,team2=token2``)."""
         env = os.environ if environ is None else environ
         grants = []
@@ -149,6 +151,9 @@ class ApiConfig(BaseModel):
             grants.append(_grant(env["FLEET_ADMIN_TOKEN"], Role.ADMIN, None, "FLEET_ADMIN_TOKEN"))
         if env.get("FLEET_AGENT_TOKEN"):
             grants.append(_grant(env["FLEET_AGENT_TOKEN"], Role.AGENT, None, "FLEET_AGENT_TOKEN"))
+        if env.get("FLEET_METRICS_TOKEN"):
+            grants.append(_grant(env["FLEET_METRICS_TOKEN"], Role.METRICS, None,
+                                 "FLEET_METRICS_TOKEN"))
         for i, item in enumerate(filter(None, env.get("FLEET_TEAM_TOKENS", "").split(","))):
             team, sep, token = item.strip().partition("=")
             if not sep:
@@ -177,14 +182,16 @@ class ApiConfig(BaseModel):
 def _entry(entry: Any, where: str) -> TokenGrant:
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{where}: write {{team: NAME, token_sha256: HEX}}")
-    unknown = set(entry) - {"team", "admin", "agent", "token", "token_sha256"}
+    unknown = set(entry) - {"team", "admin", "agent", "metrics", "token", "token_sha256"}
     if unknown:
         raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}; use team, admin, agent, "
-                          "token or token_sha256")
+                          "metrics, token or token_sha256")
     roles = [r for r, on in ((Role.ADMIN, entry.get("admin")), (Role.AGENT, entry.get("agent")),
+                             (Role.METRICS, entry.get("metrics")),
                              (Role.TEAM, entry.get("team"))) if on]
     if len(roles) != 1:
-        raise ConfigError(f"{where}: give exactly one of team: NAME, admin: true, agent: true")
+        raise ConfigError(f"{where}: give exactly one of team: NAME, admin: true, agent: true, "
+                          "metrics: true")
     role = roles[0]
     team = entry.get("team") if role is Role.TEAM else None
     if ("token" in entry) == ("token_sha256" in entry):

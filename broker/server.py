@@ -28,7 +28,7 @@ from typing import Any
 import redis
 from pydantic import BaseModel, Field
 
-from broker import secrets, transitions
+from broker import metrics, secrets, transitions
 from broker.actuator import Actuator, ActuatorConfig
 from broker.fleet import FleetProvider, build_fleet_provider
 from broker.models import JobState
@@ -318,7 +318,10 @@ class Broker:
             self.store.set_pools(self.provider.pools())
             self._locate_checkpoints()
             self.reconciler.run(self.fence)
-            self.scheduler.run_round(self.fence)
+            started = time.perf_counter()
+            res = self.scheduler.run_round(self.fence)
+            metrics.ROUND_SECONDS.observe(time.perf_counter() - started)
+            metrics.SOLVE_SECONDS.observe(res.solve_s)
             self.actuator.run(self.fence)
             self.rounds += 1
         except StaleFence:

@@ -40,6 +40,7 @@ CHECKPOINT_EXIT = "checkpoint-exit"
 CONTINUE = "continue"
 BLOCKLIST_KEY = "blocklist"  # the reclaimed spot locations (policies.migration.Blocklist JSON)
 PREEMPTIONS_KEY = "pool:preemptions"  # hash: pool id -> preemptions the reconciler handled there
+MIGRATIONS_KEY = "pool:migrations"  # hash: pool id -> jobs the scheduler moved out of it
 NODE_HOURS_KEY = "pool:node_hours"  # hash: pool id -> node-hours of closed placement intervals
 RENDEZVOUS_TTL_S = 86_400  # a job's rendezvous record outlives its last visit or heartbeat a day
 BROKERS_KEY = "brokers"  # hash: a broker replica's API URL -> until when it counts as live
@@ -225,6 +226,10 @@ class Plan:
     def count_preemption(self, pool_id: str) -> None:
         """One more preemption observed in ``pool_id`` (``Store.pool_stats``)."""
         self.incr.append({"key": PREEMPTIONS_KEY, "field": pool_id, "by": "1"})
+
+    def count_migration(self, pool_id: str) -> None:
+        """One more job moved out of ``pool_id`` to another pool (``fleet_migrations_total``)."""
+        self.incr.append({"key": MIGRATIONS_KEY, "field": pool_id, "by": "1"})
 
     def add_node_hours(self, pool_id: str, hours: float) -> None:
         """Node-hours a closed placement interval spent in ``pool_id`` (``Store.pool_stats``).

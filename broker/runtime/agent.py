@@ -47,7 +47,7 @@ CHECKPOINT_EXIT = "checkpoint-exit"
 # What a heartbeat takes from the progress file, when the file has it (a field the node does not
 # know is left out: the broker keeps what it has).
 PROGRESS_KEYS = ("step", "samples_done", "samples_per_sec", "world_size", "global_batch_size",
-                 "checkpoint_step", "checkpoint_bytes", "grad_noise_scale")
+                 "checkpoint_step", "checkpoint_bytes", "checkpoint_seconds", "grad_noise_scale")
 # How long the final report is tried (FLEET_REPORT_TIMEOUT), with exponential backoff from
 # FINAL_REPORT_FIRST_WAIT_S up to FLEET_REPORT_MAX_WAIT between tries, jittered: every broker
 # down at once (a failover, Redis away: 503, a rate limit: 429, a network blip) must not lose
