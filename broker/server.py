@@ -28,7 +28,7 @@ from typing import Any
 import redis
 from pydantic import BaseModel, Field
 
-from broker import metrics, secrets, transitions
+from broker import logs, metrics, secrets, transitions
 from broker.actuator import Actuator, ActuatorConfig
 from broker.fleet import FleetProvider, build_fleet_provider
 from broker.models import JobState
@@ -543,7 +543,7 @@ class Stack:
         app = build_app(self.broker.store, api_config)
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=self.host, port=self.port, log_level="warning", access_log=False,
-            lifespan="off"))
+            lifespan="off", log_config=None))  # its records go to broker.logs' handler
         self._thread = threading.Thread(target=self._server.run, name="api", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 15
@@ -582,7 +582,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--owner", default=None)
     ap.add_argument("--no-agent", action="store_true")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    logs.configure(os.environ.get("FLEET_LOG_FORMAT", "text"),
+                   os.environ.get("FLEET_LOG_LEVEL", "warning"))
     os.umask(0o077)
     register_url_password(args.redis_url)
     config = BrokerConfig(state_dir=args.state_dir, redis_url=args.redis_url, fleet=args.fleet,

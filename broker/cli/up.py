@@ -11,6 +11,8 @@ from pathlib import Path
 import typer
 
 from broker.cli.app import app, console, fail
+from broker.logs import LogFormat, LogLevel
+from broker.logs import configure as configure_logs
 
 
 @app.command()
@@ -29,6 +31,11 @@ def up(
     config: Path | None = typer.Option(None, help="Broker config YAML (api tokens)"),
     policy: str = typer.Option("elastic", help="elastic | fixed-batch | static"),
     admission: str = typer.Option("queue", help="queue | drop"),
+    log_format: LogFormat = typer.Option(LogFormat.TEXT, envvar="FLEET_LOG_FORMAT",
+                                         show_envvar=True, help="Log lines as text or JSON "
+                                         "(one object per line, for log shippers)"),
+    log_level: LogLevel = typer.Option(LogLevel.WARNING, envvar="FLEET_LOG_LEVEL",
+                                       show_envvar=True, help="Least severe level logged"),
 ) -> None:
     """Run the broker in the foreground until Ctrl-C."""
     from broker.auth import ConfigError
@@ -39,6 +46,7 @@ def up(
     from broker.server import DEFAULT_FLEET, BrokerConfig, Stack
 
     os.umask(0o077)  # the broker's files (state, logs, checkpoints, its jobs'): owner only
+    configure_logs(log_format, log_level.value)
     try:
         sched = SchedulerConfig(policy=Policy(policy), admission=Admission(admission))
     except ValueError:
