@@ -28,18 +28,21 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from broker.costs import job_cost
+from broker.costs import interval_cost
 from broker.models import TERMINAL_STATES, JobState, Placement
 from broker.store import MIGRATIONS_KEY, PREEMPTIONS_KEY, Store
 from policies.models import Pool
 from providers.base import CapacityError, QuotaError
 
 PREFIX = "fleet_"
+# No "<name>_created" companion series: Prometheus does not use them in the text format, and
+# each would double the broker's series.
+disable_created_metrics()
 EVENTS = CollectorRegistry()
 
 ROUND_SECONDS = Histogram(
@@ -330,10 +333,10 @@ def _plus(into: list[float], add: list[float]) -> None:
 def _add(into: Sums, team: str, placements: Iterable[Placement]) -> None:
     """Add intervals (an open one: until now) to the per (team, pool coordinates) sums."""
     for p in placements:
-        line = job_cost([p])
+        gpu_hours, cost, ondemand = interval_cost(p)
         _, region, _, acc = pool_labels(p.pool)
         _plus(into.setdefault((team, p.cloud, region, p.market.value, acc), _zero()),
-              [line.gpu_hours * 3600.0, line.cost_usd, line.ondemand_cost_usd])
+              [gpu_hours * 3600.0, cost, ondemand])
 
 
 def _pools(pools: list[str], held: dict[str, int]) -> Iterator[Metric]:

@@ -116,6 +116,15 @@ def test_metric_names_follow_the_prometheus_rules(running: Running) -> None:
             assert "job" not in sample.labels and "job_id" not in sample.labels
 
 
+def test_the_operations_table_lists_every_metric(running: Running) -> None:
+    table = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    documented = dict(re.findall(r"^\| `(fleet_[a-z0-9_]+)` \| (\w+) \|", table, re.M))
+    got = running.scrape()
+    exposed = {(n + "_total" if f.type == "counter" else n): f.type
+               for n, f in got.families.items() if n.startswith("fleet_")}
+    assert documented == exposed
+
+
 def test_metrics_token_rules(running: Running) -> None:
     url = f"{running.api.url}/metrics"
     assert httpx.get(url, timeout=10).status_code == 401
