@@ -215,7 +215,10 @@ def metrics(data: dict[str, Any]) -> str:
         f"| next {data['scrapes']}: median | {ms['median']:.1f} ms |",
         f"| p10 / p90 | {ms['p10']:.1f} / {ms['p90']:.1f} ms |",
         f"| min / max | {ms['min']:.1f} / {ms['max']:.1f} ms |",
-        f"| target | {data['target_ms']} ms |"]) + "\n"
+        f"| target | {data['target_ms']} ms |", "",
+        "CPU time of one scrape (the mean over the scrapes after the first): "
+        f"{data['cpu_ms_per_scrape']['api_process']:.1f} ms in the API process, "
+        f"{data['cpu_ms_per_scrape']['redis_server']:.1f} ms in redis-server."]) + "\n"
 
 
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
