@@ -17,18 +17,21 @@ from broker.logs import configure as configure_logs
 
 @app.command()
 def up(
-    state_dir: Path = typer.Option(Path(".state"), help="Where Redis data, node state and "
-                                   "checkpoints live"),
+    state_dir: Path = typer.Option(Path(".state"), envvar="FLEET_STATE_DIR", show_envvar=True,
+                                   help="Where Redis data, node state and checkpoints live"),
     redis_url: str | None = typer.Option(
         None, envvar="FLEET_REDIS_URL", show_envvar=True,
         help="Use this Redis instead of starting one: redis://[user:password@]host:port/db "
         "or rediss:// (TLS). Prefer the variable: a command line is visible to every local "
         "user"),
-    fleet: Path | None = typer.Option(None, help="Fleet file: local pretend regions and/or "
-                                      "clouds (examples/fleets/*.yaml)"),
-    host: str = typer.Option("127.0.0.1", help="API listen address"),
-    port: int = typer.Option(8470, help="API port"),
-    config: Path | None = typer.Option(None, help="Broker config YAML (api tokens)"),
+    fleet: Path | None = typer.Option(None, envvar="FLEET_FILE", show_envvar=True,
+                                      help="Fleet file: local pretend regions and/or clouds "
+                                      "(examples/fleets/*.yaml)"),
+    host: str = typer.Option("127.0.0.1", envvar="FLEET_HOST", show_envvar=True,
+                             help="API listen address"),
+    port: int = typer.Option(8470, envvar="FLEET_PORT", show_envvar=True, help="API port"),
+    config: Path | None = typer.Option(None, envvar="FLEET_BROKER_CONFIG", show_envvar=True,
+                                       help="Broker config YAML (api tokens)"),
     policy: str = typer.Option("elastic", help="elastic | fixed-batch | static"),
     admission: str = typer.Option("queue", help="queue | drop"),
     log_format: LogFormat = typer.Option(LogFormat.TEXT, envvar="FLEET_LOG_FORMAT",
