@@ -17,7 +17,7 @@ import redis
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -358,9 +358,11 @@ def build_app(store: Store, config: ApiConfig) -> FastAPI:
 
     scrape = metrics.registry(store)
 
-    @app.get("/metrics", tags=["meta"], response_class=PlainTextResponse,
+    @app.get("/metrics", tags=["meta"], response_class=Response,
              summary="Prometheus metrics (admin or metrics token)",
-             responses=_errors(401, 403, 503))
+             responses={200: {"description": "the Prometheus text format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}},
+                        **_errors(401, 403, 422, 503)})
     def prometheus(who: Annotated[Principal, Depends(scraper)]) -> Response:
         return Response(generate_latest(scrape), media_type=CONTENT_TYPE_LATEST)
 
