@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from broker import metrics
+from broker.auth import ApiConfig, ConfigError, Principal, Role
 from broker.models import JobState
 from policies.models import BatchRange, GpuRange, JobSpec, SpotPolicy
 from providers.base import CapacityError, ProviderError, QuotaError
@@ -137,6 +138,17 @@ def test_metrics_token_rules(running: Running) -> None:
     r = httpx.get(f"{running.api.url}/v1/jobs", timeout=10,
                   headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
     assert r.status_code == 403 and "/metrics" in r.json()["error"]["message"]
+
+
+def test_metrics_tokens_from_config_and_env() -> None:
+    token = "scraper-token-0123456789"
+    for config in (ApiConfig.from_mapping({"tokens": [{"metrics": True, "token": token}]}),
+                   ApiConfig.load(environ={"FLEET_METRICS_TOKEN": token})):
+        assert config.authenticate(token) == Principal(role=Role.METRICS)
+        assert not Principal(role=Role.METRICS).can_see("ml")
+    with pytest.raises(ConfigError, match="give exactly one of team: NAME, admin: true, "
+                       "agent: true, metrics: true"):
+        ApiConfig.from_mapping({"tokens": [{"metrics": True, "admin": True, "token": token}]})
 
 
 def test_a_reported_checkpoint_is_observed_once(running: Running) -> None:
