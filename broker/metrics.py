@@ -70,7 +70,7 @@ CHECKPOINT_BYTES = Histogram(
     buckets=tuple(float(4**k) * 2**20 for k in range(9)),  # 1 MiB to 64 GiB by powers of 4
     registry=EVENTS)
 
-# The state whose jobs wait for GPUs (the queue): never started, or suspended off GPUs.
+# The states whose jobs wait for GPUs (the queue): never started, or suspended off GPUs.
 WAITING = (JobState.QUEUED.value, JobState.SUSPENDED.value)
 HOLDING = tuple(s.value for s in JobState if s.holds_gpus)
 TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
