@@ -6,6 +6,8 @@ STAMP  := $(VENV)/.installed
 # SkyPilot (about 100 packages, some pinned below ours) lives in its own venv: the tests check our
 # generated tasks with SkyPilot's own parser there, without it in the broker's environment.
 SKYPILOT := skypilot==0.14.1
+# checkov (Terraform static analysis) pins older boto3 and packaging: its own venv as well.
+CHECKOV := checkov==3.3.30
 
 .PHONY: setup test lint docs bench demo chaos clean
 
@@ -19,6 +21,8 @@ $(STAMP): pyproject.toml infra/bootstrap.sh
 	$(PY) -m pip install -q -e '.[all,test]'
 	$(PYTHON) -m venv $(VENV)/skypilot
 	$(VENV)/skypilot/bin/python -m pip install -q '$(SKYPILOT)'
+	$(PYTHON) -m venv $(VENV)/checkov
+	$(VENV)/checkov/bin/python -m pip install -q '$(CHECKOV)'
 	touch $(STAMP)
 
 lint: setup

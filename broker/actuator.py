@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from broker import secrets, skyenv, transitions
+from broker import metrics, secrets, skyenv, transitions
 from broker.auth import attempt_token
 from broker.costs import ondemand_reference
 from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
@@ -273,9 +273,11 @@ class Actuator:
                     f"{request.gpus_per_node} GPUs")
             nodes = self.provider.launch(request)
         except (CapacityError, QuotaError) as exc:
+            metrics.provider_error(pool.cloud, exc)
             self._refused(job, pool, exc, fence, plan)
             return 1
         except ProviderError as exc:
+            metrics.provider_error(pool.cloud, exc)
             transitions.launch_failed(plan, job, secrets.reason(f"launch failed: {exc}"),
                                       fence=fence, max_failures=self.config.max_failures)
             self.store.apply(plan, fence=fence)
@@ -333,6 +335,8 @@ class Actuator:
                     job, intent, pool, self.config, backend_starts_agent=starts_agent,
                     ranks=(rank, 1), zone=zone, secret_env=secret_env))
         except ProviderError as exc:
+            if pool is not None:
+                metrics.provider_error(pool.cloud, exc)
             if pool is not None and isinstance(exc, CapacityError | QuotaError):
                 self._mark_refused(job, pool, exc, plan)
             for node_id in [*job.node_ids, *(n.node_id for n in nodes)]:

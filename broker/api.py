@@ -19,12 +19,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from broker import __version__, errors
+from broker import __version__, errors, metrics
 from broker.auth import ApiConfig, Principal, Role, is_attempt_shaped
 from broker.costs import cost_report, job_cost
 from broker.dashboard import mount_ui, router
@@ -240,6 +241,14 @@ def build_app(store: Store, config: ApiConfig, *,
     async def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if who.role is Role.AGENT:
             raise Forbidden("an agent token may only post heartbeats and rendezvous visits")
+        if who.role is Role.METRICS:
+            raise Forbidden("a metrics token may only read /metrics")
+        return who
+
+    async def scraper(who: Annotated[Principal, Depends(principal)]) -> Principal:
+        if who.role not in (Role.ADMIN, Role.METRICS):
+            raise Forbidden("/metrics needs the admin token or a metrics token "
+                            f"({BrokerEnv.METRICS_TOKEN}, or api.tokens: {{metrics: true, ...}})")
         return who
 
     async def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
@@ -268,6 +277,7 @@ def build_app(store: Store, config: ApiConfig, *,
                            "is for another job or attempt")
 
     Reporter = Annotated[tuple[str, Principal | None], Depends(reporter)]
+    checkpoints = metrics.CheckpointReports()
 
     User = Annotated[Principal, Depends(user)]
     JobId = Annotated[str, Path(pattern=JOB_ID, max_length=81)]
@@ -308,6 +318,25 @@ def build_app(store: Store, config: ApiConfig, *,
     @app.get("/healthz", tags=["meta"], summary="Liveness (no token needed)")
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
+
+    @app.get("/readyz", tags=["meta"], summary="Readiness: Redis answers and a leader holds "
+             "the lease (no token needed)",
+             responses={503: {"model": ErrorBody, "description": "not ready, and why"}})
+    def readyz() -> JSONResponse:
+        ready, reason, leader = readiness(store)
+        if not ready:
+            return JSONResponse(_error_body(503, f"not ready: {reason}", []), status_code=503)
+        return JSONResponse({"status": "ready", "version": __version__, "leader_fence": leader})
+
+    scrape = metrics.registry(store)
+
+    @app.get("/metrics", tags=["meta"], response_class=Response,
+             summary="Prometheus metrics (admin or metrics token)",
+             responses={200: {"description": "the Prometheus text format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}},
+                        **_errors(401, 403, 422, 503)})
+    def prometheus(who: Annotated[Principal, Depends(scraper)]) -> Response:
+        return Response(generate_latest(scrape), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/jobs", status_code=201, tags=["jobs"], summary="Submit a job",
               responses=_errors(401, 403, 413, 415, 422, 503),
@@ -502,10 +531,13 @@ def build_app(store: Store, config: ApiConfig, *,
               summary="An agent's progress report; the reply tells it to go on or stop")
     def heartbeat(beat: Heartbeat, caller: Reporter) -> HeartbeatReply:
         for_attempt(caller, beat.job_id, beat.attempt)
-        report = beat.model_dump()
+        report = beat.model_dump(exclude={"checkpoint_seconds"})
         if not report["samples_per_sec"]:
             report["samples_per_sec"] = None  # 0 = not measured yet, not a real throughput
         said = store.record_heartbeat(**report)
+        if beat.node_rank == 0:  # rank 0 reports the job's checkpoint (store.record_heartbeat)
+            checkpoints.observe(beat.job_id, beat.attempt, beat.checkpoint_step,
+                                beat.checkpoint_bytes, beat.checkpoint_seconds)
         return HeartbeatReply(action=agent_action(said.action), round=said.round,
                               brokers=store.broker_urls())
 
@@ -550,6 +582,18 @@ def build_app(store: Store, config: ApiConfig, *,
     app.include_router(router(store, user, visible_team, visible_jobs, _READ))
     mount_ui(app)
     return app
+
+
+def readiness(store: Store) -> tuple[bool, str, int | None]:
+    """Whether this replica can serve: Redis answers and the leader lease is known (some
+    replica holds it). Returns (ready, why not, the leader's fence)."""
+    try:
+        leader = store.leader()
+    except redis.RedisError as exc:
+        return False, f"redis does not answer ({type(exc).__name__})", None
+    if leader is None:
+        return False, "no broker replica holds the leader lease yet", None
+    return True, "", leader[0]
 
 
 def _check_files(spec: JobSpec, blobs: BlobStore | None) -> None:

@@ -32,6 +32,7 @@ class Role(StrEnum):
     TEAM = "team"  # submits and sees its own jobs only
     ADMIN = "admin"  # sees every job, may preempt regions (chaos)
     AGENT = "agent"  # a job's agent: may post heartbeats and rendezvous visits only
+    METRICS = "metrics"  # a Prometheus scraper: may read /metrics only
 
 
 class Principal(BaseModel):
@@ -129,11 +130,12 @@ class ApiConfig(BaseModel):
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> ApiConfig:
         """From the ``api:`` mapping; each token entry is ``{team: NAME | admin: true | agent:
-        true, token: TEXT | token_sha256: HEX}``."""
+        true | metrics: true, token: TEXT | token_sha256: HEX}``."""
         data = dict(data or {})
         entries = data.pop("tokens", None) or []
         if not isinstance(entries, list):
-            raise ConfigError("api.tokens: write a list of {team|admin|agent, token|token_sha256}")
+            raise ConfigError("api.tokens: write a list of {team|admin|agent|metrics, "
+                              "token|token_sha256}")
         grants = [_entry(e, f"api.tokens[{i}]") for i, e in enumerate(entries)]
         try:
             return cls(tokens=grants, **data)
@@ -144,7 +146,7 @@ class ApiConfig(BaseModel):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> list[TokenGrant]:
-        """Tokens from ``FLEET_ADMIN_TOKEN``, ``FLEET_AGENT_TOKEN`` and
+        """Tokens from ``FLEET_ADMIN_TOKEN``, ``FLEET_AGENT_TOKEN``, ``FLEET_METRICS_TOKEN`` and
         ``FLEET_TEAM_TOKENS`` (``team=token,team2=token2``)."""
         env = os.environ if environ is None else environ
         grants = []
@@ -154,6 +156,9 @@ class ApiConfig(BaseModel):
         if env.get(BrokerEnv.AGENT_TOKEN):
             grants.append(_grant(env[BrokerEnv.AGENT_TOKEN], Role.AGENT, None,
                                  BrokerEnv.AGENT_TOKEN))
+        if env.get(BrokerEnv.METRICS_TOKEN):
+            grants.append(_grant(env[BrokerEnv.METRICS_TOKEN], Role.METRICS, None,
+                                 BrokerEnv.METRICS_TOKEN))
         for i, item in enumerate(filter(None, env.get(BrokerEnv.TEAM_TOKENS, "").split(","))):
             team, sep, token = item.strip().partition("=")
             if not sep:
@@ -174,14 +179,16 @@ class ApiConfig(BaseModel):
 def _entry(entry: Any, where: str) -> TokenGrant:
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{where}: write {{team: NAME, token_sha256: HEX}}")
-    unknown = set(entry) - {"team", "admin", "agent", "token", "token_sha256"}
+    unknown = set(entry) - {"team", "admin", "agent", "metrics", "token", "token_sha256"}
     if unknown:
         raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}; use team, admin, agent, "
-                          "token or token_sha256")
+                          "metrics, token or token_sha256")
     roles = [r for r, on in ((Role.ADMIN, entry.get("admin")), (Role.AGENT, entry.get("agent")),
+                             (Role.METRICS, entry.get("metrics")),
                              (Role.TEAM, entry.get("team"))) if on]
     if len(roles) != 1:
-        raise ConfigError(f"{where}: give exactly one of team: NAME, admin: true, agent: true")
+        raise ConfigError(f"{where}: give exactly one of team: NAME, admin: true, agent: true, "
+                          "metrics: true")
     role = roles[0]
     team = entry.get("team") if role is Role.TEAM else None
     if ("token" in entry) == ("token_sha256" in entry):

@@ -77,13 +77,25 @@ class CostLine(BaseModel):
         return {**self.model_dump(), "saving": self.saving}
 
 
+def interval_cost(p: Placement) -> tuple[float, float, float]:
+    """One placement interval's GPU-hours, cost and on-demand cost (an open one: until now).
+
+    An interval recorded without an on-demand reference counts at its own price (no saving).
+    """
+    reference = p.price_per_gpu_hour if p.ondemand_price_per_gpu_hour is None \
+        else p.ondemand_price_per_gpu_hour
+    gpu_hours = p.gpu_hours
+    return gpu_hours, gpu_hours * p.price_per_gpu_hour, gpu_hours * reference
+
+
 def job_cost(placements: Sequence[Placement]) -> CostLine:
-    """Every placement interval of one job: each attempt, region and market, open ones until now,
-    each against its on-demand ``reference_price``."""
+    """Every placement interval of one job: each attempt, region and market, open ones until
+    now (``interval_cost``)."""
     line = CostLine()
     for p in placements:
-        line = line.add(CostLine(gpu_hours=p.gpu_hours, cost_usd=p.cost,
-                                 ondemand_cost_usd=p.gpu_hours * reference_price(p), intervals=1))
+        gpu_hours, cost, ondemand = interval_cost(p)
+        line = line.add(CostLine(gpu_hours=gpu_hours, cost_usd=cost, ondemand_cost_usd=ondemand,
+                                 intervals=1))
     return line
 
 

@@ -92,6 +92,7 @@ class BrokerEnv:
     ADMIN_TOKEN = "FLEET_ADMIN_TOKEN"
     AGENT_TOKEN = Env.AGENT_TOKEN  # the broker's key, from which each attempt's token derives
     TEAM_TOKENS = "FLEET_TEAM_TOKENS"
+    METRICS_TOKEN = "FLEET_METRICS_TOKEN"  # reads /metrics only
     REDIS_URL = "FLEET_REDIS_URL"
     URL = "FLEET_URL"
     TOKEN = "FLEET_TOKEN"
@@ -100,10 +101,17 @@ class BrokerEnv:
     BROKER_CONFIG = "FLEET_BROKER_CONFIG"  # the broker's config file (broker.config)
     AZURE_RESOURCE_GROUP = "FLEET_AZURE_RESOURCE_GROUP"
     AZURE_SUBNET_ID = "FLEET_AZURE_SUBNET_ID"
+    FLEET_FILE = "FLEET_FILE"  # fleet up's options, for a container's environment
+    HOST = "FLEET_HOST"
+    PORT = "FLEET_PORT"
+    STATE_DIR = "FLEET_STATE_DIR"
+    LOG_FORMAT = "FLEET_LOG_FORMAT"
+    LOG_LEVEL = "FLEET_LOG_LEVEL"
     SECRETS_KEY = "FLEET_SECRETS_KEY"  # the key that seals jobs' secrets (broker.sealed)
     JOB_USER = "FLEET_JOB_USER"  # who a root broker's local jobs run as (providers.job_user)
 
-    SECRETS = frozenset({ADMIN_TOKEN, AGENT_TOKEN, TEAM_TOKENS, REDIS_URL, TOKEN, SECRETS_KEY})
+    SECRETS = frozenset({ADMIN_TOKEN, AGENT_TOKEN, TEAM_TOKENS, METRICS_TOKEN, REDIS_URL, TOKEN,
+                         SECRETS_KEY})
 
 
 # Exit codes of the agent (and of a worker, which the agent passes on)
@@ -143,7 +151,7 @@ _LAUNCH_KEY_FIELD = Field(
 # What a heartbeat takes from the runtime's progress file, when the file has it (a field the
 # node does not know is left out: the broker keeps what it has).
 PROGRESS_FIELDS = ("step", "samples_done", "samples_per_sec", "world_size", "global_batch_size",
-                   "checkpoint_step", "checkpoint_bytes", "grad_noise_scale")
+                   "checkpoint_step", "checkpoint_bytes", "checkpoint_seconds", "grad_noise_scale")
 
 
 class Heartbeat(BaseModel):
@@ -169,6 +177,9 @@ class Heartbeat(BaseModel):
         default=None, ge=0, le=10**16, strict=True,
         description="size in bytes of the checkpoint of checkpoint_step: every rank's files and "
                     "the manifest (placement prices its egress on a move)")
+    checkpoint_seconds: float | None = Field(
+        default=None, ge=0, le=10**7, description="how long writing and committing the "
+        "checkpoint of checkpoint_step took (fleet_checkpoint_duration_seconds)")
     grad_noise_scale: float | None = Field(
         default=None, ge=0, le=1e15, description="the gradient noise scale in samples, as the "
         "runtime measures it (per-replica and all-reduced gradients): the batch beyond which a "
@@ -185,7 +196,7 @@ class Heartbeat(BaseModel):
                               "(e.g. 'checkpoint write failed: no space left on device'), in "
                               "a failed last report")
 
-    @field_validator("samples_per_sec", "grad_noise_scale")
+    @field_validator("samples_per_sec", "grad_noise_scale", "checkpoint_seconds")
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and not math.isfinite(v):

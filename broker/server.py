@@ -29,7 +29,7 @@ from typing import Any
 import redis
 from pydantic import BaseModel, Field
 
-from broker import secrets, transitions
+from broker import logs, metrics, secrets, transitions
 from broker.actuator import Actuator, ActuatorConfig
 from broker.files import BlobStore
 from broker.fleet import FleetProvider, build_fleet_provider
@@ -352,7 +352,10 @@ class Broker:
             self.store.set_pools(self.provider.pools())
             self._locate_checkpoints()
             self.reconciler.run(self.fence)
-            self.scheduler.run_round(self.fence)
+            started = time.perf_counter()
+            res = self.scheduler.run_round(self.fence)
+            metrics.ROUND_SECONDS.observe(time.perf_counter() - started)
+            metrics.SOLVE_SECONDS.observe(res.solve_s)
             self.actuator.run(self.fence)
             self.rounds += 1
         except StaleFence:
@@ -575,7 +578,7 @@ class Stack:
                         sealer=Sealer.load(state), blobs=BlobStore(state / "blobs"))
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=self.host, port=self.port, log_level="warning", access_log=False,
-            lifespan="off"))
+            lifespan="off", log_config=None))  # its records go to broker.logs' handler
         self._thread = threading.Thread(target=self._server.run, name="api", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 15
@@ -614,7 +617,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--owner", default=None)
     ap.add_argument("--no-agent", action="store_true")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    logs.configure(os.environ.get(BrokerEnv.LOG_FORMAT, "text"),
+                   os.environ.get(BrokerEnv.LOG_LEVEL, "warning"))
     os.umask(0o077)
     register_url_password(args.redis_url)
     config = BrokerConfig(state_dir=args.state_dir, redis_url=args.redis_url, fleet=args.fleet,

@@ -39,6 +39,7 @@ _PROGRESS_FIELDS = (
 ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
 BLOCKLIST_KEY = "blocklist"  # the reclaimed spot locations (policies.migration.Blocklist JSON)
 PREEMPTIONS_KEY = "pool:preemptions"  # hash: pool id -> preemptions the reconciler handled there
+MIGRATIONS_KEY = "pool:migrations"  # hash: pool id -> jobs the scheduler moved out of it
 NODE_HOURS_KEY = "pool:node_hours"  # hash: pool id -> node-hours of closed placement intervals
 RENDEZVOUS_TTL_S = 86_400  # a job's rendezvous record outlives its last visit or heartbeat a day
 BROKERS_KEY = "brokers"  # hash: a broker replica's API URL -> until when it counts as live
@@ -229,6 +230,10 @@ class Plan:
     def count_preemption(self, pool_id: str) -> None:
         """One more preemption observed in ``pool_id`` (``Store.pool_stats``)."""
         self.incr.append({"key": PREEMPTIONS_KEY, "field": pool_id, "by": "1"})
+
+    def count_migration(self, pool_id: str) -> None:
+        """One more job moved out of ``pool_id`` to another pool (``fleet_migrations_total``)."""
+        self.incr.append({"key": MIGRATIONS_KEY, "field": pool_id, "by": "1"})
 
     def add_node_hours(self, pool_id: str, hours: float) -> None:
         """Node-hours a closed placement interval spent in ``pool_id`` (``Store.pool_stats``).

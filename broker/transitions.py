@@ -33,6 +33,8 @@ def launching(plan: Plan, job: JobRecord, intent: Intent, *, nodes: int, moved: 
                 migrations=job.migrations + moved, rescales=job.rescales + resized,
                 reason="resumed from checkpoint" if job.attempt > 0 and job.pool else "placed",
                 node_ids=[], exit_code=None, round=0, stand_ins={}, replaced_at=None)
+    if moved and job.pool:
+        plan.count_migration(job.pool)
 
 
 def running(plan: Plan, job: JobRecord, *, node_ids: list[str], started: float,

@@ -342,7 +342,6 @@ def test_every_page_loads_clean_and_shows_the_apis_numbers(tab: Tab, fleet: Flee
             shown = dict(zip(tab.column("queue", 1), tab.column("queue", 8), strict=True))
             assert shown == {j["id"]: j["reason"] or "no reason given yet"
                              for j in waiting["jobs"]}
-            assert "no reason given yet" in shown.values()  # the fallback is exercised
     assert tab.problems == []
     assert all((tmp_path / f"{n}.png").stat().st_size > 10_000 for n in PAGES)
     assert max(loads.values()) < 5, loads  # a generous bound; the benchmark measures it

@@ -12,22 +12,26 @@ from pathlib import Path
 import typer
 
 from broker.cli.app import app, console, fail
+from broker.logs import LogFormat, LogLevel
+from broker.logs import configure as configure_logs
 from broker.protocol import ENV_PREFIX, BrokerEnv
 
 
 @app.command()
 def up(
-    state_dir: Path = typer.Option(Path(".state"), help="Where Redis data, node state and "
-                                   "checkpoints live"),
+    state_dir: Path = typer.Option(Path(".state"), envvar=BrokerEnv.STATE_DIR, show_envvar=True,
+                                   help="Where Redis data, node state and checkpoints live"),
     redis_url: str | None = typer.Option(
         None, envvar=BrokerEnv.REDIS_URL, show_envvar=True,
         help="Use this Redis instead of starting one: redis://[user:password@]host:port/db "
         "or rediss:// (TLS). Prefer the variable: a command line is visible to every local "
         "user"),
-    fleet: Path | None = typer.Option(None, help="Fleet file: local pretend regions and/or "
-                                      "clouds (examples/fleets/*.yaml)"),
-    host: str = typer.Option("127.0.0.1", help="API listen address"),
-    port: int = typer.Option(8470, help="API port"),
+    fleet: Path | None = typer.Option(None, envvar=BrokerEnv.FLEET_FILE, show_envvar=True,
+                                      help="Fleet file: local pretend regions and/or clouds "
+                                      "(examples/fleets/*.yaml)"),
+    host: str = typer.Option("127.0.0.1", envvar=BrokerEnv.HOST, show_envvar=True,
+                             help="API listen address"),
+    port: int = typer.Option(8470, envvar=BrokerEnv.PORT, show_envvar=True, help="API port"),
     config: Path | None = typer.Option(
         None, envvar=BrokerEnv.BROKER_CONFIG, show_envvar=True,
         help="Broker config YAML (sections scheduler, broker, api; docs/configuration.md). "
@@ -36,6 +40,11 @@ def up(
         None, help="elastic | fixed-batch | static (scheduler.policy; default elastic)"),
     admission: str | None = typer.Option(
         None, help="queue | drop (scheduler.admission; default queue)"),
+    log_format: LogFormat = typer.Option(LogFormat.TEXT, envvar=BrokerEnv.LOG_FORMAT,
+                                         show_envvar=True, help="Log lines as text or JSON "
+                                         "(one object per line, for log shippers)"),
+    log_level: LogLevel = typer.Option(LogLevel.WARNING, envvar=BrokerEnv.LOG_LEVEL,
+                                       show_envvar=True, help="Least severe level logged"),
 ) -> None:
     """Run the broker in the foreground until Ctrl-C."""
     from broker import config as broker_config
@@ -46,6 +55,7 @@ def up(
     from broker.server import DEFAULT_FLEET, Stack
 
     os.umask(0o077)  # the broker's files (state, logs, checkpoints, its jobs'): owner only
+    configure_logs(log_format, log_level.value)
     flags = {k: v for k, v in (("policy", policy), ("admission", admission)) if v is not None}
     settings = broker_config.load(config, {"scheduler": flags})
     fleet = fleet or DEFAULT_FLEET

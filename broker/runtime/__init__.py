@@ -74,16 +74,17 @@ Each worker gets torchrun's variables (RANK = NODE_RANK * NPROC + LOCAL_RANK, WO
 NPROC, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the FLEET_* variables (FLEET_ROUND
 included), and FLEET_PROGRESS_FILE (a file in the agent's temp folder unless the agent's env
 already names one). Rank 0 writes there, as JSON, ``{step, samples_done, samples_per_sec,
-global_batch_size, world_size, checkpoint_step, checkpoint_bytes}`` (checkpoint_bytes: the size of
-that checkpoint, every rank's files and the manifest; null when unknown). Every
+global_batch_size, world_size, checkpoint_step, checkpoint_bytes, checkpoint_seconds}``
+(checkpoint_bytes: the size of that checkpoint, every rank's files and the manifest; null when
+unknown; checkpoint_seconds: how long writing and committing it took, null for one loaded). Every
 FLEET_HEARTBEAT_INTERVAL the agent sends ``{job_id, attempt, node_rank, round, state, launch_key}``
 (round: the round the node is in, joined or still forming) and the progress file's ``step,
-samples_done, samples_per_sec, world_size, global_batch_size, checkpoint_step, checkpoint_bytes``
-that it has (none before the file exists: the broker keeps what it had), where state is ``running``,
-``stopping`` or ``rejoining``. A last heartbeat says ``finished``, ``stopped`` or ``failed`` and
-carries ``exit_code`` (a cloud VM does not tell the broker how the command ended), the last
-progress and, after a failure, ``error``: what a worker's runtime wrote to FLEET_ERROR_FILE (its
-cause, e.g. ``checkpoint write failed: no space left on device (ENOSPC)``;
+samples_done, samples_per_sec, world_size, global_batch_size, checkpoint_step, checkpoint_bytes,
+checkpoint_seconds`` that it has (none before the file exists: the broker keeps what it had),
+where state is ``running``, ``stopping`` or ``rejoining``. A last heartbeat says ``finished``,
+``stopped`` or ``failed`` and carries ``exit_code`` (a cloud VM does not tell the broker how the
+command ended), the last progress and, after a failure, ``error``: what a worker's runtime wrote
+to FLEET_ERROR_FILE (its cause, e.g. ``checkpoint write failed: no space left on device (ENOSPC)``;
 ``broker.runtime.failure``); it is tried at every broker URL with exponential backoff until one
 takes it, for up to FLEET_REPORT_TIMEOUT (no answer, a 5xx or a 429 is tried again; any other
 answer, such as a 404 for a job that is gone, ends the tries). The broker takes progress from node

@@ -178,10 +178,11 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._folder: Path | None = None  # the folder the last save wrote into
-        # (step, bytes) of the newest committed or loaded checkpoint, one tuple so that a reader
-        # never pairs a step with another checkpoint's size. bytes: every rank's files plus the
-        # manifest, known on rank 0 (None elsewhere, and for a checkpoint without a recorded size).
-        self.committed: tuple[int, int | None] | None = None
+        # (step, bytes, seconds) of the newest committed or loaded checkpoint, one tuple so that a
+        # reader never pairs a step with another checkpoint's size. bytes: every rank's files plus
+        # the manifest, known on rank 0 (None elsewhere, and for a checkpoint without a recorded
+        # size); seconds: how long this process took to write and commit it (None once loaded).
+        self.committed: tuple[int, int | None, float | None] | None = None
         self.last_pause_s = 0.0  # how long the last save held up the caller
 
     @property
@@ -278,19 +279,19 @@ class Checkpointer:
             self.store.publish(step, sorted(p for p in folder.iterdir() if self._owns(p.name)))
             if self.group is not None:
                 dist.barrier(group=self.group)  # every rank's files are durable
-            size = None
+            size, written_s = None, None
             if self.rank == 0:
                 # Read back from the store rather than summed over ranks: a tensor collective in
                 # this thread (an all-reduce) made some processes abort at exit (gloo teardown).
                 size = self.store.step_bytes(step)
+                written_s = time.perf_counter() - t0
                 size += self.store.commit(step, {
-                    **manifest, "step": step, "bytes": size,
-                    "written_s": time.perf_counter() - t0,
+                    **manifest, "step": step, "bytes": size, "written_s": written_s,
                 })
                 self.store.prune(self.keep)
                 log.info("checkpoint of step %d (%d bytes) committed to %s",
                          step, size, self.store.uri)
-            self.committed = (step, size)
+            self.committed = (step, size, written_s)
         except BaseException as exc:  # surfaced to the training thread by wait()
             self._error = exc
 
@@ -321,5 +322,5 @@ class Checkpointer:
         source = self.rank % int(manifest.get("world_size", 1))
         set_rng_state(torch.load(folder / f"rng-{source}.pt", weights_only=False))
         data = manifest.get("bytes")  # None: written before sizes were recorded
-        self.committed = (step, None if data is None else int(data) + len(raw))
+        self.committed = (step, None if data is None else int(data) + len(raw), None)
         return manifest, shared

@@ -529,6 +529,7 @@ class Trainer:
             "world_size": self.world_size,
             "checkpoint_step": committed[0] if committed else None,
             "checkpoint_bytes": committed[1] if committed else None,
+            "checkpoint_seconds": committed[2] if committed else None,
             "grad_noise_scale": self.noise.value,
             "finished": self.finished,
         }

@@ -218,9 +218,29 @@ def dashboard(data: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def metrics(data: dict[str, Any]) -> str:
+    ms = data["scrape_ms"]
+    states = ", ".join(f"{n:,} {s}" for s, n in data["states"].items())
+    return "\n".join([
+        f"{data['jobs']:,} jobs ({states}), {data['teams']} teams, {data['pools']} pools; "
+        f"{data['series']} series, {data['response_bytes']:,} bytes per scrape. Measured on "
+        f"{data['cpus']} CPUs with a 1-minute load average of {data['load_avg_1m']} at the end "
+        "(other work shared the CPUs).\n",
+        "| scrape | time |", "|---|---|",
+        f"| first (a fresh API process reads every job once) | {data['first_scrape_ms']:,.0f} ms |",
+        f"| next {data['scrapes']}: median | {ms['median']:.1f} ms |",
+        f"| p10 / p90 | {ms['p10']:.1f} / {ms['p90']:.1f} ms |",
+        f"| min / max | {ms['min']:.1f} / {ms['max']:.1f} ms |",
+        f"| target | {data['target_ms']} ms |", "",
+        "CPU time of one scrape (the mean over the scrapes after the first): "
+        f"{data['cpu_ms_per_scrape']['api_process']:.1f} ms in the API process, "
+        f"{data['cpu_ms_per_scrape']['redis_server']:.1f} ms in redis-server."]) + "\n"
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "simulator": simulator, "seed_claim": seed_claim, "hetero": hetero, "spot": spot,
-    "spot_heldout": spot_heldout, "classic_heldout": classic_heldout, "dashboard": dashboard}
+    "spot_heldout": spot_heldout, "classic_heldout": classic_heldout, "dashboard": dashboard,
+    "metrics": metrics}
 
 
 def page(name: str, doc: str) -> str:

@@ -1,0 +1,219 @@
+"""``GET /metrics`` and ``/readyz`` of a running broker (real redis-server, leader loop over the
+local provider with shell jobs, the API on loopback): the numbers match the store and the API,
+the names follow Prometheus's rules, the token rules hold, and a reported checkpoint is counted
+once."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from broker import metrics
+from broker.auth import ApiConfig, ConfigError, Principal, Role
+from broker.models import JobState
+from policies.models import BatchRange, GpuRange, JobSpec, SpotPolicy
+from providers.base import CapacityError, ProviderError, QuotaError
+from tests.api_server import TOKENS
+from tests.metrics_stack import ADMIN, METRICS_TOKEN, Running, Scrape, running_broker, wait_for
+
+# Exits 75 on SIGTERM, like the runtime agent after a checkpoint.
+LOOP = "trap 'exit 75' TERM; echo ready; i=0; while [ $i -lt {n} ]; do sleep 0.1; i=$((i+1)); done"
+
+
+def spec(name: str, run: str, gpus: int = 1, **kw: object) -> JobSpec:
+    return JobSpec(name=name, run=run, gpus=GpuRange(min=gpus, max=gpus),
+                   batch_size=BatchRange(min=8, max=64), work_samples=100, **kw)
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> Iterator[Running]:
+    with running_broker(tmp_path) as r:
+        yield r
+
+
+def test_metrics_match_the_store_and_the_api(running: Running) -> None:
+    store = running.broker.store
+    before = Scrape(httpx.get(f"{running.api.url}/metrics", timeout=10, headers={
+        "Authorization": f"Bearer {ADMIN}"}).text)  # the admin token scrapes too
+    # a job in a spot region that gets reclaimed: preempted there, resumed elsewhere
+    mover = store.submit(spec("mover", LOOP.format(n=30), spot=SpotPolicy.PREFERRED),
+                         team="ml")
+    quick = [store.submit(spec(f"q{i}", "sleep 0.3"), team=t).id
+             for i, t in enumerate(["ml", "vision", "vision"])]
+    wait_for(lambda: "ready" in store.read_logs(mover.id)[0])
+    first = store.get_job(mover.id)
+    assert first is not None and first.pool is not None
+    store.request_preempt(first.pool.split(":")[1], duration_s=60)
+    ids = [mover.id, *quick]
+    wait_for(lambda: all(store.get_job(i).state is JobState.COMPLETED  # type: ignore[union-attr]
+                         for i in ids), timeout=60)
+    waiting = store.submit(spec("waits", "true", gpus=64), team="vision")
+
+    got = running.scrape()
+    # jobs by state and team, and the queue
+    assert got.value("fleet_jobs", state="completed", team="ml") == 2
+    assert got.value("fleet_jobs", state="completed", team="vision") == 2
+    wait_for(lambda: store.get_job(waiting.id) is not None)
+    assert got.value("fleet_queue_jobs", team="vision") == 1
+    assert got.value("fleet_queue_jobs", team="ml") == 0
+    assert 0 <= got.value("fleet_queue_oldest_wait_seconds", team="vision") < 30
+    # pools: capacity as the API shows it; everything finished, so nothing allocated
+    cap = httpx.get(f"{running.api.url}/v1/capacity", timeout=10,
+                    headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    for pool in cap["pools"]:
+        assert got.value("fleet_pool_gpus", pool=pool["id"]) == pool["capacity"]
+        assert got.value("fleet_pool_gpus_allocated", pool=pool["id"]) == pool["used"]
+        assert got.value("fleet_pool_gpus_free", pool=pool["id"]) == pool["free"]
+    # cost per team: the same sums as GET /v1/costs (every interval is closed)
+    costs = httpx.get(f"{running.api.url}/v1/costs", timeout=10,
+                      headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    for team in costs["teams"]:
+        assert got.value("fleet_cost_usd_total", team=team["team"]) == pytest.approx(
+            team["cost_usd"], rel=1e-9)
+        assert got.value("fleet_ondemand_cost_usd_total", team=team["team"]) == \
+            pytest.approx(team["ondemand_cost_usd"], rel=1e-9)
+        assert got.value("fleet_gpu_seconds_total", team=team["team"]) == pytest.approx(
+            team["gpu_hours"] * 3600, rel=1e-9)
+    spot_s = got.value("fleet_gpu_seconds_total", team="ml", market="spot")
+    assert spot_s > 0
+    # the reclaim: the jobs it hit were preempted in its region and moved out of it
+    cloud, region = first.pool.split(":")[:2]
+    jobs = [store.get_job(i) for i in ids]
+    hit = sum(j.preemptions for j in jobs if j is not None)
+    moved = sum(j.migrations for j in jobs if j is not None)
+    assert hit >= 1 and moved >= 1
+    assert got.value("fleet_preemptions_total", cloud=cloud, region=region) == hit
+    assert got.value("fleet_preemptions_total") == hit
+    assert got.value("fleet_migrations_total", cloud=cloud, region=region) == moved
+    assert got.value("fleet_migrations_total") == moved
+    # the leader's own: rounds, solves, one leader so far
+    rounds = got.value("fleet_scheduling_round_duration_seconds_count")
+    assert rounds > before.value("fleet_scheduling_round_duration_seconds_count")
+    assert got.value("fleet_allocator_solve_duration_seconds_count") > \
+        before.value("fleet_allocator_solve_duration_seconds_count")
+    assert got.value("fleet_leader_changes_total") == 1
+    assert got.value("fleet_leader_lease_held") == 1
+    # no label carries a job id
+    values = {v for f in got.families.values() for s in f.samples for v in s.labels.values()}
+    assert not values & {*ids, waiting.id}
+
+
+def test_metric_names_follow_the_prometheus_rules(running: Running) -> None:
+    got = running.scrape()
+    ours = {n: f for n, f in got.families.items() if not n.startswith(("python_", "process_"))}
+    assert ours, "no metric exposed"
+    for name, family in ours.items():
+        assert re.fullmatch(r"fleet_[a-z0-9_]+", name), name
+        assert "__" not in name and not name.startswith("fleet_fleet")
+        if family.type == "counter":
+            assert got.samples(name + "_total") or f"# TYPE {name}_total counter" in got.text
+        # base units only: no milliseconds, minutes, hours or bytes multiples in a name
+        assert not re.search(r"_(ms|milliseconds|minutes|hours|kb|mb|gb|dollars)(_|$)", name)
+        for sample in family.samples:
+            assert "job" not in sample.labels and "job_id" not in sample.labels
+
+
+def test_the_operations_table_lists_every_metric(running: Running) -> None:
+    table = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    documented = dict(re.findall(r"^\| `(fleet_[a-z0-9_]+)` \| (\w+) \|", table, re.M))
+    got = running.scrape()
+    exposed = {(n + "_total" if f.type == "counter" else n): f.type
+               for n, f in got.families.items() if n.startswith("fleet_")}
+    assert documented == exposed
+
+
+def test_metrics_token_rules(running: Running) -> None:
+    url = f"{running.api.url}/metrics"
+    assert httpx.get(url, timeout=10).status_code == 401
+    for who in ("ml", "agent"):
+        r = httpx.get(url, timeout=10, headers={"Authorization": f"Bearer {TOKENS[who]}"})
+        assert r.status_code == 403 and "metrics token" in r.json()["error"]["message"]
+    running.scrape(ADMIN)
+    running.scrape(METRICS_TOKEN)
+    # the metrics token reads /metrics only
+    r = httpx.get(f"{running.api.url}/v1/jobs", timeout=10,
+                  headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    assert r.status_code == 403 and "/metrics" in r.json()["error"]["message"]
+
+
+def test_metrics_tokens_from_config_and_env() -> None:
+    token = "scraper-token-0123456789"
+    for config in (ApiConfig.from_mapping({"tokens": [{"metrics": True, "token": token}]}),
+                   ApiConfig.load(environ={"FLEET_METRICS_TOKEN": token})):
+        assert config.authenticate(token) == Principal(role=Role.METRICS)
+        assert not Principal(role=Role.METRICS).can_see("ml")
+    with pytest.raises(ConfigError, match="give exactly one of team: NAME, admin: true, "
+                       "agent: true, metrics: true"):
+        ApiConfig.from_mapping({"tokens": [{"metrics": True, "admin": True, "token": token}]})
+
+
+def test_a_reported_checkpoint_is_observed_once(running: Running) -> None:
+    store = running.broker.store
+    job = store.submit(spec("ck", LOOP.format(n=100)), team="ml")
+    wait_for(lambda: (j := store.get_job(job.id)) is not None and j.state is JobState.RUNNING)
+    before = running.scrape()
+    beat = {"job_id": job.id, "attempt": 1, "step": 9, "checkpoint_step": 8,
+            "checkpoint_bytes": 3 * 2**20, "checkpoint_seconds": 1.5}
+    with httpx.Client(base_url=running.api.url, timeout=10,
+                      headers={"Authorization": f"Bearer {ADMIN}"}) as c:
+        for body in (beat, beat, {**beat, "step": 10}):  # the same checkpoint, three reports
+            assert c.post("/v1/agent/heartbeat", json=body).status_code == 200
+        # a checkpoint reported without its write time (loaded, not written) is not counted
+        c.post("/v1/agent/heartbeat", json={**beat, "checkpoint_step": 9,
+                                            "checkpoint_seconds": None})
+        bad = c.post("/v1/agent/heartbeat", json={**beat, "checkpoint_seconds": -1})
+        assert bad.status_code == 422
+        assert [p["field"] for p in bad.json()["error"]["problems"]] == ["checkpoint_seconds"]
+    after = running.scrape()
+    for name, added in (("fleet_checkpoint_duration_seconds_count", 1),
+                        ("fleet_checkpoint_duration_seconds_sum", 1.5),
+                        ("fleet_checkpoint_size_bytes_count", 1),
+                        ("fleet_checkpoint_size_bytes_sum", 3 * 2**20)):
+        assert after.value(name) - before.value(name) == pytest.approx(added), name
+
+    def buckets(scrape: Scrape) -> dict[float, float]:
+        return {float(s.labels["le"]): s.value
+                for s in scrape.samples("fleet_checkpoint_size_bytes_bucket")}
+
+    grew = {le for le, n in buckets(after).items() if n != buckets(before).get(le, 0)}
+    assert min(grew) == 4 * 2**20  # 3 MiB falls in the 4 MiB bucket and every larger one
+    store.request_cancel(job.id)
+
+
+def test_readyz(running: Running) -> None:
+    url = f"{running.api.url}/readyz"
+    wait_for(lambda: running.broker.store.leader() is not None)
+    r = httpx.get(url, timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "ready"
+    assert r.json()["leader_fence"] == running.broker.fence
+    running.broker.stop()  # releases the lease: no leader known
+    r = httpx.get(url, timeout=10)
+    assert r.status_code == 503
+    assert "no broker replica holds the leader lease" in r.json()["error"]["message"]
+    running.redis.stop()
+    r = httpx.get(url, timeout=10)
+    assert r.status_code == 503 and "redis does not answer" in r.json()["error"]["message"]
+    assert httpx.get(f"{running.api.url}/healthz", timeout=10).status_code == 200  # alive
+    running.redis.start()  # back for the teardown
+
+
+def test_provider_errors_by_kind() -> None:
+    def count(kind: str) -> float:
+        return metrics.PROVIDER_ERRORS.labels(cloud="aws", kind=kind)._value.get()
+
+    before = {k: count(k) for k in ("capacity", "quota", "other")}
+    metrics.provider_error("aws", CapacityError("no p3 in us-east-1a"))
+    metrics.provider_error("aws", QuotaError("vCPU limit"))
+    metrics.provider_error("aws", ProviderError("throttled"))
+    metrics.provider_error("aws", ProviderError("throttled"))
+    assert {k: count(k) - before[k] for k in before} == {"capacity": 1, "quota": 1, "other": 2}
+
+
+def test_pool_labels() -> None:
+    assert metrics.pool_labels("aws:us-east-1/us-east-1a:spot:v100") == (
+        "aws", "us-east-1", "spot", "v100")
+    assert metrics.pool_labels("local:east:on-demand:t4") == ("local", "east", "on-demand", "t4")
