@@ -15,7 +15,6 @@ import pytest
 from moto import mock_aws
 
 from broker.actuator import Actuator, ActuatorConfig
-from broker.fleet import CloudConfig, FleetFile, FleetProvider, build_fleet_provider, cloud_pools
 from broker.models import JobState
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig, blocked_pools, refused_pools
@@ -34,9 +33,10 @@ from policies.models import (
 )
 from policies.placement import PlacementRequest, PlacementResult, place
 from providers import catalog
-from providers.aws import AwsProvider
+from providers.aws.provider import AwsProvider
 from providers.base import LaunchRequest, NodeState, ProviderError, Quota, share
-from providers.local import LocalProvider
+from providers.fleet import CloudConfig, FleetFile, FleetProvider, build_fleet_provider, cloud_pools
+from providers.local.provider import LocalProvider
 from tests.cloud_env import aws_quotas, ec2_refuses, no_cloud_config, record_launches
 from tests.redis_server import RedisServer
 
@@ -524,7 +524,7 @@ def test_pool_priors_come_from_the_spot_advisor_once_per_fleet(
     assert priors["aws:us-east-1:spot:V100"] == advisor[("us-east-1", "p3.2xlarge")]
     assert priors["aws:us-west-2:spot:V100"] == advisor[("us-west-2", "p3.2xlarge")]
     assert priors["local:lab:spot:V100"] == catalog.UNKNOWN_RATE  # no advisor data
-    monkeypatch.setattr("broker.fleet.interruption_priors", lambda: pytest.fail("read again"))
+    monkeypatch.setattr("providers.fleet.interruption_priors", lambda: pytest.fail("read again"))
     assert mixed.interruption_priors(pools) == priors
 
 

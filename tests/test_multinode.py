@@ -17,7 +17,7 @@ from broker.scheduler import Scheduler, SchedulerConfig
 from broker.store import Store
 from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
 from providers.base import LaunchRequest, NodeState, launch_key_of, replacement_key
-from providers.local import LocalFleet, LocalProvider
+from providers.local.provider import LocalFleet, LocalProvider
 
 CLOUD = Pool(cloud="aws", region="us-east-1", accelerator=Accelerator.V100, market=Market.SPOT,
              nodes=1, gpus_per_node=32, price_per_gpu_hour=0.34,

@@ -21,7 +21,7 @@ from broker.server import Broker, BrokerConfig, build_broker
 from broker.spec import parse_spec_text
 from broker.store import Store
 from providers.base import NodeState
-from providers.local import LocalProvider
+from providers.local.provider import LocalProvider
 from tests.api_server import ApiServer
 from tests.redis_server import RedisServer
 

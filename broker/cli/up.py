@@ -33,10 +33,10 @@ def up(
     """Run the broker in the foreground until Ctrl-C."""
     from broker.auth import ConfigError
     from broker.client import write_client_config
-    from broker.fleet import FleetFile
     from broker.scheduler import Admission, Policy, SchedulerConfig
     from broker.secrets import redact_url, scrub
     from broker.server import DEFAULT_FLEET, BrokerConfig, Stack
+    from providers.fleet import FleetFile
 
     os.umask(0o077)  # the broker's files (state, logs, checkpoints, its jobs'): owner only
     try:

@@ -15,11 +15,12 @@ from pathlib import Path
 from broker.scheduler import SchedulerConfig, plan_round
 from broker.store import Store
 from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
+from providers import registry
 from tests.bench.results import measured, write
 from tests.redis_server import RedisServer
 
 N_JOBS = 10_000
-CLOUDS = ("aws", "gcp", "azure", "local")
+CLOUDS = registry.names()
 
 
 def pools(seed: int = 0) -> list[Pool]:
@@ -27,7 +28,7 @@ def pools(seed: int = 0) -> list[Pool]:
     rng = random.Random(seed)
     out = []
     for i in range(20):
-        cloud = CLOUDS[i % 4]
+        cloud = CLOUDS[i % len(CLOUDS)]
         out.append(Pool(cloud=cloud, region=f"region-{i}", accelerator=(
             Accelerator.T4 if i % 2 else Accelerator.A100),
             market=Market.SPOT if i % 3 else Market.ON_DEMAND, nodes=rng.randint(8, 32),

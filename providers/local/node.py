@@ -1,7 +1,7 @@
 """Supervisor of one local "node": runs the job's command in the node's process group and
 records its exit status in the node directory, so a restarted broker still learns how it ended.
 
-Usage: ``python -m providers.local_node NODE_DIR -- CMD ARGS...`` (started by ``LocalProvider``).
+Usage: ``python -m providers.local.node NODE_DIR -- CMD ARGS...`` (started by ``LocalProvider``).
 """
 
 from __future__ import annotations
