@@ -126,7 +126,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from broker.runtime.assignment import EXIT_FINISHED, EXIT_STOPPED, Assignment
-from broker.runtime.store import open_store
+from broker.runtime.checkpoint_stores import open_store
 
 if TYPE_CHECKING:
     from broker.runtime.trainer import Trainer, elastic, from_args

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 import broker.runtime as fleet
 from broker.runtime.assignment import Assignment
 from broker.runtime.checkpoint import Checkpointer
-from broker.runtime.store import LocalStore
+from broker.runtime.checkpoint_stores import LocalStore
 from tests.bench.results import measured, single, write
 
 ROOT = Path(__file__).resolve().parents[2]
