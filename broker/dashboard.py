@@ -28,7 +28,8 @@ from broker.costs import reference_price
 from broker.models import Event, JobRecord, JobState, Placement
 from broker.store import Store
 from policies.models import Market
-from providers.catalog import CLOUDS, CatalogOffer, cheapest, load_offers, user_catalog_path
+from providers import registry
+from providers.catalog import CatalogOffer, cheapest, load_offers, user_catalog_path
 
 UI_DIR = Path(__file__).with_name("ui")
 TEAM = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
@@ -137,7 +138,7 @@ def recovery_timeline(placements: Mapping[str, Sequence[Placement]],
 def _catalog_stamp() -> tuple[int | None, ...]:
     """The user catalog files' modification times: a refresh changes the stamp."""
     stamps = []
-    for cloud in CLOUDS:
+    for cloud in registry.priced():
         try:
             stamps.append(user_catalog_path(cloud).stat().st_mtime_ns)
         except OSError:

@@ -18,7 +18,7 @@ from cryptography.fernet import Fernet, InvalidToken
 from broker import secrets
 from broker.errors import FleetError
 from broker.protocol import BrokerEnv
-from providers.local import write_private
+from providers.local.provider import write_private
 
 KEY_FILE = "secrets.key"
 KEY_ENV = BrokerEnv.SECRETS_KEY

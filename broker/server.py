@@ -32,7 +32,6 @@ from pydantic import BaseModel, Field
 from broker import logs, metrics, secrets, transitions
 from broker.actuator import Actuator, ActuatorConfig
 from broker.files import BlobStore
-from broker.fleet import FleetProvider, build_fleet_provider
 from broker.models import JobState
 from broker.protocol import BrokerEnv
 from broker.reconciler import QUICK_RECLAIM_S, Reconciler
@@ -40,7 +39,8 @@ from broker.scheduler import Scheduler, SchedulerConfig
 from broker.sealed import Sealer
 from broker.store import Conflict, Plan, StaleFence, Store
 from policies.migration import DEFAULT_DECAY_S
-from providers.local import write_private
+from providers.fleet import FleetProvider, build_fleet_provider
+from providers.local.provider import write_private
 
 log = logging.getLogger(__name__)
 
@@ -493,7 +493,8 @@ def build_broker(config: BrokerConfig, *, redis_url: str | None = None) -> Broke
     url = redis_url or config.redis_url
     if url is None:
         raise ValueError("build_broker needs a redis URL; run_server starts an embedded one")
-    provider, skipped = build_fleet_provider(config.fleet, config.state_dir, REPO)
+    provider, skipped = build_fleet_provider(config.fleet, config.state_dir, REPO,
+                                             reason=secrets.reason)
     return Broker(config, Store.from_url(url, confirm_durable=config.confirm_durable),
                   provider, skipped)
 

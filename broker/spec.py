@@ -32,6 +32,7 @@ from policies.models import (
     SpotPolicy,
     check_name,
 )
+from providers import registry
 
 MAX_SPEC_BYTES = 256 * 1024
 # The shape a spec may have once its YAML aliases are expanded: an anchor bomb or an alias flood
@@ -422,7 +423,6 @@ MAX_DURATION_CHARS = 64
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REGION_PATTERN = re.compile(r"^[a-z0-9*?\[\]!-]+:[a-z0-9*?\[\]!_-]+$")
 _CLOUD_REGION = re.compile(CLOUD_REGION)
-CLOUDS = ("aws", "gcp", "azure", "local")  # the clouds a region pattern may name
 _RESERVED_ENV_PREFIX = ENV_PREFIX
 
 
@@ -786,41 +786,24 @@ def _parse_region_list(p: _Problems, field: str, value: Any) -> list[str] | None
 def _unknown_cloud(pattern: str, *, bare: bool) -> str | None:
     """Why ``pattern``'s cloud matches no known cloud (a region written alone, a typo), or None."""
     cloud, _, region = pattern.partition(":")
-    if any(fnmatch.fnmatchcase(c, cloud) for c in CLOUDS):
+    clouds = registry.names()
+    if any(fnmatch.fnmatchcase(c, cloud) for c in clouds):
         return None
     if bare and (fix := _bare_region_fix(cloud)):
         return f"{cloud!r} has no cloud; {fix}"
-    close = _CLOUD_ALIASES.get(cloud) or next(iter(difflib.get_close_matches(cloud, CLOUDS, 1)),
-                                                None)
+    close = registry.meant(cloud)
     if close:
         fix = f"did you mean '{close}" + ("'?" if bare else f":{region}'?")
     else:
         fix = "write cloud:region, like aws:us-east-1"
-    return f"unknown cloud {cloud!r} (the clouds are {', '.join(CLOUDS)}); {fix}"
-
-
-# What people call the clouds, beyond near-typos of their names (difflib finds those).
-_CLOUD_ALIASES = {"amazon": "aws", "ec2": "aws", "google": "gcp", "gce": "gcp",
-                  "microsoft": "azure", "az": "azure"}
-# Each cloud's region names: aws us-east-1 / us-gov-west-1, gcp europe-west4, azure eastus2.
-_REGION_SHAPES = {
-    "aws": re.compile(r"^[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-\d+$"),
-    "gcp": re.compile(r"^[a-z]+-[a-z]+\d+$"),
-    "azure": re.compile(r"^[a-z]*(east|west|north|south|central)[a-z]*\d?$"),
-}
-
-
-_REGION_EXAMPLES = {"aws": "us-east-1", "gcp": "europe-west4", "azure": "eastus"}
+    return f"unknown cloud {cloud!r} (the clouds are {', '.join(clouds)}); {fix}"
 
 
 def _not_a_region(location: str) -> str | None:
     """Why ``cloud:region`` names no region its cloud could have (``aws:us-east1``), or None."""
     cloud, _, region = location.partition(":")
-    shape = _REGION_SHAPES.get(cloud)
-    if shape is None or shape.match(region):
-        return None
-    return (f"{region!r} is not a {cloud} region name; write one like "
-            f"{cloud}:{_REGION_EXAMPLES[cloud]}")
+    known = registry.clouds().get(cloud)
+    return None if known is None else known.region_problem(region)
 
 
 def _bare_region_fix(region: str) -> str | None:
@@ -829,7 +812,8 @@ def _bare_region_fix(region: str) -> str | None:
     looks like no region (then it reads as a mistyped cloud)."""
     if any(c in region for c in "*?["):
         return f"give its cloud, like aws:{region} or gcp:{region}" if "-" in region else None
-    cloud = next((c for c, shape in _REGION_SHAPES.items() if shape.match(region)), None)
+    cloud = next((c.name for c in registry.clouds().values() if c.has_region_shape(region)),
+                 None)
     return f"did you mean {cloud}:{region}?" if cloud else None
 
 
@@ -1100,9 +1084,9 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
             "any_of" in resources or "ordered" in resources) else (
             f"resources.{'ordered' if 'ordered' in resources else 'any_of'}[{i}]")
         cloud = _sky_cloud(alt)
-        if len(alternatives) > 1 and cloud is not None and cloud not in CLOUDS:
+        if len(alternatives) > 1 and cloud is not None and cloud not in registry.names():
             warnings.append(f"{where}: dropped; FleetBroker has no cloud {cloud!r} (its clouds "
-                            f"are {', '.join(CLOUDS)})")
+                            f"are {', '.join(registry.names())})")
             continue
         kept += 1
         found = _sky_accelerators(p, f"{where}.accelerators", alt.get("accelerators"))
@@ -1126,7 +1110,7 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
         p.add(f"resources.{'ordered' if 'ordered' in resources else 'any_of'}",
               resources.get("any_of", resources.get("ordered")),
               f"every alternative names a cloud FleetBroker does not have; add one on "
-              f"{', '.join(CLOUDS)}")
+              f"{', '.join(registry.names())}")
     _sky_cpu_only(p, resources, alternatives, accelerators, warnings)
     if accelerators:
         out["accelerators"] = accelerators
@@ -1352,9 +1336,9 @@ def _sky_infra(p: _Problems, where: str, alt: Mapping[str, Any],
         p.add(field, "/".join(parts), "write cloud[/region[/zone]], like aws/us-east-1")
         return None
     cloud = parts[0]
-    if cloud not in CLOUDS and cloud != "*":
+    if cloud not in registry.names() and cloud != "*":
         p.add(field, cloud, "this cloud is not supported; use one of: "
-              + ", ".join(CLOUDS))
+              + ", ".join(registry.names()))
         return None
     region = parts[1] if len(parts) > 1 else "*"
     pattern = f"{cloud}:{region}"

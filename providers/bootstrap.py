@@ -11,6 +11,7 @@ from importlib import metadata
 
 from broker.protocol import Env, shell
 from policies.models import Market
+from providers import registry
 from providers.base import LaunchRequest
 
 BROKER_TAG = "fleet-broker"  # value: the broker's id, so several brokers can share an account
@@ -27,16 +28,8 @@ RANK_ENV = Env.NODE_RANK
 # would make retried launches after an upgrade look new).
 REQUEST_NAMESPACE = uuid.UUID("6f1c2b8e-3f4a-5d6e-8a9b-0c1d2e3f4a5b")
 
-# Where the agent on a spot VM polls for the preemption notice (each cloud's metadata service).
-NOTICE_URLS = {
-    "aws": (Env.NOTICE_AWS_URL, "http://169.254.169.254/latest/meta-data/spot/instance-action"),
-    "gcp": (Env.NOTICE_GCP_URL,
-            "http://metadata.google.internal/computeMetadata/v1/instance/preempted"),
-    "azure": (Env.NOTICE_AZURE_URL,
-              "http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01"),
-}
 # Where a node of a multi-node AWS launch reads its ``ami-launch-index`` (IMDSv2, ``rank_step``);
-# the request's env or the machine may point elsewhere, as with the notice URLs.
+# the request's env or the machine may point elsewhere, as with the notice URLs (``agent_env``).
 AWS_METADATA_URL = (Env.METADATA_AWS_URL, "http://169.254.169.254")
 
 
@@ -108,7 +101,10 @@ def agent_env(request: LaunchRequest, cloud: str, rank: int | None = None) -> di
     bad = [k for k in request.env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
     if bad:
         raise ValueError(f"env: {bad} are not valid variable names (use letters, digits, '_')")
-    notice = NOTICE_URLS.get(cloud) if request.market is Market.SPOT else None
+    # Where the agent on a spot VM polls for the preemption notice (its cloud's metadata); none
+    # where the cloud is not known yet (SkyPilot choosing it).
+    home = registry.clouds().get(cloud)
+    notice = home.notice if home and request.market is Market.SPOT else None
     if rank is None and request.nodes == 1:
         rank = request.first_rank
     # The provider owns the rank: one from the request's env would give every node the same.

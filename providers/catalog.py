@@ -11,22 +11,18 @@ import csv
 import hashlib
 import io
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from broker.protocol import BrokerEnv
 from policies.models import Accelerator, Market, Offer, Pool, pool_id
+from providers import registry
 from providers.base import CapacityError, LaunchRequest, Quota
+from providers.cloud import DATA
 
-DATA = Path(__file__).parent / "data"
-AWS_CSV = DATA / "aws-gpu-prices-skypilot-catalog" / "aws_gpu_prices_us_subset.csv"
-GCP_DIR = DATA / "cloud-gpu-prices-gcp-azure"
-AZURE_CSV = GCP_DIR / "azure_gpu_vm_prices.csv"
 SPOT_ADVISOR_CSV = DATA / "aws-spot-advisor" / "accelerated_instances_linux.csv"
 
-CLOUDS = ("aws", "gcp", "azure")
 VMS_COLUMNS = (
     "InstanceType",
     "AcceleratorName",
@@ -185,77 +181,7 @@ def _row_offer(cloud: str, row: dict[str, str], where: str) -> CatalogOffer | No
 # --- the vendored snapshots --------------------------------------------------------------------
 
 
-def snapshot_aws() -> list[CatalogOffer]:
-    """SkyPilot's AWS rows (US subset); the source dropped ``GpuInfo``, so it is left empty."""
-    return read_vms_csv(AWS_CSV.read_text(), "aws", AWS_CSV.name)
-
-
-def snapshot_azure() -> list[CatalogOffer]:
-    """Azure prices are regional: the zone stays empty, as in SkyPilot's Azure catalog."""
-    return read_vms_csv(AZURE_CSV.read_text(), "azure", AZURE_CSV.name)
-
-
-_N1_HOSTED = {"T4", "P4", "P100", "V100", "K80"}
-_N1_VCPUS_PER_GPU = 8  # SkyPilot's default host: n1-highmem with 8 vCPUs per attached GPU
-_G2_L4S = {4: 1, 8: 1, 12: 1, 16: 1, 32: 1, 24: 2, 48: 4, 96: 8}  # g2-standard-<vCPUs> -> L4s
-_GCP_FIXED_HOSTS = [
-    (re.compile(r"a2-highgpu-(\d+)g$"), "A100", None),
-    (re.compile(r"a2-megagpu-(\d+)g$"), "A100", None),
-    (re.compile(r"a2-ultragpu-(\d+)g$"), "A100-80GB", None),
-    (re.compile(r"a3-highgpu-(\d+)g$"), "H100", None),
-    (re.compile(r"a3-megagpu-(\d+)g$"), "H100-MEGA", None),
-    (re.compile(r"a3-ultragpu-(\d+)g$"), "H200", None),
-    (re.compile(r"a4-highgpu-(\d+)g$"), "B200", None),
-    (re.compile(r"g2-standard-(\d+)$"), "L4", _G2_L4S),
-]
-
-
-def gcp_host_gpus(instance_type: str) -> list[tuple[str, int]]:
-    """The (GPU name, count) pairs a GCP machine type carries or hosts (empty: not a GPU host).
-
-    A2/A3/A4/G2 types have their GPUs built in; N1 hosts take T4/P4/P100/V100 attachments, and
-    the catalog pairs each attachment count with one n1-highmem host of 8 vCPUs per GPU.
-    """
-    for pattern, gpu, by_size in _GCP_FIXED_HOSTS:
-        if m := pattern.match(instance_type):
-            n = int(m.group(1))
-            count = by_size.get(n) if by_size else n
-            return [(gpu, count)] if count else []
-    if m := re.fullmatch(r"n1-highmem-(\d+)", instance_type):
-        vcpus = int(m.group(1))
-        if vcpus % _N1_VCPUS_PER_GPU == 0 and (vcpus // _N1_VCPUS_PER_GPU) in (1, 2, 4, 8):
-            return [(gpu, vcpus // _N1_VCPUS_PER_GPU) for gpu in sorted(_N1_HOSTED)]
-    return []
-
-
-def combine_gcp(hosts: list[dict[str, str]], gpus: list[dict[str, str]]) -> list[dict[str, str]]:
-    """Join host VM rows and GPU rows of one zone into whole-instance ``vms.csv`` rows."""
-    gpu_rows = {
-        (r["AcceleratorName"], int(float(r["AcceleratorCount"])), r["AvailabilityZone"]): r
-        for r in gpus
-    }
-    rows = []
-    for host in hosts:
-        for gpu, count in gcp_host_gpus(host["InstanceType"]):
-            g = gpu_rows.get((gpu, count, host["AvailabilityZone"]))
-            if g is None:
-                continue
-            price = _sum(host.get("Price"), g.get("Price"))
-            spot = _sum(host.get("SpotPrice"), g.get("SpotPrice"))
-            rows.append(
-                {
-                    **host,
-                    "AcceleratorName": gpu,
-                    "AcceleratorCount": str(count),
-                    "GpuInfo": g.get("GpuInfo", ""),
-                    "Price": "" if price is None else f"{price:.5f}",
-                    "SpotPrice": "" if spot is None else f"{spot:.5f}",
-                }
-            )
-    return rows
-
-
-def _sum(a: str | None, b: str | None) -> float | None:
+def sum_prices(a: str | None, b: str | None) -> float | None:
     x, y = _num(a), _num(b)
     return None if x is None or y is None else x + y
 
@@ -269,26 +195,21 @@ def rows_to_offers(rows: list[dict[str, str]], cloud: str) -> list[CatalogOffer]
     return read_vms_csv(out.getvalue(), cloud, f"{cloud} rows")
 
 
-def snapshot_gcp() -> list[CatalogOffer]:
-    hosts = list(csv.DictReader((GCP_DIR / "gcp_gpu_host_vm_prices.csv").open()))
-    gpus = list(csv.DictReader((GCP_DIR / "gcp_gpu_accelerator_prices.csv").open()))
-    return rows_to_offers(combine_gcp(hosts, gpus), "gcp")
-
-
-_SNAPSHOTS = {"aws": snapshot_aws, "gcp": snapshot_gcp, "azure": snapshot_azure}
-
-
-def load_offers(clouds: Iterable[str] = CLOUDS, root: Path | None = None) -> list[CatalogOffer]:
-    """Every cloud's offers: the user catalog file when there is one, else the vendored snapshot."""
+def load_offers(clouds: Iterable[str] | None = None, root: Path | None = None
+                ) -> list[CatalogOffer]:
+    """The offers of ``clouds`` (default: every cloud with a price catalog): the user catalog
+    file when there is one, else the vendored snapshot."""
     offers: list[CatalogOffer] = []
-    for cloud in clouds:
-        if cloud not in _SNAPSHOTS:
-            raise ValueError(f"unknown cloud {cloud!r}; use one of: {', '.join(CLOUDS)}")
+    for cloud in registry.priced() if clouds is None else clouds:
+        home = registry.get(cloud)
+        if not home.priced:
+            raise ValueError(f"cloud {cloud!r} has no price catalog; use one of: "
+                             f"{', '.join(registry.priced())}")
         user = user_catalog_path(cloud, root)
         if user.exists():
             offers.extend(read_vms_csv(user.read_text(), cloud, str(user)))
         else:
-            offers.extend(_SNAPSHOTS[cloud]())
+            offers.extend(home.snapshot() or [])
     return offers
 
 

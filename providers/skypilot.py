@@ -18,7 +18,7 @@ import yaml
 
 from broker.protocol import shell
 from policies.models import Accelerator, Market, Offer
-from providers import bootstrap
+from providers import bootstrap, registry
 from providers.base import (
     CapacityError,
     LaunchRequest,
@@ -118,8 +118,8 @@ def task_for(
         NODES_LABEL: str(request.nodes),
         **({CLOUD_LABEL: cloud} if cloud else {}),
     }
-    if cloud == "gcp":  # GCE labels allow only a-z 0-9 _ -; AWS and Azure tags take any value
-        labels = {k: bootstrap.label_value(v) for k, v in labels.items()}
+    if cloud:  # each cloud's rules for label values (GCE's: a-z 0-9 _ -)
+        labels = {k: registry.get(cloud).tag_value(v) for k, v in labels.items()}
     resources: dict[str, Any] = {
         "cloud": cloud,
         "region": request.region,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ import pytest
 from broker.models import JobState
 from broker.server import Broker, BrokerConfig, build_broker
 from broker.store import Store
-from policies.models import BatchRange, GpuRange, JobSpec, SpotPolicy
+from policies.models import SpotPolicy
+from tests import builders
 from tests.redis_server import RedisServer
 
 FLEET = """
@@ -27,9 +29,8 @@ regions:
 LOOP = "trap 'exit 75' TERM; echo ready; i=0; while [ $i -lt {n} ]; do sleep 0.1; i=$((i+1)); done"
 
 
-def spec(name: str, run: str, gmax: int = 1, **kw: object) -> JobSpec:
-    return JobSpec(name=name, run=run, gpus=GpuRange(min=1, max=gmax),
-                   batch_size=BatchRange(min=8, max=64), work_samples=100, **kw)
+# Small jobs: a global batch of 8-64 and 100 samples of work.
+spec = partial(builders.spec, batch=(8, 64), samples=100)
 
 
 @pytest.fixture
@@ -60,7 +61,7 @@ def states(store: Store) -> dict[str, JobState]:
 
 def test_jobs_run_to_completion_with_priced_placements(broker: Broker) -> None:
     store = broker.store
-    ids = [store.submit(spec(f"j{i}", "echo started $FLEET_JOB_ID; sleep 0.5"), team="t").id
+    ids = [store.submit(spec(f"j{i}", run="echo started $FLEET_JOB_ID; sleep 0.5"), team="t").id
            for i in range(4)]
     wait_for(lambda: all(s is JobState.COMPLETED for s in states(store).values()))
     for job_id in ids:
@@ -76,7 +77,7 @@ def test_jobs_run_to_completion_with_priced_placements(broker: Broker) -> None:
 
 def test_reclaimed_spot_region_job_resumes_elsewhere(broker: Broker) -> None:
     store = broker.store
-    job = store.submit(spec("mover", LOOP.format(n=40), spot=SpotPolicy.PREFERRED), team="t")
+    job = store.submit(spec("mover", run=LOOP.format(n=40), spot=SpotPolicy.PREFERRED), team="t")
     wait_for(lambda: "ready" in store.read_logs(job.id)[0])
     first = store.get_job(job.id)
     assert first is not None and first.pool is not None
@@ -95,7 +96,7 @@ def test_reclaimed_spot_region_job_resumes_elsewhere(broker: Broker) -> None:
 
 def test_cancel_stops_a_running_job(broker: Broker) -> None:
     store = broker.store
-    job = store.submit(spec("long", LOOP.format(n=300)), team="t")
+    job = store.submit(spec("long", run=LOOP.format(n=300)), team="t")
     wait_for(lambda: "ready" in store.read_logs(job.id)[0])  # its SIGTERM trap is set
     store.request_cancel(job.id)
     wait_for(lambda: store.get_job(job.id).state is JobState.CANCELLED)  # type: ignore[union-attr]

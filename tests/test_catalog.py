@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 
 from policies.models import Accelerator, Market, Pool
 from providers import catalog
+from providers.aws import CATALOG_CSV as AWS_CSV
+from providers.azure import CATALOG_CSV as AZURE_CSV
 from providers.catalog import CatalogOffer
+from providers.gcp import catalog as gcp_catalog
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def test_one_row_per_instance_type_per_zone(offers: list[CatalogOffer]) -> None:
 
 
 def test_aws_rows_match_the_vendored_file(offers: list[CatalogOffer]) -> None:
-    raw = _rows(catalog.AWS_CSV)
+    raw = _rows(AWS_CSV)
     aws = {(o.instance_type, o.zone): o for o in offers if o.cloud == "aws"}
     assert len(aws) == len(raw)
     for row in raw:
@@ -51,8 +54,8 @@ def test_aws_rows_match_the_vendored_file(offers: list[CatalogOffer]) -> None:
 
 
 def test_gcp_offer_is_host_vm_plus_gpu_row(offers: list[CatalogOffer]) -> None:
-    hosts = _rows(catalog.GCP_DIR / "gcp_gpu_host_vm_prices.csv")
-    gpus = _rows(catalog.GCP_DIR / "gcp_gpu_accelerator_prices.csv")
+    hosts = _rows(gcp_catalog.HOSTS_CSV)
+    gpus = _rows(gcp_catalog.GPUS_CSV)
     host = next(r for r in hosts if r["InstanceType"] == "a2-highgpu-1g")
     gpu = next(
         r
@@ -76,10 +79,10 @@ def test_gcp_offer_is_host_vm_plus_gpu_row(offers: list[CatalogOffer]) -> None:
 
 
 def test_gcp_host_mapping() -> None:
-    assert catalog.gcp_host_gpus("a2-ultragpu-4g") == [("A100-80GB", 4)]
-    assert catalog.gcp_host_gpus("g2-standard-48") == [("L4", 4)]
-    assert ("V100", 2) in catalog.gcp_host_gpus("n1-highmem-16")
-    assert catalog.gcp_host_gpus("n1-standard-1") == []
+    assert gcp_catalog.host_gpus("a2-ultragpu-4g") == [("A100-80GB", 4)]
+    assert gcp_catalog.host_gpus("g2-standard-48") == [("L4", 4)]
+    assert ("V100", 2) in gcp_catalog.host_gpus("n1-highmem-16")
+    assert gcp_catalog.host_gpus("n1-standard-1") == []
 
 
 def test_normalised_names_keep_the_cloud_name(offers: list[CatalogOffer]) -> None:
@@ -88,7 +91,7 @@ def test_normalised_names_keep_the_cloud_name(offers: list[CatalogOffer]) -> Non
 
 
 def test_fractional_gpus_are_skipped(offers: list[CatalogOffer]) -> None:
-    raw = _rows(catalog.AZURE_CSV)
+    raw = _rows(AZURE_CSV)
     fractional = {r["InstanceType"] for r in raw if float(r["AcceleratorCount"]) < 1}
     assert fractional
     assert not {o.instance_type for o in offers if o.cloud == "azure"} & fractional

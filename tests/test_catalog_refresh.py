@@ -16,7 +16,10 @@ from typer.testing import CliRunner
 
 from broker.cli import app
 from policies.models import Market
-from providers import catalog, refresh
+from providers import catalog, registry
+from providers.aws import refresh as aws_refresh
+from providers.azure import refresh as azure_refresh
+from providers.gcp import refresh as gcp_refresh
 from tests.cloud_env import no_cloud_config
 
 
@@ -37,7 +40,8 @@ def test_aws_spot_prices_come_from_price_history(no_aws_config, monkeypatch, tmp
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     keep = {"g4dn.xlarge", "p3.2xlarge"}
     snapshot = [
-        o for o in catalog.snapshot_aws() if o.region == "us-east-1" and o.instance_type in keep
+        o for o in registry.get("aws").snapshot() or []
+        if o.region == "us-east-1" and o.instance_type in keep
     ]
     with mock_aws():
         session = boto3.Session()
@@ -47,7 +51,7 @@ def test_aws_spot_prices_come_from_price_history(no_aws_config, monkeypatch, tmp
             for z in ec2.describe_availability_zones()["AvailabilityZones"]
         }
         history = ec2.describe_spot_price_history(InstanceTypes=["g4dn.xlarge"])["SpotPriceHistory"]
-        fresh = refresh.refresh_aws(session, snapshot)
+        fresh = aws_refresh.refresh_aws(session, snapshot)
     moto_price = {h["AvailabilityZone"]: float(h["SpotPrice"]) for h in history}
     g4 = [o for o in fresh if o.instance_type == "g4dn.xlarge"]
     assert g4 and all(o.zone.startswith("use1-az") for o in g4)  # still AZ ids, not names
@@ -88,12 +92,12 @@ def test_gcp_gpu_prices_from_the_billing_catalog() -> None:
         ]
     }
     query = responses.matchers.query_param_matcher
-    responses.add(responses.GET, refresh.GCP_SKUS_URL, json=page2,
+    responses.add(responses.GET, gcp_refresh.SKUS_URL, json=page2,
                   match=[query({"currencyCode": "USD", "pageToken": "p2"})])  # fmt: skip
-    responses.add(responses.GET, refresh.GCP_SKUS_URL, json=page1,
+    responses.add(responses.GET, gcp_refresh.SKUS_URL, json=page1,
                   match=[query({"currencyCode": "USD"})])  # fmt: skip
-    fresh = refresh.refresh_gcp(get_json)
-    old = {(o.instance_type, o.zone, o.accelerator_name): o for o in catalog.snapshot_gcp()}
+    fresh = gcp_refresh.refresh_gcp(get_json)
+    old = {(o.instance_type, o.zone, o.accelerator_name): o for o in registry.get("gcp").snapshot()}
     host = "n1-highmem-16"  # 2x V100
     for o in fresh:
         if o.region == "us-central1" and o.instance_type == host and o.accelerator_name == "V100":
@@ -136,7 +140,7 @@ def test_azure_retail_prices_linux_pay_as_you_go_and_spot() -> None:
         {**base, "skuName": "NC6s v3 Low Priority", "productName": "Virtual Machines NCSv3 Series",
          "retailPrice": 0.1},
     ]  # fmt: skip
-    next_page = f"{refresh.AZURE_PRICES_URL}?page=2"
+    next_page = f"{azure_refresh.PRICES_URL}?page=2"
 
     def prices(req):
         query = parse_qs(urlparse(req.url).query)
@@ -146,9 +150,9 @@ def test_azure_retail_prices_linux_pay_as_you_go_and_spot() -> None:
             return 200, {}, json.dumps({"Items": items, "NextPageLink": next_page})
         return 200, {}, json.dumps({"Items": [], "NextPageLink": None})
 
-    responses.add_callback(responses.GET, refresh.AZURE_PRICES_URL, callback=prices)
-    snapshot = catalog.snapshot_azure()
-    fresh = refresh.refresh_azure(get_json, snapshot)
+    responses.add_callback(responses.GET, azure_refresh.PRICES_URL, callback=prices)
+    snapshot = registry.get("azure").snapshot()
+    fresh = azure_refresh.refresh_azure(get_json, snapshot)
     nc6 = next(o for o in fresh if o.instance_type == "Standard_NC6s_v3" and o.region == "eastus")
     assert (nc6.price, nc6.spot_price) == (3.5, 0.4)
     unchanged = [
@@ -168,10 +172,10 @@ def test_prices_refresh_cli_skips_unconfigured_and_keeps_user_edits(
     monkeypatch.setenv("FLEET_CONFIG_DIR", str(tmp_path))
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
     monkeypatch.setenv("NO_GCE_CHECK", "true")
-    responses.add(responses.GET, refresh.AZURE_PRICES_URL, json={"Items": [], "NextPageLink": None})
+    responses.add(responses.GET, azure_refresh.PRICES_URL, json={"Items": [], "NextPageLink": None})
     user = catalog.user_catalog_path("azure", tmp_path)
     user.parent.mkdir(parents=True)
-    user.write_text(catalog.to_vms_csv(catalog.snapshot_azure()[:3]))  # written by hand
+    user.write_text(catalog.to_vms_csv(registry.get("azure").snapshot()[:3]))  # written by hand
     runner = CliRunner()
     result = runner.invoke(app, ["prices", "--refresh", "--json"])
     assert result.exit_code == 0, result.output
@@ -196,10 +200,10 @@ def test_refresh_one_cloud_failing_keeps_its_offers_and_the_others_go_on(
     no_aws_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: dict, reason: str
 ) -> None:
     monkeypatch.setenv("FLEET_CONFIG_DIR", str(tmp_path))  # aws and gcp are unconfigured
-    responses.add(responses.GET, refresh.AZURE_PRICES_URL, **failure)
-    gcp_offers = catalog.snapshot_gcp()[:2]
-    monkeypatch.setitem(refresh._REFRESHERS, "gcp", lambda: gcp_offers)  # gcp refreshes fine
-    previous = catalog.snapshot_azure()[:3]
+    responses.add(responses.GET, azure_refresh.PRICES_URL, **failure)
+    gcp_offers = registry.get("gcp").snapshot()[:2]
+    monkeypatch.setattr(registry.get("gcp"), "refresh", lambda: gcp_offers)  # gcp refreshes fine
+    previous = registry.get("azure").snapshot()[:3]
     catalog.write_user_catalog("azure", previous, tmp_path)
     result = CliRunner().invoke(app, ["prices", "--refresh", "--json"])
     assert result.exit_code == 0, result.output  # gcp was refreshed: a partial success
@@ -217,7 +221,7 @@ def test_refresh_exits_non_zero_only_when_every_tried_cloud_failed(
     no_aws_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FLEET_CONFIG_DIR", str(tmp_path))  # aws and gcp are unconfigured
-    responses.add(responses.GET, refresh.AZURE_PRICES_URL, status=503)
+    responses.add(responses.GET, azure_refresh.PRICES_URL, status=503)
     result = CliRunner().invoke(app, ["prices", "--refresh", "--json"])
     assert result.exit_code == 1, result.output  # aws, gcp skipped; azure, the one tried, failed
     assert "refresh azure: failed: 503 Server Error" in result.output

@@ -16,7 +16,7 @@ from broker.scheduler import Admission, Policy, SchedulerConfig
 from broker.sim.cluster import read_pool_specs
 from broker.sim.driver import LiveRoundDriver, scheduler_config
 from broker.sim.engine import Assignment, Baseline, SimConfig
-from broker.sim.spot import SimPool, SpotConfig, SpotJob, classic_pools, simulate
+from broker.sim.rounds import SimPool, SpotConfig, SpotJob, classic_pools, simulate
 from broker.sim.workload import WorkloadJob, read_workload
 from policies.models import Accelerator, Market
 

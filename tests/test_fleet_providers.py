@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import boto3
@@ -15,7 +16,6 @@ import pytest
 from moto import mock_aws
 
 from broker.actuator import Actuator, ActuatorConfig
-from broker.fleet import CloudConfig, FleetFile, FleetProvider, build_fleet_provider, cloud_pools
 from broker.models import JobState
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig, blocked_pools, refused_pools
@@ -24,9 +24,7 @@ from broker.store import Conflict, Plan, Store
 from policies.migration import Blocklist, mark_preempted, refusal_key
 from policies.models import (
     Accelerator,
-    BatchRange,
     CheckpointSpec,
-    GpuRange,
     JobSpec,
     Market,
     Pool,
@@ -34,9 +32,11 @@ from policies.models import (
 )
 from policies.placement import PlacementRequest, PlacementResult, place
 from providers import catalog
-from providers.aws import AwsProvider
+from providers.aws.provider import AwsProvider
 from providers.base import LaunchRequest, NodeState, ProviderError, Quota, share
-from providers.local import LocalProvider
+from providers.fleet import CloudConfig, FleetFile, FleetProvider, build_fleet_provider, cloud_pools
+from providers.local.provider import LocalProvider
+from tests import builders
 from tests.cloud_env import aws_quotas, ec2_refuses, no_cloud_config, record_launches
 from tests.redis_server import RedisServer
 
@@ -301,7 +301,7 @@ def test_a_cloud_that_stops_answering_leaves_its_jobs_alone(
     store = Store.from_url(redis_server.url)
     fence = store.acquire_lease("me", 60)
     store.set_pools(mixed.pools())
-    job = store.submit(spec("on-aws").model_copy(update={"accelerators": [Accelerator.V100]}),
+    job = store.submit(spec("on-aws", accelerators=[Accelerator.V100]),
                        team="t")
     Scheduler(store).run_round(fence)
     Actuator(store, mixed, ActuatorConfig(use_agent=False)).run(fence)
@@ -339,10 +339,9 @@ regions:
 """)
 
 
-def spec(name: str, spot: SpotPolicy = SpotPolicy.PREFERRED) -> JobSpec:
-    return JobSpec(name=name, run="trap 'exit 75' TERM; sleep 30 & wait", spot=spot,
-                   gpus=GpuRange(min=1, max=1), batch_size=BatchRange(min=8, max=8),
-                   work_samples=100)
+# The jobs here prefer spot, checkpoint (exit 75) when told to stop, and are small.
+spec = partial(builders.spec, run="trap 'exit 75' TERM; sleep 30 & wait",
+               spot=SpotPolicy.PREFERRED, batch=8, samples=100)
 
 
 def test_blocklist_is_kept_in_redis_and_written_only_over_what_was_read(
@@ -470,7 +469,7 @@ regions:
     cheap, dear = "local:a:spot:T4", "local:b:spot:T4"
 
     def job(name: str, samples: int) -> JobSpec:
-        return spec(name, SpotPolicy.ALLOWED).model_copy(update={
+        return spec(name, spot=SpotPolicy.ALLOWED).model_copy(update={
             "work_samples": samples, "checkpoint": CheckpointSpec(interval="3600s")})
 
     store = Store.from_url(redis_server.url)
@@ -524,7 +523,7 @@ def test_pool_priors_come_from_the_spot_advisor_once_per_fleet(
     assert priors["aws:us-east-1:spot:V100"] == advisor[("us-east-1", "p3.2xlarge")]
     assert priors["aws:us-west-2:spot:V100"] == advisor[("us-west-2", "p3.2xlarge")]
     assert priors["local:lab:spot:V100"] == catalog.UNKNOWN_RATE  # no advisor data
-    monkeypatch.setattr("broker.fleet.interruption_priors", lambda: pytest.fail("read again"))
+    monkeypatch.setattr("providers.fleet.interruption_priors", lambda: pytest.fail("read again"))
     assert mixed.interruption_priors(pools) == priors
 
 
@@ -563,14 +562,10 @@ def broker_pass(store: Store, provider: FleetProvider, fence: int) -> None:
     Actuator(store, provider, ActuatorConfig(use_agent=False)).run(fence)
 
 
-def v100_spec(name: str) -> JobSpec:
-    return spec(name).model_copy(update={"accelerators": [Accelerator.V100]})
-
-
 def test_a_running_job_keeps_its_pool_when_the_quota_has_no_headroom_left(
         aws_fleet: FleetProvider, store: Store) -> None:
     fence = store.acquire_lease("me", 60)
-    job = store.submit(v100_spec("stays"), team="t")
+    job = store.submit(spec("stays", accelerators=[Accelerator.V100]), team="t")
     broker_pass(store, aws_fleet, fence)
     running = store.get_job(job.id)
     assert running is not None and running.state is JobState.RUNNING and running.pool == EAST
@@ -591,7 +586,7 @@ def test_a_running_job_keeps_its_pool_when_the_quota_has_no_headroom_left(
     assert stayed is not None and stayed.state is JobState.RUNNING
     assert (stayed.pool, stayed.attempt, stayed.migrations) == (EAST, 1, 0)
     assert store.intents() == []  # no MIGRATE, no SUSPEND
-    newcomer = store.submit(v100_spec("newcomer"), team="t")
+    newcomer = store.submit(spec("newcomer", accelerators=[Accelerator.V100]), team="t")
     broker_pass(store, aws_fleet, fence)
     assert store.get_job(newcomer.id).pool == WEST  # type: ignore[union-attr]
     assert store.get_job(job.id).pool == EAST  # type: ignore[union-attr]
@@ -606,8 +601,8 @@ def test_a_vm_whose_agent_never_reports_is_terminated_at_the_launch_deadline(
     a counted failure (a launch that never comes up is not retried forever). One that reported
     is left alone however long it runs."""
     fence = store.acquire_lease("me", 60)
-    silent, talks, old = (store.submit(v100_spec(n), team="t") for n in ("silent", "talks",
-                                                                         "old"))
+    silent, talks, old = (store.submit(spec(n, accelerators=[Accelerator.V100]), team="t")
+                          for n in ("silent", "talks", "old"))
     broker_pass(store, aws_fleet, fence)
     jobs = {j.id: j for j in map(store.get_job, (silent.id, talks.id, old.id)) if j}
     assert {j.state for j in jobs.values()} == {JobState.RUNNING}
@@ -645,7 +640,8 @@ def test_a_failing_terminate_stalls_nothing_and_a_lost_record_still_counts_a_fai
     settled) and retries it next time. A silent VM terminated whose record did not land is
     settled as the launch failure it was, not as a reclaim."""
     fence = store.acquire_lease("me", 60)
-    stuck, lost = (store.submit(v100_spec(n), team="t") for n in ("stuck", "lost"))
+    stuck, lost = (store.submit(spec(n, accelerators=[Accelerator.V100]), team="t")
+                   for n in ("stuck", "lost"))
     broker_pass(store, aws_fleet, fence)
     jobs = {j.id: j for j in map(store.get_job, (stuck.id, lost.id)) if j}
     for node_id in jobs[lost.id].node_ids:  # as if _abandon's record had not landed
@@ -681,7 +677,7 @@ def test_a_launch_that_falls_back_to_a_dearer_az_records_that_azs_price(
     assert isinstance(aws, AwsProvider)
     ec2_refuses(aws._client("ec2", "us-east-1"), "InsufficientInstanceCapacity", "us-east-1b")
     fence = store.acquire_lease("me", 60)
-    job = store.submit(v100_spec("fallback"), team="t")
+    job = store.submit(spec("fallback", accelerators=[Accelerator.V100]), team="t")
     broker_pass(store, aws_fleet, fence)
     refused = store.get_job(job.id)
     assert refused is not None and refused.state is JobState.SUSPENDED
@@ -721,7 +717,7 @@ def test_a_refused_launch_blocks_the_pool_and_the_job_launches_in_another(
     sent = record_launches(east)
     ec2_refuses(east, code)
     fence = store.acquire_lease("me", 60)
-    job = store.submit(v100_spec("refused"), team="t")
+    job = store.submit(spec("refused", accelerators=[Accelerator.V100]), team="t")
     for _ in range(len(zones) + 4):  # before, the same pool each round: a quota error FAILED it
         broker_pass(store, aws_fleet, fence)
     done = store.get_job(job.id)
@@ -739,6 +735,6 @@ def test_a_refused_launch_blocks_the_pool_and_the_job_launches_in_another(
     assert f"no {blocklist.refusal_why[EAST]}" == reason  # what a job held back is told
     assert not blocklist.is_refused(EAST, now + blocklist.refusal_decay_s)  # a short mark
     # a newcomer does not try the refused pool either, while the other has room
-    other = store.submit(v100_spec("newcomer"), team="t")
+    other = store.submit(spec("newcomer", accelerators=[Accelerator.V100]), team="t")
     broker_pass(store, aws_fleet, fence)
     assert store.get_job(other.id).pool == WEST  # type: ignore[union-attr]

@@ -93,7 +93,7 @@ def test_the_whole_runtime_imports_with_the_control_plane_refused() -> None:
         "            raise ModuleNotFoundError(f'refused: {name}', name=name)\n"
         "sys.meta_path.insert(0, Refuse())\n"
         "import broker.runtime, broker.runtime.agent, broker.runtime.trainer\n"
-        "import broker.runtime.checkpoint, broker.runtime.data, broker.runtime.store\n"
+        "import broker.runtime.checkpoint, broker.runtime.data, broker.runtime.checkpoint_stores\n"
         "leaked = sorted({m.split('.')[0] for m in sys.modules} & CONTROL_PLANE_PACKAGES)\n"
         "print('leaked', leaked)\n")
     got = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,

@@ -10,7 +10,7 @@ import pytest
 
 from policies.models import Accelerator, Market
 from providers.base import CapacityError, LaunchRequest, NodeState
-from providers.local import LocalFleet, LocalProvider
+from providers.local.provider import LocalFleet, LocalProvider
 
 FLEET = LocalFleet.model_validate({"grace_period_s": 1.0, "regions": [
     {"cloud": "aws", "region": "east", "market": "spot", "price_per_gpu_hour": 0.3, "gpus": 2},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,10 @@ from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.store import Store
-from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
+from policies.models import Accelerator, Market, Pool
 from providers.base import LaunchRequest, NodeState, launch_key_of, replacement_key
-from providers.local import LocalFleet, LocalProvider
+from providers.local.provider import LocalFleet, LocalProvider
+from tests import builders
 
 CLOUD = Pool(cloud="aws", region="us-east-1", accelerator=Accelerator.V100, market=Market.SPOT,
              nodes=1, gpus_per_node=32, price_per_gpu_hour=0.34,
@@ -35,13 +37,13 @@ def test_a_pool_launches_gangs_of_its_largest_instance() -> None:
     assert anything.shape(12) == (1, 12) and anything.gpu_counts is None
 
 
-def spec(gpus: int, run: str = "trap 'exit 75' TERM; sleep 60 & wait") -> JobSpec:
-    return JobSpec(name="gang", run=run, gpus=GpuRange(min=gpus, max=gpus),
-                   batch_size=BatchRange(min=8, max=8), work_samples=100)
+# A gang of a fixed size that checkpoints (exit 75) when told to stop.
+spec = partial(builders.spec, "gang", run="trap 'exit 75' TERM; sleep 60 & wait", batch=8,
+               samples=100)
 
 
 def test_a_gang_launch_gives_each_node_its_rank_and_meets_at_the_rendezvous() -> None:
-    job = JobRecord(id="gang-1", spec=spec(16), team="ml", launch_key="gang-1:3:2")
+    job = JobRecord(id="gang-1", spec=spec(gpus=16), team="ml", launch_key="gang-1:3:2")
     intent = Intent(kind=IntentKind.LAUNCH, job_id=job.id, fence=3, attempt=2, gpus=16,
                     batch_size=8, pool=CLOUD.id)
     req = launch_request(job, intent, CLOUD, ActuatorConfig(broker_url="http://b:8",
@@ -125,7 +127,7 @@ GANG = ("echo rank=$FLEET_NODE_RANK nnodes=$FLEET_NNODES round=$FLEET_ROUND; "
 
 
 def running_gang(loop: Loop, run: str = GANG) -> tuple[JobRecord, dict[int, str]]:
-    job = loop.store.submit(spec(2, run=run), team="t")
+    job = loop.store.submit(spec(gpus=2, run=run), team="t")
     loop.store.set_pools(loop.provider.pools())
     loop.scheduler.run_round(loop.fence)
     launching = loop.job(job.id)  # the rendezvous knows the gang's size before any node boots
@@ -310,7 +312,7 @@ def test_a_cancelled_gang_is_not_mended(store: Store, provider: LocalProvider) -
 def test_a_gang_on_a_cloud_needs_the_broker_url(store: Store, provider: LocalProvider) -> None:
     provider.starts_agent = True  # as a cloud's start script: its agents need the rendezvous
     loop = Loop(store, provider, replace=True)
-    job = store.submit(spec(2), team="t")
+    job = store.submit(spec(gpus=2), team="t")
     loop.until(lambda: loop.job(job.id).failures == 1)
     assert "meets at the broker's rendezvous" in (loop.job(job.id).reason or "")
     assert provider.nodes() == []

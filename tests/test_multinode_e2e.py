@@ -17,7 +17,7 @@ from broker.server import Broker
 from broker.spec import parse_spec_text
 from broker.store import Store
 from providers.base import NodeState
-from providers.local import LocalProvider
+from providers.local.provider import LocalProvider
 from tests.live_broker import live_broker
 from tests.redis_server import RedisServer
 

@@ -16,7 +16,7 @@ from moto.server import ThreadedMotoServer
 
 from policies.models import Accelerator, Market
 from providers import bootstrap
-from providers.aws import AwsProvider
+from providers.aws.provider import AwsProvider
 from providers.base import (
     CapacityError,
     LaunchRequest,

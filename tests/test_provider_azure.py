@@ -20,7 +20,7 @@ from azure.core.credentials import AccessToken
 
 from policies.models import Accelerator, Market
 from providers import bootstrap
-from providers.azure import AzureProvider
+from providers.azure.provider import AzureProvider
 from providers.base import (
     CapacityError,
     LaunchRequest,
@@ -389,7 +389,7 @@ def test_listing_skips_a_vm_deleted_meanwhile_and_keeps_one_whose_view_failed(
 
     http.add_callback(responses.GET, re.compile(rf"{RG}/virtualMachines/[\w-]+/instanceView"),
                       callback=instance_view)  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="providers.azure"):
+    with caplog.at_level(logging.WARNING, logger="providers.azure.provider"):
         state = {n.node_id: n.state for n in azure.nodes()}
     assert state == {flaky: NodeState.RUNNING, evicted: NodeState.TERMINATED}
     assert [n.node_id for n in azure.notices()] == [evicted]

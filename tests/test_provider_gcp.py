@@ -29,7 +29,7 @@ from providers.base import (
     replacement_key,
 )
 from providers.catalog import load_offers
-from providers.gcp import GcpProvider
+from providers.gcp.provider import GcpProvider
 
 BASE = "https://compute.googleapis.com/compute/v1/projects/proj"
 OFFERS = load_offers(["gcp"], root=Path("/nonexistent"))

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from policies.models import Accelerator, Market
-from providers import bootstrap
+from providers import bootstrap, registry
 from providers.base import (
     CapacityError,
     LaunchRequest,
@@ -117,7 +117,7 @@ def test_spot_task_polls_its_own_clouds_notice_url(cloud, region, zone, accelera
     provider = SkyPilotProvider(cloud, backend=sky, offers=OFFERS[cloud])
     provider.launch(request(region=region, zone=zone, accelerator=accelerator, gpus_per_node=gpus))
     envs = sky.launched[0][1]["envs"]
-    variable, url = bootstrap.NOTICE_URLS[cloud]
+    variable, url = registry.get(cloud).notice
     assert (envs["FLEET_CLOUD"], envs[variable]) == (cloud, url)
     assert [k for k in envs if k.startswith("FLEET_NOTICE_")] == [variable]
 
@@ -351,7 +351,7 @@ clouds:
 
 def test_a_fleet_cloud_may_launch_through_skypilot(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from broker.fleet import build_fleet_provider
+    from providers.fleet import build_fleet_provider
 
     sky = RecordingSky()
     monkeypatch.setattr("providers.skypilot.SkySdk", lambda: sky)
@@ -379,7 +379,7 @@ def test_skypilot_clouds_list_their_own_clusters_and_an_outage_names_the_cloud(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two clouds through one SkyPilot: each lists only its own clusters, and a failing
     `sky status` reports those clouds unreachable (their jobs wait), not "skypilot"."""
-    from broker.fleet import build_fleet_provider
+    from providers.fleet import build_fleet_provider
 
     sky = RecordingSky()
     monkeypatch.setattr("providers.skypilot.SkySdk", lambda: sky)
@@ -402,7 +402,7 @@ def test_skypilot_clouds_list_their_own_clusters_and_an_outage_names_the_cloud(
 
 def test_a_skypilot_cloud_without_skypilot_is_skipped_naming_the_install(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from broker.fleet import build_fleet_provider
+    from providers.fleet import build_fleet_provider
 
     monkeypatch.setitem(sys.modules, "sky", None)  # `import sky` fails as if not installed
     (tmp_path / "fleet.yaml").write_text(SKY_FLEET)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 
 import pytest
 
@@ -46,11 +47,10 @@ from policies.spot import choose_market, holds_pace
 from policies.throughput import batch_candidates
 from policies.trace_throughput import packed_placement
 from providers.measurements import load_application
+from tests import builders
 
-
-def spec(name: str, gmax: int = 4, gpus_min: int = 1, **kw: object) -> JobSpec:
-    return JobSpec(name=name, run="true", gpus=GpuRange(min=gpus_min, max=gmax),
-                   batch_size=BatchRange(min=32, max=512), work_samples=1000, **kw)
+# The jobs here take one to four GPUs and a global batch of 32-512 unless a test says otherwise.
+spec = partial(builders.spec, gpus=(1, 4), batch=(32, 512), samples=1_000)
 
 
 POOLS = [
@@ -144,7 +144,7 @@ def test_choices_elastic_vs_fixed_batch() -> None:
 
 def test_measured_throughput_replaces_the_model(store: Store) -> None:
     """A job whose agent measured no gain from a second GPU is valued that way."""
-    job = store.submit(spec("slow", gmax=2, batch_mode="fixed"), team="t")
+    job = store.submit(spec("slow", gpus=(1, 2), batch_mode="fixed"), team="t")
     plan = Plan()
     plan.change(job, JobState.LAUNCHING, attempt=1)
     store.apply(plan)
@@ -204,13 +204,13 @@ def test_only_gpu_counts_an_instance_type_offers_are_chosen_and_placed(store: St
     store.set_pools([cloud])
     fence = store.acquire_lease("t", ttl_s=30)
     sched = Scheduler(store, SchedulerConfig(min_rescale_interval_s=0))
-    jobs = [store.submit(spec(n, gmax=3, accelerators=[Accelerator.V100]), team="t")
+    jobs = [store.submit(spec(n, gpus=(1, 3), accelerators=[Accelerator.V100]), team="t")
             for n in ("a", "b")]
     sched.run_round(fence)
     for j in jobs:
         got = store.get_job(j.id)
         assert got is not None and got.state is JobState.LAUNCHING and got.gpus == 1
-    wide = store.submit(spec("c", gmax=6, accelerators=[Accelerator.V100]), team="t")
+    wide = store.submit(spec("c", gpus=(1, 6), accelerators=[Accelerator.V100]), team="t")
     run_all(store, fence)
     sched.run_round(fence)
     # c may take 1 or 4 (6 is no instance type's count, 8 is above its max); a and b keep 1 each,
@@ -219,7 +219,7 @@ def test_only_gpu_counts_an_instance_type_offers_are_chosen_and_placed(store: St
     assert [store.get_job(j.id).gpus for j in jobs] == [1, 1]  # type: ignore[union-attr]
     assert not cloud.launchable(2) and cloud.launchable(4)
     # a job no instance size fits waits with a reason that names the field (or is dropped)
-    odd = store.submit(spec("odd", gmax=3, gpus_min=2, accelerators=[Accelerator.V100]),
+    odd = store.submit(spec("odd", gpus=(2, 3), accelerators=[Accelerator.V100]),
                        team="t")
     sched.run_round(fence)
     waiting = store.get_job(odd.id)
@@ -267,7 +267,7 @@ def test_a_measured_checkpoint_size_prices_the_move(store: Store) -> None:
     estimate), and the one without a measurement stays on the estimate."""
     store.set_pools([EAST, WEST])
     fence = store.acquire_lease("t", ttl_s=30)
-    ids = {name: suspended_after_a_run(store, spec(name, gmax=1), WEST, size) for name, size in
+    ids = {name: suspended_after_a_run(store, spec(name, gpus=1), WEST, size) for name, size in
            (("big", 50_000_000_000), ("small", 1_000_000), ("unmeasured", None))}
     config = SchedulerConfig(min_rescale_interval_s=0, checkpoint_gb=50)
     big = store.get_job(ids["big"])
@@ -287,7 +287,7 @@ def test_a_named_checkpoint_bucket_is_where_a_move_restores_from(store: Store) -
     fence = store.acquire_lease("t", ttl_s=30)
     ids = {}
     for name, bucket in (("bucket", "gcp:west"), ("local", None)):
-        base = spec(name, gmax=1)
+        base = spec(name, gpus=1)
         ck = base.checkpoint.model_copy(update={"uri": "gs://ck/" + name, "region": bucket})
         ids[name] = suspended_after_a_run(store, base.model_copy(update={"checkpoint": ck}),
                                           EAST, 50_000_000_000)
@@ -309,7 +309,7 @@ def test_a_named_bucket_draws_a_new_job_to_its_region(store: Store) -> None:
     config = SchedulerConfig(checkpoint_gb=50)
     ids = {}
     for name, bucket in (("bucket", "gcp:west"), ("local", None)):
-        base = spec(name, gmax=1)
+        base = spec(name, gpus=1)
         ck = base.checkpoint.model_copy(update={"uri": "gs://ck/" + name, "region": bucket})
         ids[name] = store.submit(base.model_copy(update={"checkpoint": ck}), team="t").id
     job = store.get_job(ids["bucket"])
@@ -340,7 +340,7 @@ def paced_job(store: Store, name: str, deadline_h: float | None, elapsed_h: floa
     has 3 GPUs about as fast as 4 (8 GPUs split the batch too finely); at 256 more is faster."""
     deadline = None if deadline_h is None else deadline_h * HOUR
     rate = 1000.0 * gpus
-    job = store.submit(spec(name, gmax=gpus, batch_mode="fixed", deadline_s=deadline,
+    job = store.submit(spec(name, gpus=(1, gpus), batch_mode="fixed", deadline_s=deadline,
                             spot=spot).model_copy(
         update={"work_samples": int(total_h * HOUR * rate),
                 "batch_size": BatchRange(min=32, max=512, default=batch)}), team="t")
@@ -401,7 +401,7 @@ def test_without_spot_room_a_job_behind_pace_takes_on_demand_and_one_ahead_waits
     plan.change(filler, JobState.LAUNCHING, attempt=1, gpus=4, pool=SPOT_T4.id)
     store.apply(plan)
     behind, ahead = paced_job(store, "behind", 3.0), paced_job(store, "ahead", 10.0)
-    wide = store.submit(spec("wide", gmax=4), team="t").id
+    wide = store.submit(spec("wide", gpus=(1, 4)), team="t").id
     sched = Scheduler(store)
     sched.run_round(fence)
     got = {n: store.get_job(i) for n, i in (("behind", behind), ("ahead", ahead),
@@ -419,7 +419,7 @@ def fill(store: Store, pool: Pool, gpus: int | None = None, running: bool = Fals
     """A job holding ``gpus`` of ``pool``'s GPUs, all by default: launching there, or running
     there since just now (so the allocator keeps its size: ``min_rescale_interval_s``)."""
     gpus = pool.capacity if gpus is None else gpus
-    job = store.submit(spec(f"fill-{pool.region}", gmax=gpus, batch_mode="fixed"), team="t")
+    job = store.submit(spec(f"fill-{pool.region}", gpus=(1, gpus), batch_mode="fixed"), team="t")
     plan = Plan()
     plan.change(job, JobState.LAUNCHING, attempt=1, gpus=gpus, batch_size=32, pool=pool.id)
     store.apply(plan)
@@ -491,7 +491,7 @@ def test_on_demand_after_a_spot_miss_runs_at_the_requested_size(store: Store) ->
     fence = store.acquire_lease("t", ttl_s=30)
     fill(store, SPOT_T4)
     behind = paced_job(store, "behind", 3.0, gpus=4, batch=256)
-    wide = store.submit(spec("wide", gmax=4), team="t").id
+    wide = store.submit(spec("wide", gpus=(1, 4)), team="t").id
     Scheduler(store).run_round(fence)
     got = store.get_job(behind)
     assert got is not None and (got.pool, got.gpus) == (OD_T4.id, 4)
@@ -530,7 +530,7 @@ def test_a_spot_never_job_no_on_demand_pool_can_launch_says_so(store: Store) -> 
     od8 = OD_T4.model_copy(update={"gpus_per_node": 8, "gpu_prices": {8: 0.9}})
     store.set_pools([SPOT_T4, od8])
     fence = store.acquire_lease("t", ttl_s=30)
-    job = store.submit(spec("never", gmax=4, spot="never"), team="t").id
+    job = store.submit(spec("never", gpus=(1, 4), spot="never"), team="t").id
     Scheduler(store).run_round(fence)
     got = store.get_job(job)
     assert got is not None and got.state is JobState.QUEUED and got.reason == (
@@ -576,7 +576,7 @@ def test_a_deadline_job_with_no_on_demand_room_gives_its_share_back(store: Store
     fence = store.acquire_lease("t", ttl_s=30)
     fill(store, OD_T4)
     never = paced_job(store, "never", 10.0, spot="never", gpus=4, batch=256)
-    wide = store.submit(spec("wide", gmax=4), team="t").id
+    wide = store.submit(spec("wide", gpus=(1, 4)), team="t").id
     Scheduler(store).run_round(fence)
     got = {n: store.get_job(i) for n, i in (("never", never), ("wide", wide))}
     assert (got["wide"].pool, got["wide"].gpus) == (SPOT_T4.id, 4)  # type: ignore[union-attr]
@@ -610,7 +610,7 @@ def test_a_spot_job_that_holds_its_pace_is_not_shrunk_for_a_newcomer(store: Stor
         view = deadline_job(store.get_job(job), Choice(2, 32, 1.0), {SPOT_T4.id: SPOT_T4},  # type: ignore[arg-type]
                             SchedulerConfig(), time.time())
         assert holds_pace(view) is kept and choose_market(view, True) is Market.SPOT
-        store.submit(spec("newcomer", gmax=4, priority=100), team="t")
+        store.submit(spec("newcomer", gpus=(1, 4), priority=100), team="t")
         Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
         assert (not [i for i in store.intents() if i.job_id == job]) is kept
 
@@ -624,10 +624,10 @@ def test_a_spot_never_job_is_not_shrunk_or_suspended_to_make_room(store: Store) 
         store.r.flushdb()
         fence = store.acquire_lease("t", ttl_s=30)
         store.set_pools([POOLS[1]])
-        a = store.submit(spec(f"a-{policy}", gmax=2, spot=policy), team="t")
+        a = store.submit(spec(f"a-{policy}", gpus=(1, 2), spot=policy), team="t")
         sched.run_round(fence)
         run_all(store, fence)
-        b = store.submit(spec(f"b-{policy}", gmax=2, priority=50), team="t")
+        b = store.submit(spec(f"b-{policy}", gpus=(1, 2), priority=50), team="t")
         sched.run_round(fence)
         kinds = [i.kind for i in store.intents() if i.job_id == a.id]
         assert (kinds == []) is kept, (policy, kinds)

@@ -14,7 +14,7 @@ import broker.sim.driver as driver
 from broker.models import JobState
 from broker.sim.driver import LiveRoundDriver, scheduler_config
 from broker.sim.engine import Assignment, SimConfig
-from broker.sim.spot import (
+from broker.sim.rounds import (
     MarketPolicy,
     SimPool,
     SpotConfig,

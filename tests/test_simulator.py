@@ -12,7 +12,7 @@ from broker.scheduler import Admission, Policy
 from broker.sim.baselines import TiresiasPolicy
 from broker.sim.cluster import ClusterError, fleet_capacity, parse_cluster, read_pool_specs
 from broker.sim.engine import Baseline, SimConfig, SimState, SimulationError
-from broker.sim.spot import SimPool, classic_pools, simulate
+from broker.sim.rounds import SimPool, classic_pools, simulate
 from broker.sim.workload import WorkloadError, WorkloadJob, read_workload
 from policies.choices import TypeCapacity
 from policies.goodput import EfficiencyModel

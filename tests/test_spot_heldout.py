@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from broker.sim.cluster import read_pool_specs
-from broker.sim.spot import sim_pools
+from broker.sim.rounds import sim_pools
 from examples.clusters.heldout import make_clusters as mc
 from examples.workloads.spot.heldout import make_workloads as mw
 from policies.models import Market

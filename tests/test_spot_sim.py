@@ -14,7 +14,7 @@ from broker.scheduler import Policy
 from broker.sim.baselines import MarketBaseline
 from broker.sim.cluster import ClusterError, fleet_capacity, read_pool_specs
 from broker.sim.engine import Assignment, SimConfig, make_job
-from broker.sim.spot import MarketPolicy, SimPool, SpotConfig, sim_pools, simulate_spot
+from broker.sim.rounds import MarketPolicy, SimPool, SpotConfig, sim_pools, simulate_spot
 from broker.sim.traces import TraceError, read_trace
 from broker.sim.workload import WorkloadError, WorkloadJob, read_workload
 from examples.workloads.spot.make_workload import isolated_s

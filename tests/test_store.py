@@ -13,13 +13,9 @@ import redis
 from broker.models import Intent, IntentKind, JobState, Placement, check_transition
 from broker.protocol import CHECKPOINT_EXIT, CONTINUE
 from broker.store import Conflict, Plan, StaleFence, Store
-from policies.models import Accelerator, BatchRange, JobSpec, Market, Pool
+from policies.models import Accelerator, Market, Pool
+from tests.builders import spec
 from tests.redis_server import RedisServer
-
-
-def spec(name: str = "train", **kw: object) -> JobSpec:
-    return JobSpec(name=name, run="python train.py", batch_size=BatchRange(min=32, max=256),
-                   work_samples=10_000, **kw)
 
 
 def test_submit_is_readable_and_listed(store: Store) -> None:

@@ -145,8 +145,8 @@ def test_a_job_the_fleet_can_host_is_accepted(store: Store, server: ApiServer) -
 def test_the_fleet_ceiling_is_what_the_fleet_file_declares() -> None:
     """A cloud's pools at their ``max_gpus`` whatever its quota or offers say now, local regions
     unreclaimed: the bound a submission is judged against."""
-    from broker.fleet import CloudConfig, FleetProvider
     from broker.waiting import never_runs
+    from providers.fleet import CloudConfig, FleetProvider
 
     config = CloudConfig(regions=["us-east-1", "us-west-2"], accelerators=[Accelerator.A100],
                          markets=[Market.SPOT], max_gpus=16)

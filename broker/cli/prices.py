@@ -9,7 +9,8 @@ from rich.table import Table
 
 from broker.cli.app import app, console, err_console, fail, print_json
 from policies.models import Accelerator, Market
-from providers.catalog import CLOUDS, CatalogOffer, cheapest, load_offers
+from providers import registry
+from providers.catalog import CatalogOffer, cheapest, load_offers
 
 
 def _accelerator(name: str | None, argument: str) -> Accelerator | None:
@@ -23,9 +24,10 @@ def _accelerator(name: str | None, argument: str) -> Accelerator | None:
 
 
 def _clouds(cloud: str | None) -> list[str]:
-    if cloud is not None and cloud not in CLOUDS:
-        fail(f"--cloud {cloud!r} is unknown; use one of: {', '.join(CLOUDS)}")
-    return [cloud] if cloud else list(CLOUDS)
+    priced = registry.priced()
+    if cloud is not None and cloud not in priced:
+        fail(f"--cloud {cloud!r} is unknown; use one of: {', '.join(priced)}")
+    return [cloud] if cloud else list(priced)
 
 
 def _offers(accelerator: Accelerator | None, cloud: str | None) -> list[CatalogOffer]:

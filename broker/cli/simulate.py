@@ -74,7 +74,7 @@ def simulate(
     from broker.sim.cluster import fleet_capacity, read_pool_specs
     from broker.sim.engine import Baseline, SimConfig
     from broker.sim.report import spot_summary, summary, write_jobs
-    from broker.sim.spot import (
+    from broker.sim.rounds import (
         MarketPolicy,
         SpotConfig,
         classic_pools,
@@ -169,7 +169,7 @@ def _simulate_all(paths: list[Path], pools: Any, cfg: Any, workers: int,
         from broker.sim.batch import run_files
 
         return run_files(paths, pools, cfg, workers)
-    from broker.sim.spot import simulate as run
+    from broker.sim.rounds import simulate as run
     from broker.sim.workload import read_workload
 
     results = []

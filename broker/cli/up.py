@@ -50,9 +50,9 @@ def up(
     from broker import config as broker_config
     from broker.auth import ConfigError
     from broker.client import write_client_config
-    from broker.fleet import FleetFile
     from broker.secrets import redact_url, scrub
     from broker.server import DEFAULT_FLEET, Stack
+    from providers.fleet import FleetFile
 
     os.umask(0o077)  # the broker's files (state, logs, checkpoints, its jobs'): owner only
     configure_logs(log_format, log_level.value)
@@ -93,7 +93,7 @@ def demo(
     """Run the scripted demo on a three-region local fleet: four real training jobs, a newcomer,
     a spot reclaim and the cost against all-on-demand."""
     from broker.demo import DEMO_FLEET, DemoConfig, print_summary, run_demo
-    from providers.job_user import JOB_USER_ENV, job_user
+    from providers.local.job_user import JOB_USER_ENV, job_user
 
     os.umask(0o077)
     try:

@@ -129,7 +129,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker.protocol import EXIT_FINISHED, EXIT_STOPPED
 from broker.runtime.assignment import Assignment
-from broker.runtime.store import open_store
+from broker.runtime.checkpoint_stores import open_store
 
 if TYPE_CHECKING:
     from broker.runtime.trainer import Trainer, elastic, from_args

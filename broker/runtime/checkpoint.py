@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from broker.runtime import failure
-from broker.runtime.store import MANIFEST, CheckpointStore
+from broker.runtime.checkpoint_stores import MANIFEST, CheckpointStore
 
 # DCP warns on every single-process save/load; a one-process job is a normal case here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")

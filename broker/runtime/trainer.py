@@ -38,10 +38,10 @@ from broker.protocol import EXIT_STOPPED
 from broker.runtime import failure
 from broker.runtime.assignment import BATCH_MODES, Assignment
 from broker.runtime.checkpoint import Checkpointer
+from broker.runtime.checkpoint_stores import open_store
 from broker.runtime.data import MicroBatch, step_plan
 from broker.runtime.noise import NoiseScale
 from broker.runtime.scaling import lr_factor
-from broker.runtime.store import open_store
 
 log = logging.getLogger("fleet")
 if not log.handlers:  # resumes, stops and checkpoints are worth seeing in every job's log

@@ -30,7 +30,7 @@ import numpy as np
 from broker.scheduler import Admission, Policy
 from broker.sim.cluster import fleet_capacity
 from broker.sim.engine import Assignment, SimConfig, SimState, SimulationError
-from broker.sim.spot import MarketPolicy, SimPool, SpotConfig, SpotJob, SpotRounds
+from broker.sim.rounds import MarketPolicy, SimPool, SpotConfig, SpotJob, SpotRounds
 from broker.sim.workload import WorkloadJob
 from policies.apps import Application
 from policies.choices import TypeCapacity, assign_types, placement_for

@@ -7,7 +7,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from broker.sim.engine import SimConfig, SimResult
-from broker.sim.spot import SimPool, simulate
+from broker.sim.rounds import SimPool, simulate
 from broker.sim.workload import read_workload
 
 

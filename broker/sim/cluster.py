@@ -28,7 +28,8 @@ from broker.sim.traces import SpotTrace, TraceError, read_trace
 from policies.apps import ACCELERATOR_TRACES
 from policies.choices import TypeCapacity
 from policies.models import Accelerator, Market, Pool
-from providers.catalog import CLOUDS, UNKNOWN_RATE, CatalogOffer, load_offers, pool_prior
+from providers import registry
+from providers.catalog import UNKNOWN_RATE, CatalogOffer, load_offers, pool_prior
 
 
 class ClusterError(InvalidInput):
@@ -135,7 +136,7 @@ def catalog_price(pool: Pool, market: Market) -> float | None:
     in ``market``: the cheapest matching instance type, in the pool's zone when the catalog
     names that zone, else the cheapest zone of the region (as SkyPilot's optimizer would pick);
     None when the catalog has no such offer (or does not know the cloud)."""
-    if pool.cloud not in CLOUDS:
+    if pool.cloud not in registry.priced():
         return None
     fits = [o for o in _offers(pool.cloud)
             if o.region == pool.region and o.accelerator is pool.accelerator
@@ -149,7 +150,7 @@ def catalog_prior(pool: Pool) -> float:
     """The Spot Advisor's monthly reclaim fraction for the pool's node type in its region
     (``UNKNOWN_RATE`` where the advisor lists none: GCP, Azure, unknown types). The region's
     figure serves its zones: the advisor publishes no per-zone rates."""
-    if pool.cloud not in CLOUDS:
+    if pool.cloud not in registry.priced():
         return UNKNOWN_RATE
     nodes = [o for o in _offers(pool.cloud) if o.accelerator_count == pool.gpus_per_node]
     return pool_prior(pool.model_copy(update={"zone": None}), nodes)

@@ -1,9 +1,9 @@
 """A driver of the live broker's scheduling round: the simulator's ``fleet`` policy on spot
 clusters, and its ``elastic``, ``fixed-batch`` and ``static`` policies on classic ones (a classic
-cluster is plain on-demand pools: ``broker.sim.spot.classic_pools``).
+cluster is plain on-demand pools: ``broker.sim.rounds.classic_pools``).
 
 No scheduling decision is made here. On a virtual clock, with Pollux's rounds (the loop, progress,
-cost and evictions of ``broker.sim.spot.SpotRounds``), each round:
+cost and evictions of ``broker.sim.rounds.SpotRounds``), each round:
 
 1. running jobs advance on the measured tables (``broker.sim.engine.advance``) and report as
    agents do, through the fields a heartbeat writes (``broker.store.Store.record_heartbeat``);
@@ -38,7 +38,7 @@ from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.scheduler import Policy, SchedulerConfig, plan_round
 from broker.sim.cluster import fleet_capacity
 from broker.sim.engine import Assignment, Baseline, SimConfig, SimulationError, goodput
-from broker.sim.spot import SimPool, SpotConfig, SpotJob, SpotRounds
+from broker.sim.rounds import SimPool, SpotConfig, SpotJob, SpotRounds
 from broker.sim.workload import WorkloadJob
 from broker.store import PoolStats, Snapshot
 from policies.choices import placement_for

@@ -5,7 +5,7 @@ running job on its current assignment; a job that (re)starts holds its GPUs for 
 penalty before it makes progress (the first start pays it too). Progress is counted in
 iterations at the job's initial batch; the gain per iteration is the statistical efficiency; a
 job completes at the exact moment its progress reaches the model's target. Who decides the
-assignments is not here: the rounds (``broker.sim.spot.SpotRounds``) run the live broker's round
+assignments is not here: the rounds (``broker.sim.rounds.SpotRounds``) run the live broker's round
 (``broker.sim.driver``) or a baseline (``broker.sim.baselines``)."""
 
 from __future__ import annotations

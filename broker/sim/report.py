@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from broker.sim.engine import SimRecord, SimResult
-from broker.sim.spot import SpotResult
+from broker.sim.rounds import SpotResult
 
 
 def _hours(x: float) -> float:

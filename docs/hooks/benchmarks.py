@@ -237,6 +237,33 @@ def metrics(data: dict[str, Any]) -> str:
         f"{data['cpu_ms_per_scrape']['redis_server']:.1f} ms in redis-server."]) + "\n"
 
 
+def _figure(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}"
+
+
+def measured(data: dict[str, Any]) -> str:
+    """A speed benchmark's file (``tests.bench.results``): its setup, then each quantity's
+    median and spread."""
+    out = ["Setup:", "", *(f"- {k}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
+                           for k, v in data["setup"].items()),
+           "", "| measurement | median | spread (min - max) | samples |", "|---|---|---|---|"]
+    for label, m in data["numbers"].items():
+        if "median" in m:
+            out.append(f"| {label} | {_figure(m['median'])} {m['unit']} | "
+                       f"{_figure(m['min'])} - {_figure(m['max'])} | {m['n']} |")
+        else:
+            out.append(f"| {label} | {_figure(m['value'])} {m['unit']} | | |")
+    return "\n".join(out) + "\n"
+
+
+def _renderer(name: str, data: dict[str, Any]) -> Callable[[dict[str, Any]], str] | None:
+    """How a result file is rendered: its bench's own table, else the one shape every speed
+    benchmark writes."""
+    if name in RENDER:
+        return RENDER[name]
+    return measured if {"command", "date", "setup", "numbers"} <= set(data) else None
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "simulator": simulator, "seed_claim": seed_claim, "hetero": hetero, "spot": spot,
     "spot_heldout": spot_heldout, "classic_heldout": classic_heldout, "dashboard": dashboard,
@@ -251,11 +278,13 @@ def page(name: str, doc: str) -> str:
     out = [f"# Benchmark: {name}", "", " ".join(summary.split()), "", setup.strip(), "",
            "## Command", "", "```bash", f"{command}        # or: make bench (every benchmark)",
            "```", ""]
-    if result.exists() and name in RENDER:
+    data = json.loads(result.read_text()) if result.exists() else {}
+    render = _renderer(name, data)
+    if render is not None:
         out += ["## Numbers", "",
                 f"From `examples/results/{name}.json`, measured {_date(result)} by the command "
                 "above; this page is generated from that file at every docs build.", "",
-                RENDER[name](json.loads(result.read_text()))]
+                render(data)]
     else:
         out += ["## Numbers", "",
                 f"This benchmark writes no result file under `examples/results/`, so no numbers "

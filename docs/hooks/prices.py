@@ -19,7 +19,6 @@ from mkdocs.structure.pages import Page
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- prices -->"
-CLOUDS = ("aws", "gcp", "azure")
 
 
 def prices(*args: str) -> list[dict[str, Any]]:
@@ -31,6 +30,15 @@ def prices(*args: str) -> list[dict[str, Any]]:
         out = subprocess.run([sys.executable, "-m", "broker", "prices", "--json", *args],
                              cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
+
+
+def _priced() -> tuple[str, ...]:
+    """The clouds with a price catalog, from the registry (the one list of clouds)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from providers import registry
+
+    return registry.priced()
 
 
 def _where(o: dict[str, Any] | None) -> str:
@@ -55,7 +63,7 @@ def render() -> str:
     out += ["", "Per cloud (`fleet prices -c CLOUD --json`), $/GPU-h on-demand / spot:", "",
             "| cloud | accelerator | on-demand | spot |",
             "|---|---|---:|---:|"]
-    for cloud in CLOUDS:
+    for cloud in _priced():
         for r in prices("-c", cloud):
             out.append(f"| {cloud} | {r['accelerator']} | {_price(r['on_demand'])} | "
                        f"{_price(r['spot'])} |")

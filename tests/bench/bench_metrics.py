@@ -28,6 +28,7 @@ import httpx
 from broker.models import JobState, Placement
 from broker.store import Plan, Store
 from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
+from providers import registry
 from tests.bench.bench_api import _start_api
 from tests.redis_server import RedisServer
 
@@ -46,7 +47,7 @@ def _pools() -> list[Pool]:
     return [Pool(cloud=cloud, region=region, market=market, accelerator=Accelerator.V100,
                  nodes=64, gpus_per_node=8, price_per_gpu_hour=0.9 if market is Market.SPOT
                  else 3.06)
-            for cloud in ("aws", "gcp", "azure") for region in ("east", "west")
+            for cloud in registry.rented() for region in ("east", "west")
             for market in (Market.SPOT, Market.ON_DEMAND)]
 
 

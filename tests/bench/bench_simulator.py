@@ -21,7 +21,7 @@ from broker.sim.batch import run_files
 from broker.sim.cluster import read_pool_specs
 from broker.sim.engine import Baseline, SimConfig
 from broker.sim.report import summary
-from broker.sim.spot import classic_pools
+from broker.sim.rounds import classic_pools
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = ROOT / "examples" / "workloads"

@@ -45,7 +45,7 @@ from typing import Any
 
 from broker.sim.cluster import read_pool_specs
 from broker.sim.report import spot_summary
-from broker.sim.spot import SpotResult, sim_pools
+from broker.sim.rounds import SpotResult, sim_pools
 from policies.models import Market
 from tests.bench.spot_common import FLEET_ROWS, VARIANTS, goal, simulate, table
 

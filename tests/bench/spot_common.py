@@ -12,7 +12,7 @@ from typing import Any
 
 from broker.sim.cluster import read_pool_specs
 from broker.sim.engine import SimConfig
-from broker.sim.spot import MarketPolicy, SpotConfig, SpotResult, sim_pools, simulate_spot
+from broker.sim.rounds import MarketPolicy, SpotConfig, SpotResult, sim_pools, simulate_spot
 from broker.sim.workload import read_workload
 
 NOTICE = "fleet + checkpoint on notice"  # FleetBroker's agent; SkyPilot polls (FACTS.md 4)

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from providers.base import ProviderError
-from providers.job_user import JobUser, hand_over, job_user, unreachable
+from providers.local.job_user import JobUser, hand_over, job_user, unreachable
 from tests.chaos.conftest import Tally
 from tests.chaos.test_sec_fleet_up import FLEET, fleet, spec, up, wait_state
 from tests.redis_server import free_port

@@ -158,7 +158,7 @@ def test_jobs_see_no_secret_and_a_killed_fleet_up_leaves_one_redis(tmp_path: Pat
                             len(chain))]
         # the job's shell, its agent and the node's supervisor
         assert any("broker.runtime.agent" in c["cmdline"] for c in chain), seen["chain"]
-        assert any("providers.local_node" in c["cmdline"] for c in chain), seen["chain"]
+        assert any("providers.local.node" in c["cmdline"] for c in chain), seen["chain"]
         assert "FLEET_AGENT_TOKEN_FILE" not in seen["env"]
         assert all(v.startswith("<") for v in seen["files"].values()), seen["files"]  # gone
         where = {"env": json.dumps(seen["env"]), "files": json.dumps(seen["files"]),

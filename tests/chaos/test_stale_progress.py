@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from broker.actuator import Actuator, ActuatorConfig
-from broker.fleet import build_fleet_provider
 from broker.models import JobState
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.store import Store
 from policies.models import BatchRange, JobSpec
+from providers.fleet import build_fleet_provider
 from tests.runtime.test_agent_rendezvous import running_job
 
 FLEET = """

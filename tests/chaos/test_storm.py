@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from broker.actuator import Actuator, ActuatorConfig
-from broker.fleet import build_fleet_provider
 from broker.models import JobState
 from broker.reconciler import Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.server import Broker, BrokerConfig, build_broker
 from broker.store import Store
 from policies.models import BatchRange, JobSpec, Regions, SpotPolicy
+from providers.fleet import build_fleet_provider
 from tests.chaos.conftest import Tally, duplicate_launches
 from tests.redis_server import RedisServer
 

@@ -14,7 +14,7 @@ from werkzeug import Request, Response
 
 import broker.runtime as fleet
 from broker.runtime.assignment import Assignment
-from broker.runtime.store import LocalStore, step_dir_name
+from broker.runtime.checkpoint_stores import LocalStore, step_dir_name
 from tests.runtime.jobs import agent_command, job_env, progress, run_job
 
 

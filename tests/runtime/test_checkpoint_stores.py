@@ -15,7 +15,13 @@ import torch
 from moto.server import ThreadedMotoServer
 
 from broker.runtime.checkpoint import Checkpointer
-from broker.runtime.store import FsspecStore, LocalStore, S3Store, open_store, step_dir_name
+from broker.runtime.checkpoint_stores import (
+    FsspecStore,
+    LocalStore,
+    S3Store,
+    open_store,
+    step_dir_name,
+)
 from tests.runtime.jobs import ROOT
 
 
@@ -93,7 +99,7 @@ def test_fsspec_store_roundtrip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 WRITER = """
 import sys, torch
 from broker.runtime.checkpoint import Checkpointer
-from broker.runtime.store import LocalStore
+from broker.runtime.checkpoint_stores import LocalStore
 ck = Checkpointer(LocalStore(sys.argv[1]))
 ck.save(1, {"w": torch.full((4,), 1.0)}, {"step": 1}, {"world_size": 1}, asynchronous=False)
 print("committed", flush=True)

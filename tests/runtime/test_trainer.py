@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 
 import broker.runtime as fleet
 from broker.runtime.assignment import Assignment
-from broker.runtime.store import LocalStore
+from broker.runtime.checkpoint_stores import LocalStore
 
 DATA = TensorDataset(torch.randn(40, 6, generator=torch.Generator().manual_seed(0)),
                      torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(1)))

@@ -1,6 +1,6 @@
 """The ``local`` provider: pretend regions on this machine, each with its own cloud name, market,
 price and virtual GPUs (a virtual GPU is a worker process). A node is a process group started
-under ``providers.local_node``; its state lives in a directory per node, so a restarted broker
+under ``providers.local.node``; its state lives in a directory per node, so a restarted broker
 finds the nodes an earlier broker process launched. Spot regions can be reclaimed on command or
 on a schedule in the fleet file: their nodes get SIGTERM (the preemption notice), then SIGKILL
 of the whole group after the grace period.
@@ -36,7 +36,7 @@ from providers.base import (
     Provider,
     ProviderError,
 )
-from providers.job_user import hand_over, job_user
+from providers.local.job_user import hand_over, job_user
 
 
 class LocalRegion(BaseModel):
@@ -357,7 +357,7 @@ class LocalProvider(Provider):
                 "rank": rank, "launched_at": time.time()}
         (node_dir / "meta.json").write_text(json.dumps(meta))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "providers.local_node", str(node_dir), str(self.workdir),
+            [sys.executable, "-m", "providers.local.node", str(node_dir), str(self.workdir),
              *(["--user", self.job_user.name] if self.job_user else []),
              "--token", Env.AGENT_TOKEN_FILE, Env.AGENT_TOKEN_FD, "--", *request.command],
             env=env, start_new_session=True, stdin=subprocess.DEVNULL,

@@ -1,7 +1,7 @@
 """Supervisor of one local "node": runs the job's command in the node's process group and
 records its exit status in the node directory, so a restarted broker still learns how it ended.
 
-Usage: ``python -m providers.local_node NODE_DIR WORKDIR [--user NAME] [--token FILE_VAR FD_VAR]
+Usage: ``python -m providers.local.node NODE_DIR WORKDIR [--user NAME] [--token FILE_VAR FD_VAR]
 -- CMD ARGS...`` (started by ``LocalProvider``; the command runs in WORKDIR). With ``--user`` the
 command runs as that user, with its own group and no other; the supervisor keeps the broker's
 user, to write the node's log and exit record where the job cannot. With ``--token`` the agent's

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import re
 import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -20,8 +19,8 @@ from typing import Any
 from broker.protocol import BrokerEnv
 from policies.models import Accelerator, Market, Offer
 from providers import bootstrap
+from providers.azure import CLOUD
 from providers.base import (
-    CapacityError,
     LaunchRequest,
     Node,
     NodeState,
@@ -30,7 +29,6 @@ from providers.base import (
     Provider,
     ProviderError,
     Quota,
-    QuotaError,
     share,
 )
 from providers.catalog import (
@@ -43,21 +41,6 @@ from providers.catalog import (
 
 log = logging.getLogger(__name__)
 
-NOT_CONFIGURED = (
-    f"azure is not configured: set AZURE_SUBSCRIPTION_ID, {BrokerEnv.AZURE_RESOURCE_GROUP} and "
-    f"{BrokerEnv.AZURE_SUBNET_ID}, and sign in for DefaultAzureCredential (`az login`, or "
-    "AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, or a managed identity)."
-)
-QUOTA_CODES = {"OperationNotAllowed", "QuotaExceeded", "SubscriptionQuotaExceeded"}
-CAPACITY_CODES = {
-    "AllocationFailed",
-    "ZonalAllocationFailed",
-    "OverconstrainedAllocationRequest",
-    "OverconstrainedZonalAllocationRequest",
-    "SkuNotAvailable",
-    "SpotPriceTooLow",  # max price below the current spot price
-}
-AUTH_CODES = {"AuthorizationFailed", "InvalidAuthenticationToken", "AuthenticationFailed"}
 STATE = {
     "Creating": NodeState.PENDING,
     "Updating": NodeState.PENDING,
@@ -73,27 +56,6 @@ IMAGE = {  # Ubuntu 22.04 with NVIDIA drivers and CUDA (Microsoft's HPC image)
     "sku": "2204",
     "version": "latest",
 }
-
-
-def map_error(exc: Exception, what: str) -> Exception:
-    """Map an azure-core ``HttpResponseError`` to the broker's error types (others pass through)."""
-    from azure.core.exceptions import ClientAuthenticationError, HttpResponseError
-
-    if isinstance(exc, ClientAuthenticationError):
-        return NotConfiguredError(f"azure {what}: {exc.message}. {NOT_CONFIGURED}")
-    if not isinstance(exc, HttpResponseError):
-        return exc
-    code = getattr(exc.error, "code", None) or ""
-    known = QUOTA_CODES | CAPACITY_CODES | AUTH_CODES
-    codes = {code} | {c for c in re.findall(r"[A-Za-z]+", str(exc.message)) if c in known}
-    message = f"azure {what}: {code or exc.reason}: {exc.message}"
-    if codes & CAPACITY_CODES:
-        return CapacityError(message)
-    if codes & QUOTA_CODES:
-        return QuotaError(message)
-    if codes & AUTH_CODES:
-        return NotConfiguredError(f"{message}. {NOT_CONFIGURED}")
-    return ProviderError(message)
 
 
 class AzureProvider(Provider):
@@ -124,7 +86,7 @@ class AzureProvider(Provider):
         self.resource_group = resource_group or os.environ.get(BrokerEnv.AZURE_RESOURCE_GROUP)
         self.subnet_id = subnet_id or os.environ.get(BrokerEnv.AZURE_SUBNET_ID)
         if not (self.subscription_id and self.resource_group and self.subnet_id):
-            raise NotConfiguredError(NOT_CONFIGURED)
+            raise NotConfiguredError(CLOUD.not_configured)
         if eviction_policy not in ("Delete", "Deallocate"):
             raise ValueError(f"eviction_policy {eviction_policy!r}: use 'Delete' or 'Deallocate'")
         if credential is None:
@@ -168,7 +130,7 @@ class AzureProvider(Provider):
             try:
                 usages = {u.name.value: u for u in self._compute.usage.list(region)}
             except Exception as exc:
-                raise map_error(exc, f"usage.list {region}") from exc
+                raise CLOUD.map_error(exc, f"usage.list {region}") from exc
             for market, metric in ((Market.SPOT, "lowPriorityCores"), (Market.ON_DEMAND, "cores")):
                 if metric not in usages:
                     continue
@@ -271,7 +233,7 @@ class AzureProvider(Provider):
             except ResourceNotFoundError:
                 pass
             except Exception as exc:
-                raise map_error(exc, f"virtualMachines.get {name}") from exc
+                raise CLOUD.map_error(exc, f"virtualMachines.get {name}") from exc
             try:
                 poller = vms.begin_create_or_update(
                     self.resource_group,
@@ -281,7 +243,7 @@ class AzureProvider(Provider):
                 )
                 nodes.append(self._node(poller.result()))
             except Exception as exc:
-                raise map_error(exc, f"virtualMachines.createOrUpdate {name}") from exc
+                raise CLOUD.map_error(exc, f"virtualMachines.createOrUpdate {name}") from exc
         return nodes
 
     def terminate(self, node_id: str) -> None:
@@ -294,13 +256,13 @@ class AzureProvider(Provider):
         except ResourceNotFoundError:
             return
         except Exception as exc:
-            raise map_error(exc, f"virtualMachines.delete {node_id}") from exc
+            raise CLOUD.map_error(exc, f"virtualMachines.delete {node_id}") from exc
 
     def nodes(self) -> list[Node]:
         try:
             vms = list(self._compute.virtual_machines.list(self.resource_group))
         except Exception as exc:
-            raise map_error(exc, "virtualMachines.list") from exc
+            raise CLOUD.map_error(exc, "virtualMachines.list") from exc
         owned = [
             vm
             for vm in vms

@@ -22,24 +22,10 @@ from providers.base import (
     NotConfiguredError,
     PreemptionNotice,
     Provider,
-    ProviderError,
-    QuotaError,
 )
 from providers.catalog import CatalogOffer, load_offers
+from providers.gcp import CLOUD
 
-NOT_CONFIGURED = (
-    "gcp is not configured: google.auth.default() found no credentials or no project. Run "
-    "`gcloud auth application-default login` (or set GOOGLE_APPLICATION_CREDENTIALS to a "
-    "service-account key) and set GOOGLE_CLOUD_PROJECT."
-)
-CAPACITY_CODES = {
-    "ZONE_RESOURCE_POOL_EXHAUSTED",
-    "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
-    "RESOURCE_POOL_EXHAUSTED",
-    "STOCKOUT",
-    "resourcePoolExhausted",
-}
-QUOTA_CODES = {"QUOTA_EXCEEDED", "quotaExceeded", "rateLimitExceeded"}
 # GCE's accelerator type names for the catalog's (cloud) GPU names.
 GPU_TYPE = {
     "T4": "nvidia-tesla-t4",
@@ -65,38 +51,13 @@ PREEMPTION_NOTICE_S = 30
 DEFAULT_IMAGE = "projects/deeplearning-platform-release/global/images/family/common-cu124-debian-11"
 
 
-def map_error(exc: Exception, what: str) -> Exception:
-    """Map a google.api_core HTTP error to the broker's error types (others pass through)."""
-    from google.api_core import exceptions as gexc
-
-    if not isinstance(exc, gexc.GoogleAPICallError):
-        return exc
-    reasons = {e.get("reason", "") for e in (exc.errors or []) if isinstance(e, dict)}
-    codes = (
-        reasons | {getattr(exc, "reason", "") or ""} | set(re.findall(r"[A-Z_]{8,}", exc.message))
-    )
-    message = f"gcp {what}: {exc.message}"
-    if codes & CAPACITY_CODES:
-        return CapacityError(message)
-    if codes & QUOTA_CODES:
-        return QuotaError(message)
-    if isinstance(exc, gexc.Unauthorized | gexc.PermissionDenied):
-        return NotConfiguredError(f"{message}. {NOT_CONFIGURED}")
-    return ProviderError(message)
-
-
 def operation_error(op: Any, what: str) -> Exception | None:
     """The broker error an operation finished with (stock-outs arrive this way), or None."""
     errors = list(op.error.errors) if op.error else []
     if not errors:
         return None
-    codes = {e.code for e in errors}
-    message = f"gcp {what}: " + "; ".join(f"{e.code}: {e.message}" for e in errors)
-    if codes & CAPACITY_CODES:
-        return CapacityError(message)
-    if codes & QUOTA_CODES:
-        return QuotaError(message)
-    return ProviderError(message)
+    return CLOUD.classify({e.code for e in errors}, f"gcp {what}: " + "; ".join(
+        f"{e.code}: {e.message}" for e in errors))
 
 
 def _quota_metric(metric: str) -> tuple[Accelerator, Market] | None:
@@ -139,10 +100,10 @@ class GcpProvider(Provider):
                     scopes=["https://www.googleapis.com/auth/cloud-platform"]
                 )
             except DefaultCredentialsError as exc:
-                raise NotConfiguredError(NOT_CONFIGURED) from exc
+                raise NotConfiguredError(CLOUD.not_configured) from exc
             project = project or found
         if not project:
-            raise NotConfiguredError(NOT_CONFIGURED)
+            raise NotConfiguredError(CLOUD.not_configured)
         from google.cloud import compute_v1
 
         self.project = project
@@ -170,7 +131,7 @@ class GcpProvider(Provider):
             try:
                 info = self._regions.get(project=self.project, region=region)
             except Exception as exc:
-                raise map_error(exc, f"regions.get {region}") from exc
+                raise CLOUD.map_error(exc, f"regions.get {region}") from exc
             for quota in info.quotas:
                 parsed = _quota_metric(quota.metric)
                 if parsed is None:
@@ -213,7 +174,7 @@ class GcpProvider(Provider):
 
         zone = offer.zone
         labels = {
-            k: bootstrap.label_value(v)
+            k: CLOUD.tag_value(v)
             for k, v in bootstrap.tags(request, self.broker_id, rank).items()
         }
         metadata = compute_v1.Metadata(
@@ -295,7 +256,7 @@ class GcpProvider(Provider):
             except gexc.Conflict:
                 continue  # the name exists: an earlier attempt of this launch made it
             except Exception as exc:
-                raise map_error(exc, f"instances.insert {zone}/{name}") from exc
+                raise CLOUD.map_error(exc, f"instances.insert {zone}/{name}") from exc
             self._wait(op, zone, f"instances.insert {zone}/{name}")
         return [self._get(zone, name) for name in self.instance_names(request)]
 
@@ -305,7 +266,7 @@ class GcpProvider(Provider):
             try:
                 op = self._operations.wait(project=self.project, zone=zone, operation=op.name)
             except Exception as exc:
-                raise map_error(exc, f"zoneOperations.wait {op.name}") from exc
+                raise CLOUD.map_error(exc, f"zoneOperations.wait {op.name}") from exc
         if err := operation_error(op, what):
             raise err
 
@@ -313,7 +274,7 @@ class GcpProvider(Provider):
         try:
             return self._node(self._instances.get(project=self.project, zone=zone, instance=name))
         except Exception as exc:
-            raise map_error(exc, f"instances.get {zone}/{name}") from exc
+            raise CLOUD.map_error(exc, f"instances.get {zone}/{name}") from exc
 
     def terminate(self, node_id: str) -> None:
         from google.api_core import exceptions as gexc
@@ -332,7 +293,7 @@ class GcpProvider(Provider):
         except gexc.NotFound:
             return
         except Exception as exc:
-            raise map_error(exc, f"instances.delete {node_id}") from exc
+            raise CLOUD.map_error(exc, f"instances.delete {node_id}") from exc
         self._wait(op, zone, f"instances.delete {node_id}")
 
     def forget(self, node_id: str) -> None:
@@ -343,13 +304,13 @@ class GcpProvider(Provider):
     def nodes(self) -> list[Node]:
         from google.cloud import compute_v1
 
-        label = f"labels.{bootstrap.BROKER_TAG} = {bootstrap.label_value(self.broker_id)}"
+        label = f"labels.{bootstrap.BROKER_TAG} = {CLOUD.tag_value(self.broker_id)}"
         try:
             query = compute_v1.AggregatedListInstancesRequest(project=self.project, filter=label)
             pages = self._instances.aggregated_list(request=query)
             found = [inst for _, scoped in pages for inst in scoped.instances]
         except Exception as exc:
-            raise map_error(exc, "instances.aggregatedList") from exc
+            raise CLOUD.map_error(exc, "instances.aggregatedList") from exc
         return [self._node(inst) for inst in found if _zone_of(inst.zone)[:-2] in self.regions]
 
     def notices(self) -> list[PreemptionNotice]:
@@ -368,7 +329,7 @@ class GcpProvider(Provider):
                     )
                 )
             except Exception as exc:
-                raise map_error(exc, f"zoneOperations.list {zone}") from exc
+                raise CLOUD.map_error(exc, f"zoneOperations.list {zone}") from exc
             for op in ops:
                 node_id = f"{zone}/{op.target_link.rsplit('/', 1)[-1]}"
                 if node_id in owned:

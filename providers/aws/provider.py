@@ -16,6 +16,7 @@ from typing import Any
 
 from policies.models import Accelerator, Market, Offer
 from providers import bootstrap
+from providers.aws import CLOUD
 from providers.base import (
     CapacityError,
     LaunchRequest,
@@ -26,7 +27,6 @@ from providers.base import (
     Provider,
     ProviderError,
     Quota,
-    QuotaError,
     share,
 )
 from providers.catalog import (
@@ -38,24 +38,6 @@ from providers.catalog import (
 )
 
 log = logging.getLogger(__name__)
-
-CAPACITY_CODES = {
-    "InsufficientInstanceCapacity",
-    "InsufficientHostCapacity",
-    "InsufficientCapacityOnHost",
-    "InsufficientReservedInstanceCapacity",
-    "SpotMaxPriceTooLow",
-    "InsufficientFreeAddressesInSubnet",
-    "Unsupported",  # the type is not offered in that AZ
-}
-QUOTA_CODES = {
-    "VcpuLimitExceeded",
-    "MaxSpotInstanceCountExceeded",
-    "InstanceLimitExceeded",
-    "MaxSpotFleetRequestCountExceeded",
-    "SpotInstanceRequestLimitExceeded",
-}
-AUTH_CODES = {"AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId", "ExpiredToken"}
 
 # Service Quotas codes (vCPUs) per instance family letter and market.
 QUOTA_CODE = {
@@ -77,11 +59,6 @@ DLAMI_PARAMETER = (
     "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 )
 SPOT_NOTICE_S = 120  # EC2's two-minute interruption warning
-NOT_CONFIGURED = (
-    "aws is not configured: boto3 found no credentials in its default chain. Set AWS_PROFILE "
-    "(after `aws configure` or `aws sso login`), or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-    "or run on an instance with an IAM role."
-)
 
 
 def placement(key: str, zone: str | None) -> dict[str, Any]:
@@ -100,28 +77,6 @@ def _s3_bucket(uri: str) -> str | None:
     if not uri.startswith("s3://"):
         return None
     return uri[len("s3://"):].split("/", 1)[0] or None
-
-
-def map_error(exc: Exception, what: str) -> Exception:
-    """Map a botocore ``ClientError`` to the broker's error types (others pass through)."""
-    from botocore.exceptions import ClientError
-
-    if not isinstance(exc, ClientError):
-        return exc
-    code = exc.response.get("Error", {}).get("Code", "")
-    message = f"aws {what}: {code}: {exc.response.get('Error', {}).get('Message', '')}"
-    if code in CAPACITY_CODES:
-        return CapacityError(message)
-    if code in QUOTA_CODES:
-        return QuotaError(message)
-    if code in AUTH_CODES:
-        return NotConfiguredError(f"{message}. {NOT_CONFIGURED}")
-    if code == "IdempotentParameterMismatch":
-        return ProviderError(
-            f"{message}. This launch key already started an instance with other parameters "
-            "(another AZ: the AZs refused or the catalog changed since); it carries the key's "
-            "tag, and the job's next attempt ends it first")
-    return ProviderError(message)
 
 
 def _mismatch(exc: Exception) -> bool:
@@ -152,7 +107,7 @@ class AwsProvider(Provider):
 
         self._session = session or boto3.Session()
         if self._session.get_credentials() is None:
-            raise NotConfiguredError(NOT_CONFIGURED)
+            raise NotConfiguredError(CLOUD.not_configured)
         self._offers = offers if offers is not None else load_offers(["aws"])
         self.regions = list(regions or sorted({o.region for o in self._offers}))
         self.broker_id = broker_id
@@ -225,7 +180,7 @@ class AwsProvider(Provider):
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") == "NoSuchResourceException":
                 return None  # not known in this account/region: headroom unknown
-            raise map_error(exc, "get_service_quota") from exc
+            raise CLOUD.map_error(exc, "get_service_quota") from exc
         return float(resp["Quota"]["Value"])
 
     def _vcpus_in_use(self, region: str) -> dict[tuple[str, Market], int]:
@@ -265,7 +220,7 @@ class AwsProvider(Provider):
         try:
             resp = self._run(request, instance_type, zone)
         except Exception as exc:
-            error = map_error(exc, f"run_instances in {zone or request.region}")
+            error = CLOUD.map_error(exc, f"run_instances in {zone or request.region}")
             if isinstance(error, CapacityError) and others:
                 raise CapacityError(f"{error} (other AZs may have room)", zone=zone) from exc
             if _mismatch(exc):
@@ -291,7 +246,7 @@ class AwsProvider(Provider):
             except Exception as exc:
                 if _mismatch(exc):
                     continue
-                raise map_error(exc, f"run_instances in {zone}") from exc
+                raise CLOUD.map_error(exc, f"run_instances in {zone}") from exc
             return self._launched(request.region, resp["Instances"])
         raise error
 
@@ -378,7 +333,7 @@ class AwsProvider(Provider):
                     Filters=[{"Name": "state", "Values": ["available"]}]
                 )["AvailabilityZones"]
             except Exception as exc:
-                raise map_error(exc, f"describe_availability_zones in {region}") from exc
+                raise CLOUD.map_error(exc, f"describe_availability_zones in {region}") from exc
             self._zones[region] = {
                 key: z["ZoneName"] for z in found for key in (z["ZoneId"], z["ZoneName"])
             }
@@ -404,7 +359,7 @@ class AwsProvider(Provider):
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") == "InvalidInstanceID.NotFound":
                 return
-            raise map_error(exc, f"terminate_instances {node_id}") from exc
+            raise CLOUD.map_error(exc, f"terminate_instances {node_id}") from exc
 
     def nodes(self) -> list[Node]:
         return [
@@ -459,7 +414,7 @@ class AwsProvider(Provider):
             )
             return [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
         except Exception as exc:
-            raise map_error(exc, f"describe_instances in {region}") from exc
+            raise CLOUD.map_error(exc, f"describe_instances in {region}") from exc
 
     def _offer_of(self, instance_type: str) -> CatalogOffer:
         """The catalog row for an instance type (for nodes whose tags were edited away)."""

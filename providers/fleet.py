@@ -4,7 +4,9 @@ providers a fleet file declares (``clouds:``), each call routed by the pool's cl
 A declared cloud without credentials is skipped with one log line naming the cloud and the fix
 (``providers.registry.build_providers``); the broker keeps using the others. A backend that
 fails while running (API down, network) is reported by ``unreachable()`` so the reconciler
-leaves its jobs as they are, and the other backends go on.
+leaves its jobs as they are, and the other backends go on. A backend's failure text passes
+through ``reason`` before it leaves as a ``ProviderError``: the broker gives its secret
+scrubber (``broker.secrets.reason``), which this layer cannot import.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from broker import secrets
 from policies.models import Accelerator, Market, Offer, Pool, pool_id
+from providers import registry
 from providers.base import (
     LaunchRequest,
     Node,
@@ -30,12 +32,18 @@ from providers.base import (
     Quota,
     share,
 )
-from providers.catalog import CLOUDS, interruption_priors, pool_prior
-from providers.local import LocalFleet, LocalProvider, LocalRegion
-from providers.registry import build_providers
+from providers.catalog import interruption_priors, pool_prior
+from providers.local.provider import LocalFleet, LocalProvider, LocalRegion
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def one_line(text: object) -> str:
+    """A failure text on one line, at most 300 characters (``FleetProvider``'s default
+    ``reason``)."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= 300 else flat[:299] + "…"
 
 
 class CloudConfig(BaseModel):
@@ -80,10 +88,10 @@ class FleetFile(LocalFleet):
 
     @model_validator(mode="after")
     def _routable(self) -> FleetFile:
-        unknown = sorted(set(self.clouds) - set(CLOUDS))
+        unknown = sorted(set(self.clouds) - set(registry.rented()))
         if unknown:
             raise ValueError(f"clouds: unknown cloud {unknown[0]!r}; use one of: "
-                             f"{', '.join(CLOUDS)}")
+                             f"{', '.join(registry.rented())}")
         if not self.regions and not self.clouds:
             raise ValueError("declare local pretend regions under `regions:` or real clouds "
                              "under `clouds:` (or both)")
@@ -164,8 +172,9 @@ class FleetProvider(Provider):
 
     def __init__(self, local: LocalProvider | None, clouds: dict[str, Provider],
                  configs: dict[str, CloudConfig], *, grace_period_s: float = 10.0,
-                 pool_ttl_s: float = 30.0) -> None:
+                 pool_ttl_s: float = 30.0, reason: Callable[[object], str] = one_line) -> None:
         self.local = local
+        self.reason = reason
         self.clouds = clouds
         self.configs = configs
         self.grace_period_s = grace_period_s
@@ -283,7 +292,7 @@ class FleetProvider(Provider):
             backend = self.backends[0]
         else:
             backend = self.for_cloud(request.cloud)
-        nodes = _as_provider_error(backend, "launch", backend.launch, request)
+        nodes = self._call(backend, "launch", backend.launch, request)
         self._remember(backend, nodes)
         return nodes
 
@@ -298,7 +307,7 @@ class FleetProvider(Provider):
                 if name not in self._down:
                     log.warning("%s: cannot list nodes (%s); its jobs wait until it answers",
                                 name, exc)
-                self._down[name] = secrets.reason(exc)
+                self._down[name] = self.reason(exc)
                 continue
             self._down.pop(name, None)
             self._remember(backend, found)
@@ -310,7 +319,7 @@ class FleetProvider(Provider):
         whose lookup fails is passed over."""
         for backend in self.clouds.values():
             try:
-                found = _as_provider_error(backend, "bucket lookup", backend.bucket_region, uri)
+                found = self._call(backend, "bucket lookup", backend.bucket_region, uri)
             except ProviderError as exc:
                 log.info("%s", exc)
                 continue
@@ -337,12 +346,12 @@ class FleetProvider(Provider):
     def terminate(self, node_id: str) -> None:
         backend = self._backend(node_id)
         if backend is not None:  # unknown everywhere: already gone
-            _as_provider_error(backend, "terminate", backend.terminate, node_id)
+            self._call(backend, "terminate", backend.terminate, node_id)
 
     def forget(self, node_id: str) -> None:
         backend = self._backend(node_id)
         if backend is not None:
-            _as_provider_error(backend, "forget", backend.forget, node_id)
+            self._call(backend, "forget", backend.forget, node_id)
 
     def read_log(self, node_id: str, offset: int = 0) -> tuple[list[str], int]:
         backend = self._backend(node_id)
@@ -351,6 +360,19 @@ class FleetProvider(Provider):
     def outlives_agent(self, node: Node) -> bool:
         backend = self._backend(node.node_id)
         return backend is not None and backend.outlives_agent(node)
+
+    def _call(self, backend: Provider, what: str, call: Callable[[Any], T], arg: Any) -> T:
+        """``call(arg)`` with any failure as a ``ProviderError`` (an endpoint unreachable, an
+        SDK's own exception type): the callers handle that one kind, so one cloud's trouble
+        stays a failed launch or a node to retry, not a crash of the broker's pass."""
+        try:
+            return call(arg)
+        except ProviderError:
+            raise
+        except Exception as exc:
+            # a launch request is named by its key: its env holds the attempt token
+            name = getattr(arg, "idempotency_key", arg)
+            raise ProviderError(self.reason(f"{backend.name} {what} {name}: {exc}")) from exc
 
     def _remember(self, backend: Provider, nodes: list[Node]) -> None:
         with self._lock:
@@ -366,21 +388,8 @@ class FleetProvider(Provider):
         return known
 
 
-def _as_provider_error(backend: Provider, what: str, call: Callable[[Any], T], arg: Any) -> T:
-    """``call(arg)`` with any failure as a ``ProviderError`` (an endpoint unreachable, an SDK's
-    own exception type): the callers handle that one kind, so one cloud's trouble stays a
-    failed launch or a node to retry, not a crash of the broker's pass."""
-    try:
-        return call(arg)
-    except ProviderError:
-        raise
-    except Exception as exc:
-        # a launch request is named by its key: its env holds the attempt token
-        name = getattr(arg, "idempotency_key", arg)
-        raise ProviderError(secrets.reason(f"{backend.name} {what} {name}: {exc}")) from exc
-
-
-def build_fleet_provider(path: Path, state_dir: Path, workdir: Path) -> tuple[
+def build_fleet_provider(path: Path, state_dir: Path, workdir: Path, *,
+                         reason: Callable[[object], str] = one_line) -> tuple[
         FleetProvider, dict[str, str]]:
     """The fleet file's providers: ``(provider, skipped clouds -> why)``. Raises ``ValueError``
     naming the file and field for a bad file."""
@@ -390,12 +399,13 @@ def build_fleet_provider(path: Path, state_dir: Path, workdir: Path) -> tuple[
                           checkpoint_root=state_dir / "checkpoints") if local_fleet else None
     options = {name: {"regions": c.regions, **c.options} for name, c in fleet.clouds.items()}
     try:
-        clouds, skipped = build_providers(list(fleet.clouds), options, launchers={
+        clouds, skipped = registry.build_providers(list(fleet.clouds), options, launchers={
             name: c.launcher for name, c in fleet.clouds.items() if c.launcher != "native"})
     except TypeError as exc:  # an option the provider does not take
         raise ValueError(f"{path}: clouds: options: {exc}") from None
     if fleet.clouds and not clouds and local is None:
         log.warning("no cloud of %s is configured and it has no local regions: the broker has "
                     "no capacity until one is", path)
-    provider = FleetProvider(local, clouds, fleet.clouds, grace_period_s=fleet.grace_period_s)
+    provider = FleetProvider(local, clouds, fleet.clouds, grace_period_s=fleet.grace_period_s,
+                             reason=reason)
     return provider, skipped
