@@ -53,6 +53,7 @@ from tests.bench.spot_common import (
     VARIANTS,
     add_beyond_ondemand,
     goal,
+    misses_beyond,
     simulate,
     table,
 )
@@ -141,7 +142,7 @@ def side_by_side(totals: dict[str, dict[str, dict[str, Any]]]) -> None:
             r, od = totals[s][label], totals[s]["ondemand"]["cost_usd"]
             cells += [f"{r['cost_usd']:.0f}", f"{100 * (1 - r['cost_usd'] / od):.1f}",
                       f"{r['avg_jct_h']:.4f}", str(r["deadline_misses"]),
-                      str(r["misses_beyond_ondemand"]),
+                      str(misses_beyond(r)),
                       f"{r['ondemand_gpu_h']:.1f}"]
         print(f"| {label} | " + " | ".join(cells) + " |")
 
