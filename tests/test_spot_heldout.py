@@ -5,6 +5,7 @@ held-out traces stay off the tuning clusters."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -14,6 +15,7 @@ from broker.sim.rounds import sim_pools
 from examples.clusters.heldout import make_clusters as mc
 from examples.workloads.spot.heldout import make_workloads as mw
 from policies.models import Market
+from tests.bench.spot_common import goal
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = [ROOT / "examples" / "clusters" / n for n in ("spot-v100.yaml", "spot-v100-zones.yaml")]
@@ -85,3 +87,21 @@ def test_heldout_workloads_are_up_to_date() -> None:
         lines = path.read_text().splitlines()
         assert lines[1:] == [",".join(map(str, r)) for r in rows], f"{path} is stale"
     assert {r[-1] for r in files[mw.HERE / "pollux-0.5-w1-24h.csv"]} == {86400}
+
+
+def _row(cost: float, misses: int, beyond: int, jct: float = 1.0) -> dict[str, Any]:
+    per = {"cost_usd": cost, "deadline_misses": misses, "misses_beyond_ondemand": beyond,
+           "avg_jct_h": jct}
+    return {**per, "per_workload": [per]}
+
+
+def test_the_goal_counts_misses_beyond_the_on_demand_reference_and_reports_the_raw_count(
+        ) -> None:
+    rows = {"ondemand": _row(100, 5, 0), "skypilot-failover": _row(50, 9, 6),
+            "skypilot-eager": _row(45, 8, 5), "fleet": _row(30, 5, 0, jct=0.9),
+            "fleet + checkpoint on notice": _row(30, 6, 1, jct=0.9)}
+    line = goal(rows, "fleet")
+    assert line.startswith("fleet: goal holds")
+    assert "(misses: 5 raw, 0 beyond on-demand's; on-demand alone misses 5)" in line
+    assert goal(rows, "fleet + checkpoint on notice").startswith(
+        "fleet + checkpoint on notice: goal does NOT hold")

@@ -20,6 +20,7 @@ from broker.sim.workload import WorkloadError, WorkloadJob, read_workload
 from examples.workloads.spot.make_workload import isolated_s
 from policies.choices import placement_for
 from policies.models import Accelerator
+from tests.bench.spot_common import beyond_ondemand
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "clusters" / "spot-v100.yaml"
@@ -312,3 +313,21 @@ def test_a_running_job_whose_growth_fits_nowhere_keeps_its_seat(tmp_path: Path) 
     out = sim._place([a, b, c], assigned, pools, free)
     assert out["b"][1] is dear and out["c"][1] is big and "a" not in out
     assert free[cheap.pool.id] == 16  # A's seat goes back to the next allocation, not to B
+
+
+def test_a_miss_all_on_demand_also_has_is_not_counted_beyond_it(tmp_path: Path) -> None:
+    """The job's deadline is half its isolated run time on the whole cluster: all-on-demand
+    misses it too, so fleet's miss is none beyond the on-demand reference; against a reference
+    that meets the deadline (ten times as long) it is one beyond."""
+    pools = _cluster(tmp_path, _v100("us-east-1", "spot", 0.3, nodes=2),
+                     _v100("us-east-1", "on-demand", 3.0))
+    state = make_job(_job(), CFG).state
+    total_s = isolated_s(state, fleet_capacity([p.pool for p in pools]))
+    lost = [_job("lost", deadline=total_s / 2)]
+    fleet = simulate_spot(lost, pools, CFG, SpotConfig(MarketPolicy.FLEET))
+    ondemand = simulate_spot(lost, pools, CFG, SpotConfig(MarketPolicy.ONDEMAND))
+    assert fleet.missed == ondemand.missed == ("lost",) and fleet.deadline_misses == 1
+    assert beyond_ondemand(fleet, ondemand) == 0
+    met = simulate_spot([_job("lost", deadline=10 * total_s)], pools, CFG,
+                        SpotConfig(MarketPolicy.ONDEMAND))
+    assert met.missed == () and beyond_ondemand(fleet, met) == 1

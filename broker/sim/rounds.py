@@ -143,6 +143,7 @@ class SpotResult:
     cost_usd: float = 0.0
     ondemand_cost_usd: float = 0.0
     deadline_misses: int = 0
+    missed: tuple[str, ...] = ()  # names of the jobs that missed their deadline
     migrations: int = 0  # relaunches in another region than the job last ran in, forced or chosen
     preemptions: int = 0
     lost_work_gpu_h: float = 0.0
@@ -224,9 +225,9 @@ class SpotRounds(abc.ABC):
         res.result.end_time, res.result.rounds = now, rounds
         res.result.unfinished = sum(j.sim.record.completed is None and not j.sim.record.dropped
                                     for j in jobs)
-        res.deadline_misses = sum(
-            int(j.deadline is not None and (j.sim.record.jct is None
-                                            or j.sim.record.jct > j.deadline)) for j in jobs)
+        res.missed = tuple(j.sim.record.name for j in jobs if j.deadline is not None and (
+            j.sim.record.jct is None or j.sim.record.jct > j.deadline))
+        res.deadline_misses = len(res.missed)
         return res
 
     def _gone(self, job: SpotJob) -> bool:
