@@ -148,8 +148,18 @@ class _BoundedJsonRequest(Request):
             try:
                 self._json = load_json(await self.body(), "body")
             except SpecError as exc:
-                raise InvalidInput("invalid request body", exc.problems) from None
+                # FastAPI's body parsing lets only HTTPExceptions through as they are (anything
+                # else becomes a bare 400): the error travels inside one to the one handler
+                raise _Carried(InvalidInput("invalid request body", exc.problems)) from None
         return self._json
+
+
+class _Carried(StarletteHTTPException):
+    """A FleetError raised where only an HTTPException reaches the handler unchanged."""
+
+    def __init__(self, error: errors.FleetError) -> None:
+        super().__init__(error.status, error.message)
+        self.error = error
 
 
 class _BoundedJsonRoute(APIRoute):
@@ -741,6 +751,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, _Carried):
+            return await fleet_error(request, exc.error)
         # routing's own (an unknown path: 404, a wrong method: 405)
         return JSONResponse(_error_body(exc.status_code, str(exc.detail), []),
                             status_code=exc.status_code, headers=exc.headers)

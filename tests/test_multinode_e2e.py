@@ -26,12 +26,13 @@ grace_period_s: 10
 regions:
   - {cloud: aws, region: us-east-1, market: spot, price_per_gpu_hour: 0.35, gpus: 2, nodes: 2}
 """
+# 600 steps: long enough that the lost node goes mid-run even on an idle machine
 SPEC = """
 name: gang
-run: python examples/train_digits.py --steps 60 --batch-size 32 --batch-mode fixed
+run: python examples/train_digits.py --steps 600 --batch-size 32 --batch-mode fixed
 gpus: 2
 batch_size: {min: 32, max: 32}
-work: {steps: 60}
+work: {steps: 600}
 checkpoint: {interval: 5steps}
 """
 
