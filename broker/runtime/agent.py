@@ -274,29 +274,16 @@ class Agent:
                 "WORLD_SIZE": str(self.nnodes * c.nproc),
                 "LOCAL_RANK": str(local_rank),
                 "LOCAL_WORLD_SIZE": str(c.nproc),
-                "GROUP_RANK": str(c.node_rank),
-                "MASTER_ADDR": self.master[0],
-                "MASTER_PORT": str(self.master[1]),
-                Env.JOB_ID: c.job_id,
-                Env.ATTEMPT: str(c.attempt),
-                Env.ROUND: str(self.round),
-                Env.NPROC: str(c.nproc),
-                Env.NNODES: str(self.nnodes),
-                Env.NODE_RANK: str(c.node_rank),
-                Env.PROGRESS_FILE: str(self.progress_file),
-                failure.ERROR_ENV: str(self.workdir / "error"),
-                "PYTHONUNBUFFERED": "1",
+                **self._node_vars(),
             }
         )
         if c.nproc > 1:
             env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: no oversubscribed cores
         return env
 
-    def node_env(self) -> dict[str, str]:
-        """The one per-node process's: FleetBroker's node variables and SkyPilot's (setup and run
-        see the same rank and IPs: one process runs both)."""
+    def _node_vars(self) -> dict[str, str]:
+        """What every process the agent starts sees of the node and the round."""
         c = self.config
-        ips = "\n".join(self.hosts)
         return {
             "GROUP_RANK": str(c.node_rank),
             "MASTER_ADDR": self.master[0],
@@ -310,6 +297,15 @@ class Agent:
             Env.PROGRESS_FILE: str(self.progress_file),
             failure.ERROR_ENV: str(self.workdir / "error"),
             "PYTHONUNBUFFERED": "1",
+        }
+
+    def node_env(self) -> dict[str, str]:
+        """The one per-node process's: FleetBroker's node variables and SkyPilot's (setup and run
+        see the same rank and IPs: one process runs both)."""
+        c = self.config
+        ips = "\n".join(self.hosts)
+        return {
+            **self._node_vars(),
             "SKYPILOT_NODE_RANK": str(c.node_rank),
             "SKYPILOT_SETUP_NODE_RANK": str(c.node_rank),
             "SKYPILOT_NODE_IPS": ips,
