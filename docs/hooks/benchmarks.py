@@ -204,8 +204,7 @@ def classic_heldout(data: dict[str, Any]) -> str:
 
 def dashboard(data: dict[str, Any]) -> str:
     states = ", ".join(f"{n} {s}" for s, n in data["states"].items())
-    out = [f"{data['jobs']:,} jobs ({states}); Chromium {data['chromium']}; {data['cpus']} CPUs "
-           f"at a load average of {data['load_average'][0]}-{data['load_average'][1]}; "
+    out = [f"{data['jobs']:,} jobs ({states}); Chromium {data['chromium']}; {data['cpus']} CPUs; "
            f"{data['loads_per_page']} loads per page after a first one.", "",
            "| page | first (wall) | median (wall) | max (wall) | median (in browser) |",
            "|---|---|---|---|---|"]
@@ -223,9 +222,8 @@ def metrics(data: dict[str, Any]) -> str:
     states = ", ".join(f"{n:,} {s}" for s, n in data["states"].items())
     return "\n".join([
         f"{data['jobs']:,} jobs ({states}), {data['teams']} teams, {data['pools']} pools; "
-        f"{data['series']} series, {data['response_bytes']:,} bytes per scrape. Measured on "
-        f"{data['cpus']} CPUs with a 1-minute load average of {data['load_avg_1m']} at the end "
-        "(other work shared the CPUs).\n",
+        f"{data['series']} series, {data['response_bytes']:,} bytes per scrape, "
+        f"{data['cpus']} CPUs.\n",
         "| scrape | time |", "|---|---|",
         f"| first (a fresh API process reads every job once) | {data['first_scrape_ms']:,.0f} ms |",
         f"| next {data['scrapes']}: median | {ms['median']:.1f} ms |",
