@@ -173,12 +173,6 @@ class Reconciler:
             for node in gang.alive:  # idempotent: again each pass until they are gone
                 self.provider.terminate(node.node_id)
             return False
-        if gang.finishing and job.samples_done >= job.spec.work_samples:
-            # The work is done: a rank still up (a stand-in waiting at a rendezvous its finished
-            # peers will never come to) has nothing left to do, and the job settles once it goes.
-            for node in gang.alive:
-                self.provider.terminate(node.node_id)
-            return False
         if gang.finishing or not gang.alive or not gang.lost:
             return False
         decision, why = self._decide(job, len(gang.lost))
