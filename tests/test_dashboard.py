@@ -401,3 +401,6 @@ def test_a_live_brokers_jobs_on_the_pages(live_broker: dict[str, str], store: St
         assert tab.problems == []
     finally:
         tab.close()
+        # the long job ends here, through the broker, so no job process outlives the test
+        httpx.post(url + f"/v1/jobs/{ids['long']}/cancel", headers=auth)
+        wait_for(store, ids["long"], lambda j: j.state.terminal)
