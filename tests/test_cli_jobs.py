@@ -15,13 +15,12 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from typer.testing import CliRunner
 
-from broker.cli import app
 from broker.models import JobState
 from broker.store import Plan, Store
 from policies.models import Accelerator, Market, Pool
 from tests.api_server import TOKENS, ApiServer, api_stack
+from tests.builders import fleet
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "jobs" / "digits-elastic.yaml"
@@ -45,13 +44,6 @@ def env(shared: tuple[ApiServer, Store], tmp_path: Path) -> dict[str, str]:
     """Client settings for team ``ml``; the config file lives in the test's temp dir."""
     return {"FLEET_URL": shared[0].url, "FLEET_TOKEN": TOKENS["ml"],
             "FLEET_CONFIG": str(tmp_path / "fleet" / "config.yaml")}
-
-
-def fleet(env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args), env=env)
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
 
 
 def test_launch_list_show_cancel(store: Store, env: dict[str, str]) -> None:

@@ -17,15 +17,14 @@ import boto3
 import httpx
 import pytest
 from moto.server import ThreadedMotoServer
-from typer.testing import CliRunner
 
-from broker.cli import app
 from broker.files import MAX_BLOB_BYTES, PackError, pack
 from broker.models import JobRecord, JobState
 from broker.runtime.agent import free_port
 from broker.runtime.files import unpack
 from broker.server import Broker
 from broker.store import Store
+from tests.builders import fleet
 from tests.live_broker import TEAM_TOKEN, live_broker
 from tests.redis_server import RedisServer
 
@@ -92,13 +91,6 @@ def broker(redis_server: RedisServer, store: Store, tmp_path: Path,
            monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
     with live_broker(redis_server.url, store, tmp_path, FLEET, monkeypatch) as running:
         yield running
-
-
-def fleet(env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args), env=env)
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
 
 
 def finished(store: Store, job_id: str, timeout: float = 90) -> JobRecord:

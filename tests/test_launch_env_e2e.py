@@ -13,13 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from broker.cli import app
 from broker.models import JobRecord
 from broker.sealed import KEY_FILE
 from broker.server import Broker
 from broker.store import Store
+from tests.builders import fleet
 from tests.live_broker import TEAM_TOKEN, live_broker
 from tests.redis_server import RedisServer
 
@@ -48,13 +47,6 @@ def broker(redis_server: RedisServer, store: Store, tmp_path: Path,
            monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
     with live_broker(redis_server.url, store, tmp_path, FLEET, monkeypatch) as running:
         yield running
-
-
-def fleet(env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args), env=env)
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
 
 
 def everything_in(store: Store) -> str:
