@@ -67,6 +67,7 @@ class Env:
     PROGRESS_FILE = "FLEET_PROGRESS_FILE"
     PROGRESS_INTERVAL = "FLEET_PROGRESS_INTERVAL"
     ERROR_FILE = "FLEET_ERROR_FILE"
+    INTEGRATIONS = "FLEET_INTEGRATIONS"  # "off": the agent injects no framework integration
     # talking to the broker
     BROKER_URL = "FLEET_BROKER_URL"
     AGENT_TOKEN = "FLEET_AGENT_TOKEN"

@@ -42,7 +42,7 @@ from broker.protocol import (
     RENDEZVOUS_PATH,
     Env,
 )
-from broker.runtime import failure
+from broker.runtime import failure, integrations
 from broker.runtime.assignment import AssignmentError, env_float, env_int
 from broker.runtime.files import FilesError, files_of, files_root, place
 from broker.runtime.notices import pollers
@@ -266,6 +266,10 @@ class Agent:
         c = self.config
         # The job's code needs no token: heartbeats are the agent's alone.
         env = {k: v for k, v in self.env.items() if k not in SECRET_ENV}
+        if env.get(Env.INTEGRATIONS, "on") != "off":
+            env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [str(integrations.BOOT_DIR), env.get("PYTHONPATH")])
+            )
         if c.per_node:
             return {**env, **self.node_env()}
         env.update(
