@@ -16,5 +16,8 @@ from pathlib import Path
 
 BOOT_DIR = Path(__file__).parent / "boot"
 
-# watched top-level module -> the integration module whose ``install(module)`` it triggers
-HOOKS: dict[str, str] = {}
+# watched module -> the integration module whose ``install(module)`` it triggers
+HOOKS: dict[str, str] = {
+    "lightning.pytorch": "broker.runtime.integrations.lightning",
+    "pytorch_lightning": "broker.runtime.integrations.lightning",
+}
