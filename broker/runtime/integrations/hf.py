@@ -17,8 +17,10 @@ exit 75), and the progress file. The Trainer iterates the runtime's micro-batche
 restored position, so it never skips batches itself; the runtime's own gradient accumulation
 stays idle, as it acts only inside its own iteration.
 
-Not covered (such a Trainer runs as the plain script, with a warning): a training set without a
-length, a Trainer subclass with its own ``get_train_dataloader``. Only the ``fixed`` batch mode.
+A ``resume_from_checkpoint`` the script passes to ``train`` is ignored, with a warning: the
+job's position is its latest checkpoint in FLEET_CHECKPOINT_URI. Not covered (such a Trainer runs
+as the plain script, with a warning): a training set without a length, a Trainer subclass with
+its own ``get_train_dataloader``. Only the ``fixed`` batch mode.
 """
 
 from __future__ import annotations
@@ -166,13 +168,13 @@ def attach(trainer: Any) -> FleetCallback | None:
 
 
 def install(module: ModuleType) -> None:
-    """Wrap ``transformers.trainer.Trainer``'s constructor and training data loader."""
+    """Wrap ``transformers.trainer.Trainer``'s constructor, training data loader and ``train``."""
     if not torch.accelerator.is_available():
         # Without it, accelerate runs the workers of a machine without an accelerator as
         # separate single-process jobs, each training its own model (it wants use_cpu=True).
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     cls = module.Trainer
-    init, loader = cls.__init__, cls.get_train_dataloader
+    init, loader, train = cls.__init__, cls.get_train_dataloader, cls.train
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -188,6 +190,19 @@ def install(module: ModuleType) -> None:
         callback.source = own
         return _Loader(callback, own, callback.steps * self.args.gradient_accumulation_steps)
 
+    @functools.wraps(train)
+    def train_(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint and getattr(self, "_fleet", None) is not None:
+            # The Trainer would skip batches and set its step from its own checkpoint, at odds
+            # with the position the runtime restores.
+            _warn(
+                f"train(resume_from_checkpoint={resume_from_checkpoint!r}) is ignored: the job "
+                f"resumes from its latest checkpoint in {Env.CHECKPOINT_URI}"
+            )
+            resume_from_checkpoint = None
+        return train(self, resume_from_checkpoint, *args, **kwargs)
+
     get_train_dataloader.fleet = True  # type: ignore[attr-defined]  # not a subclass's own
     cls.__init__ = __init__
     cls.get_train_dataloader = get_train_dataloader
+    cls.train = train_
