@@ -43,7 +43,7 @@ def agent(tmp: Path, nproc: int, *extra: str, stop_at_step: int | None = None):
         nproc=nproc,
         checkpoint_uri=tmp / "ckpt",
         global_batch_size=BATCH,
-        checkpoint_every_steps=4,
+        checkpoint_every_steps=2,
     )
     return run_job(command, env, tmp, stop_at_step=stop_at_step, timeout=180)
 
@@ -66,20 +66,21 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_stopped_trainer_resumes_at_another_size_exactly(
     reference: Path, tmp_path: Path, before: int, after: int
 ) -> None:
-    first = agent(tmp_path, before, stop_at_step=5)
+    first = agent(tmp_path, before, stop_at_step=3)
     assert first.code == 75, first.output
     manifests = [
         json.loads(p.read_text()) for p in (tmp_path / "ckpt").glob("step-*/MANIFEST.json")
     ]
     saved = max(manifests, key=lambda m: m["step"])
-    assert 5 <= saved["step"] < STEPS and saved["world_size"] == before, saved
-    assert any(m["step"] % 4 == 0 and m["step"] < saved["step"] for m in manifests)  # periodic
+    assert 3 <= saved["step"] < STEPS and saved["world_size"] == before, saved
+    assert any(m["step"] % 2 == 0 and m["step"] < saved["step"] for m in manifests)  # periodic
     assert saved["global_batch_size"] == BATCH, saved
 
     second = agent(tmp_path, after, "--save-final", str(tmp_path / "final.pt"))
     assert second.code == 0, second.output
     assert f"resumed from step {saved['step']} (written by {before} ranks)" in second.output
-    assert max_abs_diff(reference, tmp_path / "final.pt") <= 1e-5
+    diff = max_abs_diff(reference, tmp_path / "final.pt")
+    assert diff <= 1e-5, diff
     report = progress(tmp_path)
     assert report["finished"] and report["step"] == STEPS and report["world_size"] == after
     assert report["samples_done"] == STEPS * BATCH and report["samples_per_sec"] > 0
