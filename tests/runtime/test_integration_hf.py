@@ -149,17 +149,32 @@ def test_the_batch_arguments_follow_the_jobs_global_batch(
         hf.attach(trainer)
 
 
-def test_a_trainer_with_its_own_data_loader_runs_as_written(
-    patched, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("case", ["own loader", "auto batch"])
+def test_a_trainer_the_integration_cannot_serve_runs_as_written(
+    patched,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
 ) -> None:
     class Own(patched.Trainer):
         def get_train_dataloader(self):
             return super().get_train_dataloader()
 
-    trainer = tiny_trainer(patched, tmp_path, Own, per_device_train_batch_size=4, max_steps=3)
+    monkeypatch.setenv(Env.GLOBAL_BATCH_SIZE, "12")
+    cls, auto = (Own, False) if case == "own loader" else (None, True)
+    trainer = tiny_trainer(
+        patched,
+        tmp_path,
+        cls,
+        per_device_train_batch_size=4,
+        max_steps=3,
+        auto_find_batch_size=auto,
+    )
     assert trainer.args.gradient_accumulation_steps == 1
     assert not any(isinstance(c, hf.FleetCallback) for c in trainer.callback_handler.callbacks)
-    assert "Own builds its own training data loader" in capsys.readouterr().err
+    expected = "Own builds its own" if cls else "auto_find_batch_size changes the batch"
+    assert expected in capsys.readouterr().err
 
 
 def test_the_jobs_checkpoint_wins_over_the_scripts_resume(

@@ -19,8 +19,8 @@ stays idle, as it acts only inside its own iteration.
 
 A ``resume_from_checkpoint`` the script passes to ``train`` is ignored, with a warning: the
 job's position is its latest checkpoint in FLEET_CHECKPOINT_URI. Not covered (such a Trainer runs
-as the plain script, with a warning): a training set without a length, a Trainer subclass with
-its own ``get_train_dataloader``. Only the ``fixed`` batch mode.
+as the plain script, with a warning): a training set without a length, ``auto_find_batch_size``,
+a Trainer subclass with its own ``get_train_dataloader``. Only the ``fixed`` batch mode.
 """
 
 from __future__ import annotations
@@ -128,6 +128,12 @@ def attach(trainer: Any) -> FleetCallback | None:
     if not hasattr(data, "__len__"):
         _warn(
             "the training set has no length, so its order cannot follow the job's: "
+            "this Trainer runs without the fleet integration"
+        )
+        return None
+    if args.auto_find_batch_size:
+        _warn(
+            "auto_find_batch_size changes the batch the job's maths is fixed to: "
             "this Trainer runs without the fleet integration"
         )
         return None
