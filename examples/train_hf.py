@@ -2,9 +2,9 @@
 
 Nothing in it knows FleetBroker. Run under the agent
 (``python -m broker.runtime.agent --nproc 2 -- python examples/train_hf.py``) it checkpoints on
-a stop, resumes at any world size and keeps its global batch (``--batch-size`` x
-``--grad-accum`` x the first launch's workers); see docs/runtime.md. It also runs as one
-process or under ``torchrun``, as any Trainer script does.
+a stop, resumes at any world size and keeps the job's global batch (FLEET_GLOBAL_BATCH_SIZE, else
+``--batch-size`` x ``--grad-accum`` x the first launch's workers); see docs/runtime.md. It also
+runs as one process or under ``torchrun``, as any Trainer script does.
 
 The sequences count up from a random start by a random stride (mod the vocabulary), so the
 loss falls as the model learns to continue them. Dropout is off: a dropout mask depends on
