@@ -60,6 +60,8 @@ def main() -> None:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     torch.manual_seed(args.seed)
     model = GPT2LMHeadModel(config)
