@@ -7,7 +7,9 @@ global batch ``B`` (the latest checkpoint's; else FLEET_GLOBAL_BATCH_SIZE; else 
 ranks takes ``B / W`` samples a step as ``G`` equal micro-batches no larger than the script's
 per-device batch; the Trainer's own accumulation (mean loss / ``G``, DDP's mean over ranks, or
 its token count over the global batch) then gives the mean-loss gradient of the same ``B``
-samples at any world size.
+samples at any world size. The micro-batch (the largest divisor of ``B / W`` within the cap) is
+the same at every ``W`` that divides ``B`` by it, which keeps even a model whose loss ignores the
+Trainer's ``num_items_in_batch`` (the Trainer then scales its gradient by ``W x G``) exact.
 
 The state lives in the runtime's own :class:`broker.runtime.trainer.Trainer`, built when training
 begins: data order from (seed, epoch, sample index) only, sharded checkpoints in
