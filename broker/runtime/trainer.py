@@ -64,6 +64,10 @@ class Trainer:
     every ``checkpoint_every_steps`` / ``checkpoint_every_seconds`` (default: the job spec's
     interval, FLEET_CHECKPOINT_EVERY_*), keeping ``keep_checkpoints``.
     ``seed`` fixes the data order. ``assignment`` replaces the environment (tests, notebooks).
+
+    A framework that runs its own loop (``broker.runtime.integrations.hf``) takes its data from
+    :meth:`batches` and calls :meth:`step_done`, :meth:`boundary` after each optimizer step and
+    :meth:`finish` at the end, as iterating the trainer does.
     """
 
     def __init__(
@@ -399,7 +403,8 @@ class Trainer:
             yield self._plan(samples_done)
             samples_done += self._step_samples(samples_done)
 
-    def _batches(self) -> Iterator[Any]:
+    def batches(self) -> Iterator[Any]:
+        """This rank's micro-batches, from the current position to the end of the job."""
         if isinstance(self.dataset, TensorDataset) and self.num_workers == 0:
             for plan in self._plans(self.samples_done):
                 for mb in plan:
@@ -415,10 +420,10 @@ class Trainer:
         )
 
     def __iter__(self) -> Iterator[Any]:
-        batches = self._batches()
+        batches = self.batches()
         try:
             while True:
-                self._boundary()
+                self.boundary()
                 if self.samples_done >= self.total_samples:
                     break
                 plan = self._plan(self.samples_done)
@@ -430,20 +435,28 @@ class Trainer:
                         self._ddp.require_backward_grad_sync = mb.last
                     yield next(batches)
                 self._micro = None
-                self.samples_done += self._step_samples(self.samples_done)
-                self.step += 1
-                self._write_progress()
+                self.step_done()
             self._micro = None
-            self.finished = True
-            self._checkpoint(sync=True)
-            self._write_progress(force=True)
+            self.finish()
         finally:
             self._micro = None
             if self._ddp is not None:
                 self._ddp.require_backward_grad_sync = True
             self._restore_signals()
 
-    def _boundary(self) -> None:
+    def step_done(self) -> None:
+        """Count the step just taken and report progress."""
+        self.samples_done += self._step_samples(self.samples_done)
+        self.step += 1
+        self._write_progress()
+
+    def finish(self) -> None:
+        """The job's work is done: a final, synchronous checkpoint and progress report."""
+        self.finished = True
+        self._checkpoint(sync=True)
+        self._write_progress(force=True)
+
+    def boundary(self) -> None:
         """Between steps: agree with every rank on checkpoint/stop, then act on it."""
         now = time.monotonic()
         timer = bool(self.every_seconds) and now - self._last_ckpt_time >= self.every_seconds  # type: ignore[operator]

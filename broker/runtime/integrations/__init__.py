@@ -16,5 +16,6 @@ from pathlib import Path
 
 BOOT_DIR = Path(__file__).parent / "boot"
 
-# watched top-level module -> the integration module whose ``install(module)`` it triggers
-HOOKS: dict[str, str] = {}
+# watched module -> the integration module whose ``install(module)`` it triggers. The Trainer's
+# own module, not the package: a script that only tokenises never loads (nor pays for) it.
+HOOKS: dict[str, str] = {"transformers.trainer": "broker.runtime.integrations.hf"}
