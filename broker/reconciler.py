@@ -173,6 +173,14 @@ class Reconciler:
             for node in gang.alive:  # idempotent: again each pass until they are gone
                 self.provider.terminate(node.node_id)
             return False
+        if gang.finishing and job.round > 0 and job.samples_done >= job.spec.work_samples and \
+                gang.finished - self.store.checked_in([job]).get(job.id, set()):
+            # The work is done, and a rank that finished it never came to the round the others
+            # wait in (a stand-in launched for a lost peer): that group cannot form. The ranks
+            # still up have nothing left to do, and the job settles once they are gone.
+            for node in gang.alive:
+                self.provider.terminate(node.node_id)
+            return False
         if gang.finishing or not gang.alive or not gang.lost:
             return False
         decision, why = self._decide(job, len(gang.lost))

@@ -20,14 +20,18 @@ from providers.base import Node, NodeState
 class GangState:
     """``lost``: ranks to stand in for; ``alive``: the nodes that live on; ``warned``: the job's
     nodes under a preemption notice (reclaimed rather than lost); ``failed``: a rank's command
-    ended with a failure (the job cannot go on, nothing is replaced); ``finishing``: a rank
-    ended its command successfully (the job is ending)."""
+    ended with a failure (the job cannot go on, nothing is replaced); ``finished``: the ranks
+    whose command ended successfully (the job is ending)."""
 
     lost: list[int]
     alive: list[Node]
     warned: frozenset[str]
     failed: bool
-    finishing: bool
+    finished: frozenset[int]
+
+    @property
+    def finishing(self) -> bool:
+        return bool(self.finished)
 
 
 def gang_state(job: JobRecord, nodes: Mapping[str, Node], noticed: Collection[str],
@@ -42,13 +46,13 @@ def gang_state(job: JobRecord, nodes: Mapping[str, Node], noticed: Collection[st
                        or n.state is NodeState.PREEMPTING or (n.rank or 0) in report.notices)
     # How a reclaimed node's command ended says nothing of the job (killed after its grace).
     spared = {n.rank or 0 for n in mine if n.node_id in warned} | set(report.notices)
-    codes = [*(n.exit_code for n in mine
+    ended = [*((n.rank or 0, n.exit_code) for n in mine
                if n.state is NodeState.TERMINATED and n.node_id not in warned),
-             *(c for r, c in report.exits.items() if r not in spared)]
-    failed = any(c not in (None, EXIT_FINISHED, EXIT_STOPPED) for c in codes)
-    finishing = EXIT_FINISHED in codes
+             *((r, c) for r, c in report.exits.items() if r not in spared)]
+    failed = any(c not in (None, EXIT_FINISHED, EXIT_STOPPED) for _, c in ended)
+    finished = frozenset(r for r, c in ended if c == EXIT_FINISHED)
     alive = [n for n in mine if n.state is not NodeState.TERMINATED and n.node_id not in warned
              and (checked_in is None or (n.rank or 0) in checked_in)]
     known = {n.rank for n in alive if n.rank is not None}
     lost = sorted(set(range(job.nodes)) - known) if len(known) == len(alive) else []
-    return GangState(lost, alive, warned, failed, finishing)
+    return GangState(lost, alive, warned, failed, finished)

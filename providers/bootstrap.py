@@ -271,6 +271,8 @@ fleet_exit() {
     echo "fleet: the agent exited with $code; reporting the failure to the broker" >&2
     ( fleet_job_env; fleet_report_failure "$code" ) || echo "fleet: could not report it" >&2
   fi
+  # the agent deletes the token file when it starts; one that never started leaves it
+  [ -z "${@AGENT_TOKEN_FILE:-}" ] || rm -f "$@AGENT_TOKEN_FILE"
   if [ -n "$fleet_shutdown" ]; then
     echo "fleet: powering off: $fleet_shutdown" >&2
     sh -c "$fleet_shutdown" || echo "fleet: the power-off command failed" >&2

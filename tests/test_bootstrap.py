@@ -78,7 +78,9 @@ def start_script(script: str, tmp_path: Path, real: Collection[str] = (),
         stub.chmod(0o755)
     path = tmp_path / "user-data.sh"
     path.write_text(script)
-    env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin", "STATE": str(tmp_path), **machine_env}
+    (tmp := tmp_path / "tmp").mkdir(exist_ok=True)
+    env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin", "STATE": str(tmp_path),
+           "TMPDIR": str(tmp), **machine_env}
     return subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -91,6 +93,8 @@ def finish(proc: subprocess.Popen, tmp_path: Path,
     finally:
         proc.kill()  # our own child, if the wait timed out
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+    # the token file: the agent deletes it, else the exit trap (the shim agent deletes nothing)
+    assert not list((tmp_path / "tmp").glob("fleet-agent-token.*"))
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), calls
 
 

@@ -289,6 +289,27 @@ def test_a_finished_gang_whose_vms_are_deleted_completes(
     assert (done.state, done.preemptions, done.failures) == (JobState.COMPLETED, 0, 0)
 
 
+def test_a_gang_that_finishes_while_a_stand_in_waits_completes(
+        store: Store, provider: LocalProvider) -> None:
+    """Rank 1 is lost and a stand-in launched; before it joins, rank 0 reports the whole work
+    done and exits 0 (a short job outruns the replacement). The stand-in would wait at a
+    rendezvous no one comes to: it is stopped and the job completes."""
+    loop = Loop(store, provider, replace=True)
+    job, ranks = running_gang(loop)
+    provider.lose(ranks[1])
+    loop.until(lambda: loop.job(job.id).round == 1 and len(loop.job(job.id).node_ids) == 2)
+    (stand_in,) = [i for i in loop.job(job.id).node_ids if i != ranks[0]]
+    store.record_heartbeat(job.id, job.attempt, node_rank=0, round=1, exit_code=0,
+                           samples_done=job.spec.work_samples, launch_key=job.launch_key)
+    provider.lose(ranks[0])
+    provider.forget(ranks[0])  # its exit is known from the report alone, as on a deleted VM
+    loop.until(lambda: loop.job(job.id).state.terminal)
+    done = loop.job(job.id)
+    assert (done.state, done.failures) == (JobState.COMPLETED, 0)
+    assert all(n.state is NodeState.TERMINATED for n in provider.nodes()
+               if n.node_id == stand_in)
+
+
 def test_a_reclaimed_node_killed_after_its_grace_is_mended_not_failed(
         store: Store, provider: LocalProvider) -> None:
     """The reclaimed node's command dies with 1 (killed after the grace period): that says

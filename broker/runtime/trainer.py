@@ -138,7 +138,7 @@ class Trainer:
             self.every_steps, self.every_seconds = (a.checkpoint_every_steps,
                                                     a.checkpoint_every_seconds)
 
-        self._init_distributed(a)
+        self._init_distributed(a, on_gpu=any(p.is_cuda for p in model.parameters()))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         multi = self.world_size > 1
@@ -218,13 +218,15 @@ class Trainer:
 
     # ---- set-up -----------------------------------------------------------------------------
     @staticmethod
-    def _init_distributed(a: Assignment) -> None:
-        """Start the process group unless the script already did (gloo on CPU, NCCL on GPU)."""
+    def _init_distributed(a: Assignment, *, on_gpu: bool) -> None:
+        """Start the process group unless the script already did: NCCL for a model on the GPU,
+        gloo for one on the CPU (a CPU model on a GPU machine too: NCCL takes CUDA tensors
+        only)."""
         if not a.distributed or dist.is_initialized():
             return
-        if torch.cuda.is_available():
+        if on_gpu:
             torch.cuda.set_device(a.local_rank)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if on_gpu else "gloo")
 
     def _restore(self) -> None:
         if self.checkpointer is None:

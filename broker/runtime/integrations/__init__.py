@@ -16,8 +16,11 @@ from pathlib import Path
 
 BOOT_DIR = Path(__file__).parent / "boot"
 
-# watched module -> the integration module whose ``install(module)`` it triggers
+# watched module -> the integration module whose ``install(module)`` it triggers. For transformers
+# the Trainer's own module, not the package: a script that only tokenises never loads (nor pays
+# for) it.
 HOOKS: dict[str, str] = {
+    "transformers.trainer": "broker.runtime.integrations.hf",
     "lightning.pytorch": "broker.runtime.integrations.lightning",
     "pytorch_lightning": "broker.runtime.integrations.lightning",
 }
