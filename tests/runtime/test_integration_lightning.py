@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from broker.protocol import Env
+from broker.protocol import EXIT_STOPPED, Env
 from broker.runtime.data import sample_indices
 from broker.runtime.integrations import lightning as lightning_integration
 from tests.runtime.jobs import ROOT, job_env, progress, run_job
@@ -109,7 +110,7 @@ def patched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     return module
 
 
-def tiny_fit(module, model, loader, steps: int, *callbacks) -> object:
+def tiny_fit(module, model, loader, steps: int, *callbacks, val=None) -> object:
     trainer = module.Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -119,7 +120,7 @@ def tiny_fit(module, model, loader, steps: int, *callbacks) -> object:
         enable_model_summary=False,
         callbacks=list(callbacks),
     )
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, val)
     return trainer
 
 
@@ -170,3 +171,20 @@ def test_a_fit_the_integration_cannot_serve_runs_as_written(
     assert "manual optimization is not supported" in capsys.readouterr().err
     assert trainer.global_step == 3 and progress(tmp_path) == {}
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def test_a_stop_lightning_sees_before_the_runtime_exits_as_stopped(patched) -> None:
+    ex = example()
+    data = DataLoader(ex.synthetic(40, 4, 0), batch_size=5)
+
+    class Validated(ex.Regressor):
+        def validation_step(self, batch, batch_idx) -> None:
+            pass
+
+    class StopDuringSanityCheck(patched.Callback):
+        def on_sanity_check_start(self, trainer, module) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler is the one installed
+
+    with pytest.raises(SystemExit) as stopped:
+        tiny_fit(patched, Validated(4, 8, 1e-2, 3), data, 3, StopDuringSanityCheck(), val=data)
+    assert stopped.value.code == EXIT_STOPPED

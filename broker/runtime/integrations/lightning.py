@@ -36,7 +36,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from broker.protocol import Env
+from broker.protocol import EXIT_STOPPED, Env
 from broker.runtime.assignment import Assignment, AssignmentError
 from broker.runtime.integrations.batching import saved_batch, split
 from broker.runtime.trainer import Trainer as Runtime
@@ -119,7 +119,7 @@ def take_over(trainer: Any, loader: Any) -> tuple[Runtime, _Loader] | None:
     return runtime, _Loader(runtime, (steps - runtime.step) * accumulate)
 
 
-def _callback_class(base: type) -> type:
+def _callback_class(base: type, sigterm: type[BaseException]) -> type:
     class FleetCallback(base):  # type: ignore[misc, valid-type]
         """Takes over ``fit``'s training data and drives the runtime from Lightning's hooks."""
 
@@ -156,6 +156,11 @@ def _callback_class(base: type) -> type:
                 self.runtime.finish()
 
         def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            if isinstance(exception, sigterm):
+                # Lightning's own SIGTERM handler saw the stop, before the runtime's took over:
+                # nothing trained since the latest checkpoint, so it is a clean stop, not the
+                # exit 0 (finished) Lightning would give it.
+                exception.code = EXIT_STOPPED  # type: ignore[attr-defined]
             self.close()
 
         def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -174,7 +179,8 @@ def install(module: ModuleType) -> None:
     """Wrap ``module.Trainer.__init__`` (``module``: ``lightning.pytorch`` or
     ``pytorch_lightning``) to add the agent's cluster environment and the callback."""
     environments = importlib.import_module(f"{module.__name__}.plugins.environments")
-    callback_class = _callback_class(module.Callback)
+    exceptions = importlib.import_module(f"{module.__name__}.utilities.exceptions")
+    callback_class = _callback_class(module.Callback, exceptions.SIGTERMException)
 
     class AgentEnvironment(environments.TorchElasticEnvironment):
         """torchrun's variables as the agent sets them (it sets no GROUP_RANK)."""
