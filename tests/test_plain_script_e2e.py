@@ -72,7 +72,7 @@ def test_a_plain_script_is_recorded_and_shown_as_restarting_from_the_beginning(
     assert job.resumable is False and job.state is JobState.RUNNING
     code, out, _ = fleet(env, "job", job_id)
     assert code == 0
-    assert "restart restarts from the beginning: a move, resize or preemption restarts this " \
+    assert "restarts from the beginning: a move, resize or preemption restarts this " \
            "plain script from step 0" in " ".join(out.split())
     code, out, _ = fleet(env, "job", job_id, "--json")
     assert json.loads(out)["job"]["resumable"] is False

@@ -273,7 +273,8 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
            else "")
         + (f" ({_size(j['checkpoint_bytes'])})" if j.get("checkpoint_bytes") is not None
            else ""),
-        f"restart {escape(restart_notice(j.get('resumable')))}",
+        escape(("" if j.get("resumable") is not None else "not known yet: ")
+               + restart_notice(j.get("resumable"))),
         f"rescales {j['rescales']}  migrations {j['migrations']}  preemptions "
         f"{j['preemptions']}  GPU-hours {out['gpu_hours']:.4f}  cost ${out['cost']:.4f} "
         f"(on-demand ${out['ondemand_cost']:.4f})",
