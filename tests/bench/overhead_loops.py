@@ -210,6 +210,9 @@ def main() -> None:
 
     def timed(loop: Callable[[LoopConfig, OnStep], None]) -> Callable[[OnStep], None]:
         def run(on_step: OnStep) -> None:
+            if cuda:
+                torch.cuda.set_device(device)  # the current device is per thread
+
             def step_end() -> None:
                 if cuda:
                     torch.cuda.synchronize()  # a step is done when its kernels are
