@@ -247,7 +247,8 @@ def list_jobs(
 def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
              as_json: bool = JsonOpt, url: str | None = UrlOpt,
              token: str | None = TokenOpt) -> None:
-    """Show one job: state, assignment, progress, placements and cost."""
+    """Show one job: state, assignment, progress, whether a move resumes it or restarts it from
+    the beginning, placements and cost."""
     with BrokerClient(url, token) as client:
         out = client.job(job_id)
     if as_json:
