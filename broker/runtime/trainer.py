@@ -215,6 +215,8 @@ class Trainer:
                 self.samples_done,
                 self.total_samples,
             )
+        # at once: the agent tells the broker this job resumes where it stops
+        self._write_progress(force=True)
 
     # ---- set-up -----------------------------------------------------------------------------
     @staticmethod
@@ -547,6 +549,8 @@ class Trainer:
             "checkpoint_seconds": committed[2] if committed else None,
             "grad_noise_scale": self.noise.value,
             "finished": self.finished,
+            # without checkpoints a move restarts the job from the beginning
+            "resumable": self.checkpointer is not None,
         }
         tmp = Path(f"{path}.tmp")
         tmp.write_text(json.dumps(record))
