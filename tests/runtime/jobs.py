@@ -1,4 +1,4 @@
-"""Helpers that run the digits job as real processes (agent, torchrun) with gloo on CPU."""
+"""Helpers that run the example jobs as real processes (agent, torchrun) with gloo on CPU."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "train_digits.py"
+SYNTHETIC = ROOT / "examples" / "train_synthetic.py"
 
 
 def job_env(tmp: Path, **fleet: object) -> dict[str, str]:
@@ -72,5 +75,12 @@ def run_job(
     return Run(proc.returncode, output, end - start, stopped_at, end)
 
 
-def agent_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "broker.runtime.agent", "--", sys.executable, str(DIGITS), *args]
+def agent_command(*args: str, script: Path = DIGITS) -> list[str]:
+    return [sys.executable, "-m", "broker.runtime.agent", "--", sys.executable, str(script), *args]
+
+
+def max_abs_diff(a: Path, b: Path) -> float:
+    """The largest difference between two saved state dicts with the same names."""
+    sa, sb = torch.load(a), torch.load(b)
+    assert sa.keys() == sb.keys()
+    return max((sa[k] - sb[k]).abs().max().item() for k in sa)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.jobs import DIGITS, agent_command, job_env, run_job
+from tests.runtime.jobs import DIGITS, agent_command, job_env, max_abs_diff, run_job
 
 STEPS = 60
 FLAGS = ["--steps", str(STEPS), "--batch-size", "24", "--max-micro-batch", "8", "--lr", "0.05"]
@@ -23,12 +23,6 @@ def digits_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
-
-
-def max_abs_diff(a: Path, b: Path) -> float:
-    sa, sb = torch.load(a), torch.load(b)
-    assert sa.keys() == sb.keys()
-    return max((sa[k] - sb[k]).abs().max().item() for k in sa)
 
 
 def interrupted(tmp: Path, before: int, after: int, mode: str = "fixed", flags: list[str] = FLAGS,
