@@ -92,6 +92,8 @@ class Trainer:
     every ``checkpoint_every_steps`` / ``checkpoint_every_seconds`` (default: the job spec's
     interval, FLEET_CHECKPOINT_EVERY_*), keeping ``keep_checkpoints``.
     ``seed`` fixes the data order. ``assignment`` replaces the environment (tests, notebooks).
+    ``model`` is a DDP model, a model sharded with FSDP2's ``fully_shard`` (the optimizer built
+    on its DTensor parameters), or a plain module.
     """
 
     def __init__(
