@@ -1,16 +1,18 @@
 """FSDP2 jobs keep the fixed-batch maths and reshard their checkpoints across world sizes.
 
 The synthetic GPT sharded with ``fully_shard`` (gloo on CPU) runs 2 workers stopped by SIGTERM,
-3 workers stopped again, and 1 worker to the end, against 1 worker uninterrupted. The global
-batch (10) splits unevenly over 3 ranks and into micro-batches of at most 3, and the layers'
-rows split unevenly into shards. SGD: Adam divides by tiny second moments, which makes rounding
-differences between world sizes grow (DDP shows the same).
+3 workers stopped again, and 1 worker to the end from the 3 workers' last asynchronous
+checkpoint, against 1 worker uninterrupted. The global batch (10) splits unevenly over 3 ranks
+and into micro-batches of at most 3, and the layers' rows split unevenly into shards. SGD: Adam
+divides by tiny second moments, which makes rounding differences between world sizes grow (DDP
+shows the same).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -26,7 +28,7 @@ from tests.runtime.jobs import (
     run_job,
 )
 
-STEPS = 14
+STEPS = 24
 MODEL = ["--fsdp", "--size", "tiny", "--context", "16", "--dropout", "0"]
 MATHS = ["--batch-size", "10", "--max-micro-batch", "3", "--optimizer", "sgd", "--lr", "0.05"]
 FLAGS = [*MODEL, *MATHS, "--steps", str(STEPS)]
@@ -47,10 +49,11 @@ def test_fsdp_job_resized_2_3_1_ends_where_an_uninterrupted_one_does(tmp_path: P
     assert run.code == 0, run.output
 
     ckpt, final = tmp_path / "ckpt", tmp_path / "final.pt"
+    every = ["--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", "2"]
     resumed_from, stop = None, random.randint(2, 4)
     for nproc in (2, 3):
         run = run_job(
-            agent_command(*FLAGS, "--checkpoint-dir", str(ckpt), script=SYNTHETIC),
+            agent_command(*FLAGS, *every, script=SYNTHETIC),
             job_env(tmp_path, nproc=nproc),
             tmp_path,
             stop_at_step=stop,
@@ -63,17 +66,20 @@ def test_fsdp_job_resized_2_3_1_ends_where_an_uninterrupted_one_does(tmp_path: P
         # every rank wrote its own shard of the sharded (DTensor) state
         writers = {int(f.name.split("_")[2]) for f in folder.glob("__*_*.distcp")}
         assert writers == set(range(nproc)), sorted(folder.iterdir())
-        resumed_from, stop = saved["step"], saved["step"] + random.randint(2, 3)
+        resumed_from, stop = saved["step"], saved["step"] + random.randint(4, 5)
 
+    # Without the stop's own (synchronous) checkpoint the last run resumes from the newest
+    # periodic one, which 3 ranks wrote in the background from their staged shards.
+    shutil.rmtree(folder)
+    periodic, _ = latest(ckpt)
+    assert periodic["world_size"] == 3 and periodic["step"] < resumed_from, periodic
     run = run_job(
-        agent_command(
-            *FLAGS, "--checkpoint-dir", str(ckpt), "--save-final", str(final), script=SYNTHETIC
-        ),
+        agent_command(*FLAGS, *every, "--save-final", str(final), script=SYNTHETIC),
         job_env(tmp_path, nproc=1),
         tmp_path,
     )
     assert run.code == 0, run.output
-    assert f"resumed from step {resumed_from} (written by 3 ranks)" in run.output
+    assert f"resumed from step {periodic['step']} (written by 3 ranks)" in run.output
     assert max_abs_diff(reference, final) <= 1e-5
 
 
