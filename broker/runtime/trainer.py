@@ -75,7 +75,7 @@ class _WeightedReduceScatter(DefaultReduceScatter):
         async_op: bool = False,
     ) -> Any:
         input_tensor.mul_(self.weight())
-        return dist.reduce_scatter_tensor(
+        return dist.reduce_scatter_single(
             output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op
         )
 
