@@ -12,6 +12,7 @@ Library (two lines in a plain DDP script)::
 
 It runs under the agent, under ``torchrun --standalone --nproc-per-node K`` (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/PORT) and as a single process. Arguments win over the environment.
+``model`` is a DDP model, a model sharded with FSDP2's ``fully_shard``, or a plain module.
 
 Contract between the broker and the agent
 -----------------------------------------
