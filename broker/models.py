@@ -131,6 +131,10 @@ class JobRecord(BaseModel):
     grad_noise_scale: float | None = None  # in samples, as its agent last measured it
     checkpoint_step: int | None = None
     checkpoint_bytes: int | None = None  # that checkpoint's size, as its agent measured it
+    # Does a move resume it where it stopped (its agent saw the runtime's progress)? False: a
+    # plain script, which a move, resize or preemption restarts from the beginning; None: not
+    # known yet (no heartbeat has said).
+    resumable: bool | None = None
     failures: int = 0
     rescales: int = 0
     migrations: int = 0

@@ -66,6 +66,9 @@ class Env:
     CHECKPOINT_CACHE = "FLEET_CHECKPOINT_CACHE"
     PROGRESS_FILE = "FLEET_PROGRESS_FILE"
     PROGRESS_INTERVAL = "FLEET_PROGRESS_INTERVAL"
+    # seconds the workers may run without writing the progress file before the agent reports
+    # the job as one that restarts from the beginning (a plain script)
+    PROGRESS_GRACE = "FLEET_PROGRESS_GRACE"
     ERROR_FILE = "FLEET_ERROR_FILE"
     INTEGRATIONS = "FLEET_INTEGRATIONS"  # "off": the agent injects no framework integration
     # talking to the broker
@@ -185,6 +188,11 @@ class Heartbeat(BaseModel):
         default=None, ge=0, le=1e15, description="the gradient noise scale in samples, as the "
         "runtime measures it (per-replica and all-reduced gradients): the batch beyond which a "
         "larger one buys little progress per sample")
+    resumable: bool | None = Field(
+        default=None, description="whether the job's workers report progress through the "
+        "runtime or a supported framework with checkpoints on (true: a move resumes where it "
+        f"stopped), or ran {Env.PROGRESS_GRACE} seconds without (false: a plain script, which a "
+        "move, resize or preemption restarts from the beginning); absent: not known yet")
     accelerator: Accelerator | None = Field(
         default=None, description=f"the node's accelerator type ({Env.ACCELERATOR}): the "
         "throughput measured is kept per type")

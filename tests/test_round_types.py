@@ -1,12 +1,14 @@
 """The live round's planning, pure (no Redis): a job that accepts several accelerator types gets
 an idle one, allocation respects what one pool can host and leaves no GPU idle that a waiting
-job could use, and admission drop never suspends a running job for a newcomer."""
+job could use, admission drop never suspends a running job for a newcomer, and a plain script
+(which a move restarts from the beginning) is the last job the round moves."""
 
 from __future__ import annotations
 
 from broker.models import Intent, IntentKind, JobRecord, JobState
-from broker.scheduler import Admission, SchedulerConfig, plan_round
+from broker.scheduler import Admission, Marks, SchedulerConfig, placement_request, plan_round
 from broker.store import Snapshot
+from policies.elastic_dp import Choice
 from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
 
 NOW = 1_000_000.0
@@ -108,3 +110,36 @@ def test_under_queue_admission_priority_still_preempts() -> None:
     vip = job("vip", [Accelerator.T4], gmin=4, gmax=8, priority=100)
     res = plan_round(Snapshot([*running, vip], [t4], []), 1, SchedulerConfig(), NOW)
     assert res.suspends + res.resizes >= 1
+
+
+def test_a_plain_script_is_not_the_one_shrunk() -> None:
+    """Two jobs run on all 8 GPUs for an hour and a 2-GPU newcomer arrives: one of them gives
+    up 2 GPUs. Whichever is a plain script (a resize restarts it from step 0: an hour's work
+    lost) keeps its GPUs; the resumable one (a resize costs a relaunch) shrinks."""
+    t4 = pool("aws", Accelerator.T4, 8)
+    newcomer = job("c", [Accelerator.T4], gmin=2, gmax=2)
+    for plain in ("a-1", "b-1"):
+        running = [job(n, [Accelerator.T4], gmax=4, state=JobState.RUNNING, at=t4, gpus=4)
+                   .model_copy(update={"resumable": f"{n}-1" != plain}) for n in ("a", "b")]
+        res = plan_round(Snapshot([*running, newcomer], [t4], []), 1, SchedulerConfig(), NOW)
+        changed = {_intent(i)["job"]: _intent(i)["kind"] for i in res.plan.intents_add}
+        other = ({"a-1", "b-1"} - {plain}).pop()
+        assert changed == {other: "resize"}
+
+
+def test_a_plain_script_stays_where_a_resumable_job_would_move() -> None:
+    """A cheaper pool opens while a job has run an hour and has 1.6 hours left: a resumable
+    job moves (its relaunch costs less than the saving), a plain script stays (moving loses
+    the hour it ran, which placement prices into the move)."""
+    dear, cheap = pool("aws", Accelerator.T4, 4, price=1.2), pool("gcp", Accelerator.T4, 4)
+    moved = {}
+    for resumable in (True, False):
+        running = job("a", [Accelerator.T4], gmin=4, gmax=4, state=JobState.RUNNING, at=dear,
+                      gpus=4).model_copy(update={"resumable": resumable})
+        req = placement_request(running, Choice(4, 512, 1.0), [], Marks(), {}, SchedulerConfig(),
+                                now=NOW)
+        assert req.restart_h == (60 + 3600 * (not resumable)) / 3600  # the attempt ran 1 h
+        res = plan_round(Snapshot([running], [dear, cheap], []), 1, SchedulerConfig(), NOW)
+        moved[resumable] = [(_intent(i)["kind"], _intent(i)["pool"]) for i in
+                            res.plan.intents_add]
+    assert moved == {True: [("migrate", cheap.id)], False: []}

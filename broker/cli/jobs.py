@@ -69,6 +69,20 @@ def _size(n: int) -> str:
     return f"{n / 1000 ** exp:.1f} {'kMGT'[exp - 1]}B"
 
 
+def restart_notice(resumable: bool | None) -> str:
+    """What a move, resize or preemption does to the job, as its agent found out (``None``:
+    no heartbeat has said yet)."""
+    if resumable:
+        return ("resumable: a move, resize or preemption resumes it from its latest checkpoint "
+                "(it reports progress through the runtime)")
+    if resumable is False:
+        return ("restarts from the beginning: a move, resize or preemption restarts this plain "
+                "script from step 0 (it reports no progress through the runtime or a supported "
+                "framework); the scheduler avoids moving it")
+    return ("a move, resize or preemption restarts the job from the beginning unless it reports "
+            "progress through the runtime (broker.runtime elastic) or a supported framework")
+
+
 def _where(job: dict[str, Any]) -> str:
     return job.get("pool") or "-"
 
@@ -125,6 +139,8 @@ def launch(
             console.print(f"submitted [bold]{job['id']}[/] (team {job['team']}, "
                           f"{job['state']}, {job['spec']['gpus']['min']}-"
                           f"{job['spec']['gpus']['max']} GPUs)", highlight=False)
+            console.print(f"note: {restart_notice(None)}", highlight=False, markup=False,
+                          soft_wrap=True)
         if follow:
             _print_logs(client, job["id"], 0, follow=True, interval=interval)
 
@@ -148,7 +164,8 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
            "regions": s.regions.model_dump(), "env_names": sorted(s.envs),
            "secret_names": sorted(s.secret_envs), "nodes": s.nodes, "workdir": s.workdir,
            "mounts": [m.model_dump(mode="json") for m in s.file_mounts],
-           "checkpoint": s.checkpoint.model_dump(), "notes": parsed.warnings}
+           "checkpoint": s.checkpoint.model_dump(), "notes": parsed.warnings,
+           "restart": restart_notice(None)}
     preview = None if found is None else {"broker": broker, "never_runs": found["never_runs"],
                                           "pools": found["pools"]}
     if as_json:
@@ -172,7 +189,7 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
     lines += [f"mount {m.path} <- {m.source} ({m.mode.value})" for m in s.file_mounts]
     for line in lines:  # user text (region patterns, URIs) is never read as markup
         console.print(line, highlight=False, markup=False)
-    for note in parsed.warnings:
+    for note in [*parsed.warnings, job["restart"]]:
         console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     if found is None:
         console.print(f"placement preview skipped: {unreached}", highlight=False,
@@ -230,7 +247,8 @@ def list_jobs(
 def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
              as_json: bool = JsonOpt, url: str | None = UrlOpt,
              token: str | None = TokenOpt) -> None:
-    """Show one job: state, assignment, progress, placements and cost."""
+    """Show one job: state, assignment, progress, whether a move resumes it or restarts it from
+    the beginning, placements and cost."""
     with BrokerClient(url, token) as client:
         out = client.job(job_id)
     if as_json:
@@ -256,6 +274,8 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
            else "")
         + (f" ({_size(j['checkpoint_bytes'])})" if j.get("checkpoint_bytes") is not None
            else ""),
+        escape(("" if j.get("resumable") is not None else "not known yet: ")
+               + restart_notice(j.get("resumable"))),
         f"rescales {j['rescales']}  migrations {j['migrations']}  preemptions "
         f"{j['preemptions']}  GPU-hours {out['gpu_hours']:.4f}  cost ${out['cost']:.4f} "
         f"(on-demand ${out['ondemand_cost']:.4f})",

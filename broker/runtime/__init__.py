@@ -12,6 +12,7 @@ Library (two lines in a plain DDP script)::
 
 It runs under the agent, under ``torchrun --standalone --nproc-per-node K`` (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/PORT) and as a single process. Arguments win over the environment.
+``model`` is a DDP model, a model sharded with FSDP2's ``fully_shard``, or a plain module.
 
 Contract between the broker and the agent
 -----------------------------------------
@@ -81,6 +82,9 @@ FLEET_HEARTBEAT_INTERVAL the agent sends ``{job_id, attempt, node_rank, round, s
 (round: the round the node is in, joined or still forming) and the progress file's ``step,
 samples_done, samples_per_sec, world_size, global_batch_size, checkpoint_step, checkpoint_bytes,
 checkpoint_seconds`` that it has (none before the file exists: the broker keeps what it had),
+and ``resumable``: true once the file exists (false in it: checkpoints are off), false once the
+workers ran FLEET_PROGRESS_GRACE seconds (default 120) or ended without writing it (a plain
+script, which a move restarts from the beginning; the scheduler prices that), absent before,
 where state is ``running``, ``stopping`` or ``rejoining``. A last heartbeat says ``finished``,
 ``stopped`` or ``failed`` and carries ``exit_code`` (a cloud VM does not tell the broker how the
 command ended), the last progress and, after a failure, ``error``: what a worker's runtime wrote

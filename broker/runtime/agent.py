@@ -57,6 +57,9 @@ FINAL_REPORT_MAX_WAIT_S = 15.0
 # Longer than the broker's launch deadline (BrokerConfig.launch_deadline_s, 1200 s): the broker,
 # not a survivor waiting for it, decides that a stand-in is not coming (and replaces it again).
 RENDEZVOUS_TIMEOUT_S = 1800.0
+# Workers that wrote no progress file this long after they started are a plain script's (torch's
+# import and a first step fit well within it on a loaded machine).
+PROGRESS_GRACE_S = 120.0
 # The agent's own: never in its workers' environment.
 SECRET_ENV = (Env.AGENT_TOKEN, Env.AGENT_TOKEN_FILE, Env.AGENT_TOKEN_FD)
 
@@ -125,6 +128,7 @@ class AgentConfig:
     # FLEET_PER_NODE=1 (a SkyPilot task): one process per node runs the command, with SkyPilot's
     # per-node variables; it starts its own per-GPU processes (torchrun) if it wants them.
     per_node: bool = False
+    progress_grace: float = PROGRESS_GRACE_S
 
     @property
     def rendezvous(self) -> bool:
@@ -221,6 +225,8 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> tuple[AgentConfig, list[s
         report_max_wait=max(env_float(env, Env.REPORT_MAX_WAIT,  # type: ignore[type-var]
                                       FINAL_REPORT_MAX_WAIT_S), 0.01),
         per_node=env.get(Env.PER_NODE, "").strip() == "1",
+        progress_grace=max(env_float(env, Env.PROGRESS_GRACE,  # type: ignore[type-var]
+                                     PROGRESS_GRACE_S), 0.0),
     )
     return config, argv[split + 1 :]
 
@@ -260,6 +266,8 @@ class Agent:
         self.brokers = list(config.broker_urls or filter(None, [config.broker_url]))
         self.cwd: Path | None = None  # where workers start: the job's workdir, if it has one
         self._brokers_lock = threading.Lock()
+        self._workers_since: float | None = None  # when this agent first started workers
+        self._resumable: bool | None = None  # once the progress file said so
 
     # ---- workers ----------------------------------------------------------------------------
     def worker_env(self, local_rank: int) -> dict[str, str]:
@@ -329,6 +337,8 @@ class Agent:
     def start_workers(self) -> list[threading.Thread]:
         self.procs = []
         pumps = []
+        if self._workers_since is None:
+            self._workers_since = time.monotonic()
         with contextlib.suppress(OSError):  # a cause named in an earlier round is not this one's
             (self.workdir / "error").unlink()
         for local_rank in range(1 if self.config.per_node else self.config.nproc):
@@ -368,6 +378,23 @@ class Agent:
             return json.loads(self.progress_file.read_text())
         except (OSError, ValueError):
             return {}
+
+    def resumable(self, progress: dict[str, Any], ended: bool = False) -> bool | None:
+        """Does a move resume this job where it stopped? True once its workers wrote the
+        progress file (the runtime, or a framework integration, does) with checkpoints on;
+        False once they ran FLEET_PROGRESS_GRACE seconds, or ``ended``, without writing it (a
+        plain script: a move restarts it from the beginning); None while it cannot tell.
+        ``progress``: the progress file's record."""
+        if progress:
+            self._resumable = bool(progress.get("resumable", True))
+        if self._resumable is not None:
+            return self._resumable
+        since = self._workers_since
+        if ended and since is not None:
+            return False
+        if since is not None and time.monotonic() - since >= self.config.progress_grace:
+            return False
+        return None
 
     def send(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         """POST ``body`` to ``path`` of a broker: the one that last took a report, else the next
@@ -470,6 +497,9 @@ class Agent:
             **self._key(),
             **{k: p[k] for k in PROGRESS_FIELDS if k in p},
         }
+        resumable = self.resumable(p, ended=exit_code is not None)
+        if resumable is not None:
+            body["resumable"] = resumable
         if c.accelerator and "samples_per_sec" in p:
             body["accelerator"] = c.accelerator
         if self.notice:

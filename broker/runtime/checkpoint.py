@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from broker.runtime import failure
@@ -240,6 +241,8 @@ class Checkpointer:
 
     def _stage(self, obj: Any, path: str = "") -> Any:
         """Copy tensors into host buffers kept between checkpoints (pinned when on a GPU)."""
+        if isinstance(obj, DTensor):  # FSDP: stage this rank's shard, keep its sharding spec
+            return DTensor(self._stage(obj.to_local(), path), obj._spec, requires_grad=False)
         if isinstance(obj, torch.Tensor):
             buf = self._buffers.get(path)
             if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:

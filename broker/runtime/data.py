@@ -60,12 +60,17 @@ def step_plan(
     max_micro_batch: int | None,
     *,
     pad: bool = False,
+    even: bool = False,
 ) -> list[MicroBatch]:
     """The micro-batches rank ``rank`` runs for the step that starts at ``samples_done``.
 
     ``pad``: a step of fewer samples than ranks (a job's last step after a resize to more
     ranks than samples left) gives a rank without a sample the step's first one with weight 0:
     it joins the step's collectives and adds nothing, and the step holds exactly its samples.
+
+    ``even``: every rank runs the same number of micro-batches (the widest rank's), as FSDP
+    needs, since each forward and backward is a collective (all-gather, reduce-scatter); a
+    rank with fewer samples than micro-batches pads with such weight-0 micro-batches.
     """
     if global_batch < world_size and not pad:
         raise ValueError(
@@ -73,13 +78,15 @@ def step_plan(
             "give every worker at least one sample (raise the batch size or use fewer workers)"
         )
     lo, hi = rank_slice(global_batch, world_size, rank)
-    if lo == hi:
-        return [MicroBatch(sample_indices(seed, n, samples_done, samples_done + 1), 0.0, True)]
     local = hi - lo
-    parts = 1 if not max_micro_batch else -(-local // max_micro_batch)
+    widest = -(-global_batch // world_size) if even else local
+    parts = max(1, -(-widest // max_micro_batch)) if max_micro_batch else 1
     idx = sample_indices(seed, n, samples_done + lo, samples_done + hi)
+    first = sample_indices(seed, n, samples_done, samples_done + 1)
     bounds = [local * i // parts for i in range(parts + 1)]
     return [
         MicroBatch(idx[a:b], (b - a) / global_batch, i == parts - 1)
+        if b > a
+        else MicroBatch(first, 0.0, i == parts - 1)
         for i, (a, b) in enumerate(itertools.pairwise(bounds))
     ]

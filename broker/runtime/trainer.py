@@ -12,6 +12,12 @@ gradient is kept in units of the current micro-batch's weight, and the all-reduc
 communication hook, or our own all-reduce without DDP) multiplies by the last weight and sums. The
 optimizer therefore always sees the mean-loss gradient of exactly the ``B`` samples of the step,
 however they were spread over ranks and micro-batches.
+
+FSDP2 (``fully_shard``) models reduce-scatter every micro-batch's gradient, so there the weight
+is applied before each reduce-scatter (FSDP's divide factor set to 1, a custom reduce-scatter
+that multiplies by this rank's current weight and sums), the sharded gradients accumulate the
+already weighted sums, and every rank runs the same number of micro-batches (each one is a
+collective).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
@@ -52,6 +60,26 @@ if not log.handlers:  # resumes, stops and checkpoints are worth seeing in every
     log.propagate = False
 
 
+class _WeightedReduceScatter(DefaultReduceScatter):
+    """FSDP's reduce-scatter with this rank's micro-batch weight applied first, then a sum."""
+
+    def __init__(self, weight: Callable[[], float]) -> None:
+        self.weight = weight
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        input_tensor.mul_(self.weight())
+        return dist.reduce_scatter_single(
+            output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        )
+
+
 class Trainer:
     """Iterate it instead of a DataLoader; see the module docstring and :func:`elastic`.
 
@@ -68,6 +96,9 @@ class Trainer:
     A framework that runs its own loop (``broker.runtime.integrations.hf``) takes its data from
     :meth:`batches` and calls :meth:`step_done`, :meth:`boundary` after each optimizer step and
     :meth:`finish` at the end, as iterating the trainer does.
+
+    ``model`` is a DDP model, a model sharded with FSDP2's ``fully_shard`` (the optimizer built
+    on its DTensor parameters), or a plain module.
     """
 
     def __init__(
@@ -170,6 +201,7 @@ class Trainer:
         self.samples_done = 0
         self.finished = False
         self._restore()
+        self._fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
         # Refuse an impossible split now, with the fix in the message, not at the first step.
         step_plan(self.seed, self.n, 0, self.global_batch_size, self.world_size, self.rank, None)
 
@@ -215,6 +247,8 @@ class Trainer:
                 self.samples_done,
                 self.total_samples,
             )
+        # at once: the agent tells the broker this job resumes where it stops
+        self._write_progress(force=True)
 
     # ---- set-up -----------------------------------------------------------------------------
     @staticmethod
@@ -290,6 +324,20 @@ class Trainer:
             self.scheduler.step = sched_step
         if self._ddp is not None:
             self._ddp.register_comm_hook(None, self._weighted_allreduce)
+        reduce_scatter = _WeightedReduceScatter(self._current_weight)
+        for module in self._fsdp:
+            module.set_gradient_divide_factor(1.0)  # the weights already make it a mean
+            try:
+                module.set_custom_reduce_scatter(reduce_scatter)
+            except ValueError as exc:  # several parameter groups (per-parameter meshes)
+                raise ValueError(
+                    f"fleet.elastic cannot weight this FSDP module's gradients: {exc}; "
+                    "shard it on one mesh (no shard_placement_fn meshes)"
+                ) from exc
+
+    def _current_weight(self) -> float:
+        """This rank's share of the step, for FSDP; plain averaging outside the loop."""
+        return self._micro.weight if self._micro is not None else 1.0 / self.world_size
 
     def _weighted_allreduce(self, _state, bucket):  # DDP rejects string annotations on hooks
         buf = bucket.buffer()
@@ -341,12 +389,14 @@ class Trainer:
         mb = self._micro
         if mb is None:  # outside the loop (e.g. DCP initialising optimizer state)
             return real_step(*args, **kwargs)
+        # FSDP over several ranks: its reduce-scatter weighted every micro-batch already.
+        weighted = bool(self._fsdp) and self.world_size > 1
         if not mb.last:
-            if self._next_weight is not None and self._next_weight != mb.weight:
+            if not weighted and self._next_weight is not None and self._next_weight != mb.weight:
                 torch._foreach_mul_(self._grads(), mb.weight / self._next_weight)
             self._accumulating = True
             return None
-        if self._ddp is None:
+        if self._ddp is None and not weighted:
             grads = self._grads()
             torch._foreach_mul_(grads, mb.weight)
             if self.world_size > 1:
@@ -357,10 +407,12 @@ class Trainer:
                 parts = flat.split([g.numel() for g in grads])
                 torch._foreach_copy_(grads, [p.view_as(g) for p, g in zip(parts, grads,
                                                                              strict=True)])
-        if self.world_size > 1:
-            self._measure_noise()
-        else:
-            self._measure_noise_alone()
+        # The noise scale needs each rank's own whole gradient, which FSDP never holds.
+        if not self._fsdp:
+            if self.world_size > 1:
+                self._measure_noise()
+            else:
+                self._measure_noise_alone()
         lrs = [g["lr"] for g in self.optimizer.param_groups]
         if self._factor != 1.0:
             for g in self.optimizer.param_groups:
@@ -396,6 +448,7 @@ class Trainer:
             self.rank,
             self.max_micro_batch,
             pad=True,
+            even=bool(self._fsdp),
         )
 
     def _plans(self, samples_done: int) -> Iterator[list[MicroBatch]]:
@@ -547,6 +600,8 @@ class Trainer:
             "checkpoint_seconds": committed[2] if committed else None,
             "grad_noise_scale": self.noise.value,
             "finished": self.finished,
+            # without checkpoints a move restarts the job from the beginning
+            "resumable": self.checkpointer is not None,
         }
         tmp = Path(f"{path}.tmp")
         tmp.write_text(json.dumps(record))

@@ -24,7 +24,7 @@ from broker.scheduler.pacing import (
     spare_on_demand,
     with_recovery,
 )
-from broker.scheduler.placing import Marks, held_gpus, placement_request
+from broker.scheduler.placing import Marks, held_gpus, placement_request, restart_s
 from policies.choices import assign_types
 from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
 from policies.models import Accelerator, Market, Pool
@@ -118,7 +118,7 @@ def allocate_and_place(res: RoundResult, jobs: list[JobRecord],
                 continue
             fallbacks = sorted((x.gpus for x in choices[job.id] if x.gpus < c.gpus), reverse=True)
             requests.append(placement_request(job, c, fallbacks, marks, pools_by_id, config,
-                                              accel))
+                                              accel, now))
         placed = place_by_deadline(requests, paced, pools, used, risk, config, below_pace=last)
         notes.update(placed.notes)
         if not placed.waits and not placed.switched and not placed.missed:
@@ -175,7 +175,8 @@ def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity:
               pools_by_id: dict[str, Pool], config: SchedulerConfig,
               now: float, required: Collection[str] = ()) -> dict[str, Choice | None]:
     """Run the allocator with running jobs' current config favoured (by the share of the
-    restart horizon a restart would lose) and, for
+    restart horizon a restart would lose, :func:`restart_s`: a plain script's whole attempt
+    too) and, for
     jobs started less than ``min_rescale_interval_s`` ago (or under the static policy) and jobs
     that must not be preempted (``spot: never``: no suspension or rescale to rebalance), pinned;
     so are the ``required`` jobs to one of their choices (:func:`paced_choices`). Under
@@ -203,7 +204,7 @@ def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity:
                 if pin and cur and pinned and pool is not None and pool.capacity >= job.gpus:
                     out.append(JobChoices(job.id, cur, required=True))
                     continue
-                bonus = 1.0 + config.restart_s / config.restart_horizon_s
+                bonus = 1.0 + restart_s(job, config, now) / config.restart_horizon_s
                 opts = [Choice(c.gpus, c.batch_size, c.value * bonus) if c in cur else c
                         for c in opts]
             out.append(JobChoices(job.id, opts))

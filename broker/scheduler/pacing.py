@@ -13,7 +13,7 @@ import numpy as np
 from broker.models import JobRecord, JobState
 from broker.scheduler.choices import job_accelerator, job_model, samples_per_sec
 from broker.scheduler.config import Policy, SchedulerConfig
-from broker.scheduler.placing import Marks, held_gpus, lost_work_h, on_market
+from broker.scheduler.placing import Marks, held_gpus, lost_work_h, on_market, restart_s
 from policies.elastic_dp import Choice
 from policies.job_model import TablePrior
 from policies.models import Accelerator, Market, Pool
@@ -85,7 +85,7 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
     the scheduler's throughput estimate there (the agent's measurement where it has one, else the
     fitted model), epoch by epoch where the model's tables know them (:func:`work_hours`): the
     total is ``work_samples``, the progress the samples done (the fraction done is exact; the
-    hours are as good as the rate estimate). One preemption costs ``reaction_s``, ``restart_s``
+    hours are as good as the rate estimate). One preemption costs ``reaction_s``, :func:`restart_s`
     and the work it loses (:func:`lost_work_h`). ``spot: never`` is ``must_not_preempt``."""
     spec = job.spec
     rate = samples_per_sec(job, choice.gpus, choice.batch_size, accelerator)
@@ -94,10 +94,10 @@ def deadline_job(job: JobRecord, choice: Choice, pools_by_id: Mapping[str, Pool]
     return DeadlineJob(
         total_h=total_h, progress_h=progress_h, elapsed_h=max(0.0, now - job.submitted_at) / 3600,
         deadline_h=None if spec.deadline_s is None else spec.deadline_s / 3600,
-        restart_h=preemption_h(config.reaction_s / 3600, config.restart_s / 3600,
-                               lost_work_h(spec, choice.batch_size, rate, config),
+        restart_h=preemption_h(config.reaction_s / 3600, restart_s(job, config, now) / 3600,
+                               lost_work_h(job, choice.batch_size, rate, config),
                                total_h - progress_h),
-        switch_h=config.restart_s / 3600, must_not_preempt=must_not_preempt(spec.spot),
+        switch_h=restart_s(job, config, now) / 3600, must_not_preempt=must_not_preempt(spec.spot),
         current=None if pool is None else pool.market)
 
 

@@ -60,13 +60,30 @@ def checkpoint_interval_s(spec: JobSpec, batch: int, samples_per_s: float) -> fl
     return every * batch / samples_per_s if in_steps else every
 
 
-def lost_work_h(spec: JobSpec, batch: int, samples_per_s: float,
+def restarts_from_scratch(job: JobRecord) -> bool:
+    """Is the job a plain script (its agent saw no progress through the runtime or a supported
+    framework)? A move, resize or preemption then restarts it from the beginning."""
+    return job.resumable is False
+
+
+def restart_s(job: JobRecord, config: SchedulerConfig, now: float) -> float:
+    """What restarting the job costs, in seconds: a relaunch (``config.restart_s``: node start,
+    setup, checkpoint restore) and, for a plain script (:func:`restarts_from_scratch`), the
+    progress it loses: all the work of its running attempt, which starts again from step 0."""
+    lost = 0.0
+    if restarts_from_scratch(job) and job.state is JobState.RUNNING and job.launched_at:
+        lost = max(0.0, now - job.launched_at)
+    return config.restart_s + lost
+
+
+def lost_work_h(job: JobRecord, batch: int, samples_per_s: float,
                 config: SchedulerConfig) -> float:
-    """Hours of work a preemption can lose: none when the agents checkpoint on the notice
-    (``config.checkpoint_on_notice``), else up to a checkpoint interval."""
-    if config.checkpoint_on_notice:
+    """Hours of work a preemption can lose beyond its restart: none when the agents checkpoint
+    on the notice (``config.checkpoint_on_notice``), else up to a checkpoint interval; for a
+    plain script the work lost is its whole attempt, priced in :func:`restart_s`."""
+    if config.checkpoint_on_notice or restarts_from_scratch(job):
         return 0.0
-    return checkpoint_interval_s(spec, batch, samples_per_s) / 3600
+    return checkpoint_interval_s(job.spec, batch, samples_per_s) / 3600
 
 
 def _location(pool_id: str, pools_by_id: Mapping[str, Pool]) -> tuple[str, str]:
@@ -107,10 +124,12 @@ def checkpoint_gb(job: JobRecord, config: SchedulerConfig) -> float:
 def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
                       marks: Marks, pools_by_id: Mapping[str, Pool],
                       config: SchedulerConfig,
-                      accelerator: Accelerator | None = None) -> PlacementRequest:
+                      accelerator: Accelerator | None = None,
+                      now: float | None = None) -> PlacementRequest:
     """The job as placement sees it: its size and constraints, and what finishing it costs
     where: hours of work left at the chosen size (the scheduler's throughput estimate), the
-    relaunch cost, the checkpoint interval, and its checkpoint's size (:func:`checkpoint_gb`),
+    restart cost at ``now`` (:func:`restart_s`; default: the clock), the checkpoint interval,
+    and its checkpoint's size (:func:`checkpoint_gb`),
     location (:func:`_checkpoint_location`; none before its first run) and, when the spec names
     the bucket's ``checkpoint.region``, the bucket every checkpoint is written to."""
     spec = job.spec
@@ -122,8 +141,9 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
         job.id, choice.gpus, fallbacks, job.pool if job.state is JobState.RUNNING else None,
         job.gpus if job.state is JobState.RUNNING else 0, spec.spot, spec.regions.allow,
         spec.regions.deny, marks.blocked, frozenset(marks.refused),
-        remaining_h=left / rate / 3600, restart_h=config.restart_s / 3600,
-        checkpoint_interval_h=lost_work_h(spec, choice.batch_size, rate, config),
+        remaining_h=left / rate / 3600,
+        restart_h=restart_s(job, config, time.time() if now is None else now) / 3600,
+        checkpoint_interval_h=lost_work_h(job, choice.batch_size, rate, config),
         checkpoint_gb=checkpoint_gb(job, config) if where[0] or bucket[0] else 0.0,
         checkpoint_cloud=where[0], checkpoint_region=where[1],
         bucket_cloud=bucket[0], bucket_region=bucket[1])

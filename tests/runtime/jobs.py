@@ -1,7 +1,8 @@
-"""Helpers that run the digits job as real processes (agent, torchrun) with gloo on CPU."""
+"""Helpers that run the example jobs as real processes (agent, torchrun) with gloo on CPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -11,9 +12,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "train_digits.py"
+SYNTHETIC = ROOT / "examples" / "train_synthetic.py"
+DCP_SCRIPT = ROOT / "examples" / "train_dcp.py"  # plain FSDP with its own DCP checkpoints
 
 
 def job_env(tmp: Path, **fleet: object) -> dict[str, str]:
@@ -45,17 +51,20 @@ class Run:
 
 def run_job(
     command: list[str], env: dict[str, str], tmp: Path, *, stop_at_step: int | None = None,
-    trigger: Callable[[], None] | None = None, timeout: float = 120,
+    stop_when: Callable[[], bool] | None = None, trigger: Callable[[], None] | None = None,
+    timeout: float = 120,
 ) -> Run:
-    """Run ``command``; once rank 0 reports ``stop_at_step``, SIGTERM it (or call ``trigger``)."""
+    """Run ``command``; once rank 0 reports ``stop_at_step`` (or ``stop_when()`` holds, for a
+    script that reports no progress), SIGTERM it (or call ``trigger``)."""
     (tmp / "progress.json").unlink(missing_ok=True)
     start = time.monotonic()
     proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     stopped_at = None
     try:
-        if stop_at_step is not None:
-            while proc.poll() is None and progress(tmp).get("step", 0) < stop_at_step:
+        if stop_at_step is not None or stop_when is not None:
+            ready = stop_when or (lambda: progress(tmp).get("step", 0) >= stop_at_step)
+            while proc.poll() is None and not ready():
                 assert time.monotonic() - start < timeout, "the job made no progress"
                 time.sleep(0.005)
             stopped_at = time.monotonic()
@@ -72,5 +81,20 @@ def run_job(
     return Run(proc.returncode, output, end - start, stopped_at, end)
 
 
-def agent_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "broker.runtime.agent", "--", sys.executable, str(DIGITS), *args]
+def agent_command(*args: str, script: Path = DIGITS) -> list[str]:
+    return [sys.executable, "-m", "broker.runtime.agent", "--", sys.executable, str(script), *args]
+
+
+def load_module(script: Path) -> ModuleType:
+    """An example script imported as a module (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def max_abs_diff(a: Path, b: Path) -> float:
+    """The largest difference between two saved state dicts with the same names."""
+    sa, sb = torch.load(a), torch.load(b)
+    assert sa.keys() == sb.keys()
+    return max((sa[k] - sb[k]).abs().max().item() for k in sa)

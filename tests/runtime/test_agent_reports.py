@@ -1,5 +1,7 @@
 """The agent's reports to the broker: a heartbeat leaves out the progress the node does not have
-(a real broker API over redis-server keeps what it had), and the final report, with the exit
+(a real broker API over redis-server keeps what it had); whether a move resumes the job, as
+its workers' progress file tells (none: a plain script, which restarts from the beginning);
+and the final report, with the exit
 code, is tried again while the broker drops connections or answers that it cannot take it now
 (503, as the API does while Redis is away; 429), until it answers otherwise."""
 
@@ -25,11 +27,12 @@ from tests.runtime.test_agent_rendezvous import running_job
 WORKER = "import sys, time; time.sleep(0.5); sys.exit(3)"
 
 
-def run_agent(tmp: Path, broker_url: str, **fleet: object) -> subprocess.CompletedProcess[str]:
-    """A one-node agent whose worker fails without writing progress."""
+def run_agent(tmp: Path, broker_url: str, worker: str = WORKER,
+              **fleet: object) -> subprocess.CompletedProcess[str]:
+    """A one-node agent running ``worker`` (default: one that fails without writing progress)."""
     env = job_env(tmp, **{"broker_url": broker_url, "heartbeat_interval": 0.1, **fleet})
     return subprocess.run(
-        [sys.executable, "-m", "broker.runtime.agent", "--", sys.executable, "-c", WORKER],
+        [sys.executable, "-m", "broker.runtime.agent", "--", sys.executable, "-c", worker],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
@@ -48,6 +51,28 @@ def test_a_heartbeat_leaves_out_the_progress_the_node_lacks(tmp_path: Path) -> N
         assert (got.samples_done, got.samples_per_sec, got.checkpoint_step,
                 got.checkpoint_bytes) == (500, 40.0, 7, 99)
         assert store.agent_reports([got])[got.id].exit_code == 3
+        assert got.resumable is False  # it ended without ever reporting progress
+
+
+# What the runtime writes to the progress file (a step done; checkpoints on or off).
+REPORTS = ("import json, os, time; open(os.environ['FLEET_PROGRESS_FILE'], 'w').write("
+           "json.dumps({'step': 1, 'samples_done': 32%s})); time.sleep(0.5)")
+
+
+@pytest.mark.parametrize(("extra", "resumable"), [("", True), (", 'resumable': True", True),
+                                                  (", 'resumable': False", False)])
+def test_the_broker_learns_from_the_progress_file_whether_a_move_resumes_the_job(
+        tmp_path: Path, extra: str, resumable: bool) -> None:
+    """Workers that write the progress file resume where they stopped, unless it says their
+    checkpoints are off; the grace (FLEET_PROGRESS_GRACE 0: at once) does not matter then."""
+    with api_stack(tmp_path) as (server, store):
+        job = running_job(store, nodes=1)
+        done = run_agent(tmp_path, server.url, REPORTS % extra, job_id=job.id, attempt=1,
+                         progress_grace=0,
+                         agent_token=attempt_token(TOKENS["agent"], job.id, 1))
+        assert done.returncode == 0, done.stderr
+        got = store.get_job(job.id)
+        assert got is not None and got.resumable is resumable and got.samples_done == 32
 
 
 class Flaky(BaseHTTPRequestHandler):

@@ -22,6 +22,24 @@ def test_a_step_holds_the_same_samples_at_any_world_size(world: int, micro: int 
         assert all(len(mb.indices) <= micro for plan in plans for mb in plan)
 
 
+@pytest.mark.parametrize(
+    ("batch", "world", "micro"), [(10, 3, 3), (10, 3, 1), (24, 5, 4), (2, 3, 2)]
+)
+def test_even_plans_give_every_rank_the_same_number_of_micro_batches(
+    batch: int, world: int, micro: int
+) -> None:
+    """FSDP's forward and backward are collectives: a rank short of samples pads, weight 0."""
+    plans = [step_plan(7, 50, 0, batch, world, r, micro, pad=True, even=True) for r in range(world)]
+    assert len({len(plan) for plan in plans}) == 1
+    real = [mb for plan in plans for mb in plan if mb.weight]
+    assert np.array_equal(
+        np.concatenate([mb.indices for mb in real]), sample_indices(7, 50, 0, batch)
+    )
+    assert sum(mb.weight for mb in real) == pytest.approx(1.0)
+    assert all(len(mb.indices) <= micro for mb in real)
+    assert all(plan[-1].last and not any(mb.last for mb in plan[:-1]) for plan in plans)
+
+
 def test_epochs_are_permutations_fixed_by_seed_and_epoch() -> None:
     first = sample_indices(3, 10, 0, 10)
     assert sorted(first) == list(range(10))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import sys
@@ -11,24 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.jobs import DIGITS, agent_command, job_env, run_job
+from tests.runtime.jobs import DIGITS, agent_command, job_env, load_module, max_abs_diff, run_job
 
 STEPS = 60
 FLAGS = ["--steps", str(STEPS), "--batch-size", "24", "--max-micro-batch", "8", "--lr", "0.05"]
 ELASTIC = ["--steps", "200", "--batch-size", "24", "--lr", "0.05"]
-
-
-def digits_module():
-    spec = importlib.util.spec_from_file_location("train_digits", DIGITS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-def max_abs_diff(a: Path, b: Path) -> float:
-    sa, sb = torch.load(a), torch.load(b)
-    assert sa.keys() == sb.keys()
-    return max((sa[k] - sb[k]).abs().max().item() for k in sa)
 
 
 def interrupted(tmp: Path, before: int, after: int, mode: str = "fixed", flags: list[str] = FLAGS,
@@ -72,7 +58,7 @@ def test_fixed_mode_resize_gives_the_same_parameters(reference: Path, tmp_path: 
 
 
 def test_elastic_mode_trains_digits_across_a_batch_change(tmp_path: Path) -> None:
-    module = digits_module()
+    module = load_module(DIGITS)
     final = interrupted(tmp_path, 2, 1, mode="elastic", flags=ELASTIC,
                         first={"global_batch_size": 48}, second={"global_batch_size": 96})
     model = module.Net()
