@@ -125,9 +125,11 @@ streamed to the agent's stdout/stderr, each line prefixed with ``[rank N]``.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from broker.protocol import EXIT_FINISHED, EXIT_STOPPED
+from broker.protocol import EXIT_FINISHED, EXIT_STOPPED, Env
 from broker.runtime.assignment import Assignment
 from broker.runtime.checkpoint_stores import open_store
 
@@ -137,6 +139,15 @@ if TYPE_CHECKING:
 __all__ = [
     "EXIT_FINISHED", "EXIT_STOPPED", "Assignment", "Trainer", "elastic", "from_args", "open_store",
 ]
+
+
+# A worker the agent starts to join a running group (an in-place grow) says, once its imports are
+# done (the trainer's too: seconds on a busy node), that the others may stop to re-form the
+# group: they then wait for its last set-up only.
+if _ready := os.environ.get(Env.RESIZE_READY):
+    import broker.runtime.trainer  # noqa: F401
+
+    Path(_ready).touch()
 
 
 def __getattr__(name: str) -> Any:
