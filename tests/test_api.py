@@ -483,3 +483,23 @@ def test_any_json_body_is_201_or_a_clear_4xx(server: ApiServer, store: Store,
         err = r.json()["error"]
         assert err["problems"] and all(p["field"] and p["message"] for p in err["problems"])
         assert len(store.list_jobs()) == before
+
+
+def test_heartbeat_reply_resizes_a_job_resized_in_place(server: ApiServer, store: Store) -> None:
+    """After ``transitions.resized_in_place`` the node's rank 0 hears ``resize`` with the new
+    size until it reports that world size; other ranks hear nothing of it."""
+    job_id = launching(server, store)
+    job = store.get_job(job_id)
+    assert job is not None
+    plan = Plan()
+    plan.change(job, JobState.RUNNING, gpus=2, resized_to=2)
+    store.apply(plan)
+    beat = {"job_id": job_id, "attempt": 1, "node_rank": 0, "state": "running", "step": 5,
+            "samples_done": 320, "world_size": 1}
+    with client(server, "agent") as c:
+        asked = c.post("/v1/agent/heartbeat", json=beat).json()
+        assert asked["action"] == "resize" and asked["nproc"] == 2
+        done = c.post("/v1/agent/heartbeat", json={**beat, "world_size": 2}).json()
+        assert done["action"] is None and done["nproc"] is None
+        other = c.post("/v1/agent/heartbeat", json={**beat, "node_rank": 1}).json()
+        assert other["action"] is None

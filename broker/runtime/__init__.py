@@ -94,6 +94,11 @@ notice only for a round the job reached and a rank it has.
 Once the node has a preemption notice every heartbeat carries it as ``notice``
 (the first is sent at once), so the broker blocks the location. A response
 ``{"action": "checkpoint-exit"}`` stops the job; its ``round`` is the job's rendezvous round.
+``{"action": "resize", "nproc": N}`` runs N workers on the node from now on: in place where the
+workers run this library (new workers join the running group, leaving ones exit 75; the order
+goes to FLEET_RESIZE_FILE, new workers get FLEET_RESIZE_JOIN and FLEET_RESIZE_READY), else, or
+when that fails or takes over FLEET_RESIZE_TIMEOUT (default 60 s), by restarting the workers from
+a checkpoint (docs/runtime.md, "Resizing in place").
 
 Rendezvous (FLEET_NNODES > 1, no FLEET_MASTER_ADDR, a FLEET_BROKER_URL): nobody knows the master at
 launch, so each round every agent checks in with ``POST /v1/agent/rendezvous {job_id, attempt,
