@@ -2,12 +2,13 @@
 
 The runtime's demo model (``examples/train_digits.py``, batch 24, gloo on CPU, one thread per
 worker) runs under the agent, is resized at step 20 (grow 1 -> 2 workers, shrink 2 -> 1) and
-trains on. Two ways, alternated within each repetition:
+trains on. Two ways, alternated within each repetition (the order flips every repetition).
+A heartbeat endpoint on loopback answers the agent as the broker does:
 
-- **in place**: the broker's heartbeat reply says ``resize`` (``nproc``); the agent starts the new
+- **in place**: the heartbeat reply says ``resize`` (``nproc``); the agent starts the new
   worker, which joins once past its imports, and the workers re-form the group at a step
   boundary (leaving workers exit);
-- **checkpoint**: the broker says ``checkpoint-exit``; the workers checkpoint and exit, and a new
+- **checkpoint**: the reply says ``checkpoint-exit``; the workers checkpoint and exit, and a new
   agent starts the new number of workers, which resume from the checkpoint (what a resize
   costs without the in-place path, short of a node start).
 
