@@ -147,9 +147,12 @@ __all__ = [
 
 
 # A worker the agent starts to join a running group (an in-place grow) says, once its imports are
-# done (the trainer's too: seconds on a busy node), that the others may stop to re-form the
-# group: they then wait for its last set-up only.
+# done, that the others may stop to re-form the group: they then wait for its last set-up only.
+# Its imports include the trainer's and torch._dynamo, which DDP's constructor imports on first
+# use: seconds each on a busy node, paid here while the others still train.
 if _ready := os.environ.get(Env.RESIZE_READY):
+    import torch._dynamo  # noqa: F401
+
     import broker.runtime.trainer  # noqa: F401
 
     Path(_ready).touch()
