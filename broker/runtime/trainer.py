@@ -3,8 +3,9 @@
 ``fleet.elastic(model, optimizer, dataset, batch_size=..., steps=...)`` replaces the script's
 DataLoader. Iterating it yields this rank's micro-batches; the script's own ``zero_grad`` /
 ``backward`` / ``step`` / ``scheduler.step`` calls stay as they are. Between optimizer steps the
-trainer agrees with all ranks (one tiny all-reduce) whether to checkpoint or stop, and it
-checkpoints, resumes and reshards through :mod:`broker.runtime.checkpoint`.
+trainer agrees with all ranks (one tiny all-reduce) whether to checkpoint, stop or re-form the
+group at the size the agent ordered (in place: docs/runtime.md), and it checkpoints, resumes and
+reshards through :mod:`broker.runtime.checkpoint`.
 
 Gradient maths: the loss is assumed to be a mean over the micro-batch (PyTorch's default). A
 micro-batch of ``m`` samples in a global batch of ``B`` carries weight ``m / B``; the accumulated
