@@ -58,20 +58,30 @@ def wait(what: str, check, timeout: float = 180) -> None:
 @pytest.mark.slow
 def test_a_job_is_shrunk_in_place_for_a_newcomer(broker: Broker, store: Store) -> None:
     job = store.submit(parse_spec_text(LONG).spec, team="ml")
-    wait("the job never trained on 2 GPUs", lambda: (
-        (j := store.get_job(job.id)) is not None and j.state is JobState.RUNNING
-        and j.gpus == 2 and j.samples_done > 0))
-    attempt = store.get_job(job.id).attempt  # type: ignore[union-attr]
-    store.submit(parse_spec_text(NEWCOMER).spec, team="ml")
-    wait("the job was not resized in place", lambda: "resize-in-place" in [
-        e.type for e in store.events(job_id=job.id)])
-    shrunk = store.get_job(job.id)
-    assert shrunk is not None and shrunk.gpus == 1 and shrunk.attempt == attempt
-    assert shrunk.state is JobState.RUNNING
-    before = shrunk.samples_done
-    # rank 0 reports world size 1 once the workers re-formed the group; training goes on
-    wait("the workers did not re-form the group at 1", lambda: (
-        (j := store.get_job(job.id)) is not None and j.samples_done > before
-        and j.measured_gpus == 1), 120)
-    final = store.get_job(job.id)
-    assert final is not None and final.attempt == attempt and final.state is JobState.RUNNING
+    newcomer = None
+    try:
+        wait("the job never trained on 2 GPUs", lambda: (
+            (j := store.get_job(job.id)) is not None and j.state is JobState.RUNNING
+            and j.gpus == 2 and j.samples_done > 0))
+        attempt = store.get_job(job.id).attempt  # type: ignore[union-attr]
+        newcomer = store.submit(parse_spec_text(NEWCOMER).spec, team="ml")
+        wait("the job was not resized in place", lambda: "resize-in-place" in [
+            e.type for e in store.events(job_id=job.id)])
+        shrunk = store.get_job(job.id)
+        assert shrunk is not None and shrunk.gpus == 1 and shrunk.attempt == attempt
+        assert shrunk.state is JobState.RUNNING
+        before = shrunk.samples_done
+        # rank 0 reports world size 1 once the workers re-formed the group; training goes on
+        wait("the workers did not re-form the group at 1", lambda: (
+            (j := store.get_job(job.id)) is not None and j.samples_done > before
+            and j.measured_gpus == 1), 120)
+        final = store.get_job(job.id)
+        assert final is not None and final.attempt == attempt
+        assert final.state is JobState.RUNNING
+    finally:
+        # the jobs end here, through the broker, so no job process outlives the test
+        for one in filter(None, (job, newcomer)):
+            store.request_cancel(one.id)
+        for one in filter(None, (job, newcomer)):
+            wait("a job did not end after its cancel", lambda one=one: (
+                (j := store.get_job(one.id)) is not None and j.state.terminal), 120)
