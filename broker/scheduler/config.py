@@ -8,10 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policies.region_score import DEFAULT_RESTART_S, Egress, Stickiness
 
-# Seconds of training an in-place resize of the demo job loses: the larger of the grow (2.55 s)
-# and shrink (0.05 s) medians of ``python -m tests.bench resize`` (examples/results/resize.json,
-# 2026-12-04); the same run's checkpoint-and-relaunch path lost 21-26 s.
-RESIZE_IN_PLACE_S = 2.55
+# Seconds of training an in-place resize of the demo job loses: the larger of the grow (0.24 s)
+# and shrink (0.06 s) medians of ``python -m tests.bench resize`` (examples/results/resize.json,
+# 2026-12-04); the same run's checkpoint-and-relaunch path lost 15-17 s.
+RESIZE_IN_PLACE_S = 0.24
 
 
 class Policy(StrEnum):
