@@ -46,6 +46,7 @@ from broker.protocol import (
     HEARTBEAT_PATH,
     JOB_ID,
     RENDEZVOUS_PATH,
+    Action,
     BrokerEnv,
     Heartbeat,
     HeartbeatReply,
@@ -213,6 +214,14 @@ class LaunchBody(BaseModel):
     spec: str = Field(max_length=MAX_SPEC_BYTES, description="the job spec: YAML or JSON text")
     envs: dict[str, str] = Field(default_factory=dict, max_length=256)
     secrets: dict[str, SecretStr] = Field(default_factory=dict, max_length=256)
+
+
+def resize_owed(job: JobRecord | None, attempt: int, world_size: int) -> int | None:
+    """The workers a running attempt's node owes since the broker resized it in place
+    (``transitions.resized_in_place``), while rank 0 still reports another world size."""
+    if job is None or job.state is not JobState.RUNNING or job.attempt != attempt:
+        return None
+    return job.resized_to if job.resized_to not in (None, world_size) else None
 
 
 def build_app(store: Store, config: ApiConfig, *,
@@ -548,8 +557,12 @@ def build_app(store: Store, config: ApiConfig, *,
         if beat.node_rank == 0:  # rank 0 reports the job's checkpoint (store.record_heartbeat)
             checkpoints.observe(beat.job_id, beat.attempt, beat.checkpoint_step,
                                 beat.checkpoint_bytes, beat.checkpoint_seconds)
-        return HeartbeatReply(action=agent_action(said.action), round=said.round,
-                              brokers=store.broker_urls())
+        action, nproc = agent_action(said.action), None
+        if action is None and beat.node_rank == 0 and beat.world_size is not None:
+            nproc = resize_owed(store.get_job(beat.job_id), beat.attempt, beat.world_size)
+            action = None if nproc is None else Action.RESIZE
+        return HeartbeatReply(action=action, round=said.round, brokers=store.broker_urls(),
+                              nproc=nproc)
 
     @app.post(RENDEZVOUS_PATH, tags=["agent"], response_model=RendezvousReply,
               responses=_POST,

@@ -118,6 +118,9 @@ class JobRecord(BaseModel):
     # rank -> the round its current stand-in was launched for (its key is
     # ``replacement_key(launch_key, rank, round)``); ranks not here are the launch's own nodes
     stand_ins: dict[int, int] = Field(default_factory=dict)
+    # Workers the attempt's one node runs since the broker resized it in place (its agent
+    # hears ``resize`` until rank 0 reports that world size); None: as launched
+    resized_to: int | None = None
     launch_key: str | None = None  # idempotency key of the current attempt's launch
     # The values of spec.secret_envs, sealed (``broker.sealed``): never shown by the API
     sealed_secrets: str | None = Field(default=None, repr=False)

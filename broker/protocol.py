@@ -71,6 +71,11 @@ class Env:
     PROGRESS_GRACE = "FLEET_PROGRESS_GRACE"
     ERROR_FILE = "FLEET_ERROR_FILE"
     INTEGRATIONS = "FLEET_INTEGRATIONS"  # "off": the agent injects no framework integration
+    # in-place resize (the agent and the runtime; docs/runtime.md)
+    RESIZE_FILE = "FLEET_RESIZE_FILE"  # the agent's resize order, read on SIGUSR2
+    RESIZE_JOIN = "FLEET_RESIZE_JOIN"  # a worker joining a running group: its generation
+    RESIZE_READY = "FLEET_RESIZE_READY"  # a joining worker touches it once its imports are done
+    RESIZE_TIMEOUT = "FLEET_RESIZE_TIMEOUT"  # seconds an in-place resize may take (default 60)
     # talking to the broker
     BROKER_URL = "FLEET_BROKER_URL"
     AGENT_TOKEN = "FLEET_AGENT_TOKEN"
@@ -130,10 +135,12 @@ class Action(StrEnum):
 
     CONTINUE = "continue"
     CHECKPOINT_EXIT = "checkpoint-exit"  # checkpoint, then exit EXIT_STOPPED
+    RESIZE = "resize"  # run ``nproc`` workers on this node from now on, in place if it can
 
 
 CHECKPOINT_EXIT = Action.CHECKPOINT_EXIT.value
 CONTINUE = Action.CONTINUE.value
+RESIZE = Action.RESIZE.value
 
 HEARTBEAT_PATH = "/v1/agent/heartbeat"
 RENDEZVOUS_PATH = "/v1/agent/rendezvous"
@@ -221,6 +228,10 @@ class HeartbeatReply(BaseModel):
     brokers: list[str] = Field(default_factory=list, description="every live broker "
                                "replica's API URL: the agent reports to any of them, also to "
                                "one started after its launch")
+    nproc: int | None = Field(default=None, ge=1, le=4096, description=f"with '{RESIZE}': the "
+                              "workers this node runs from now on (the workers re-form their "
+                              "group in place where the job runs the runtime, else they "
+                              "checkpoint and restart at that size)")
 
 
 class Rendezvous(BaseModel):

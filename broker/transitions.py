@@ -32,7 +32,8 @@ def launching(plan: Plan, job: JobRecord, intent: Intent, *, nodes: int, moved: 
                 batch_size=intent.batch_size, pool=intent.pool, fence=intent.fence, nodes=nodes,
                 migrations=job.migrations + moved, rescales=job.rescales + resized,
                 reason="resumed from checkpoint" if job.attempt > 0 and job.pool else "placed",
-                node_ids=[], exit_code=None, round=0, stand_ins={}, replaced_at=None)
+                node_ids=[], exit_code=None, round=0, stand_ins={}, replaced_at=None,
+                resized_to=None)
     if moved and job.pool:
         plan.count_migration(job.pool)
 
@@ -44,6 +45,15 @@ def running(plan: Plan, job: JobRecord, *, node_ids: list[str], started: float,
                 event_data={"pool": job.pool, "gpus": job.gpus, "batch_size": job.batch_size},
                 node_ids=node_ids, launched_at=started, nodes=len(node_ids), round=0,
                 started_at=job.started_at or started, fence=fence, reason="running")
+
+
+def resized_in_place(plan: Plan, job: JobRecord, *, gpus: int, fence: int) -> None:
+    """The running attempt's one node runs ``gpus`` workers from now on, its processes kept
+    (its agent is told in the next heartbeat reply): no new attempt, a rescale counted, and the
+    config's start (``launched_at``) now, so the rescale interval holds it as a launch would."""
+    plan.change(job, event="resize-in-place", event_data={"from": job.gpus, "gpus": gpus},
+                gpus=gpus, resized_to=gpus, rescales=job.rescales + 1, launched_at=time.time(),
+                fence=fence, reason=f"resized in place to {gpus} GPUs")
 
 
 def stopping(plan: Plan, job: JobRecord, *, event: str, reason: str, fence: int | None = None,

@@ -14,6 +14,7 @@ import pytest
 from broker.api import build_app
 from broker.auth import ApiConfig, Role
 from broker.files import BlobStore
+from broker.scheduler import SchedulerConfig
 from broker.sealed import Sealer
 from broker.server import Broker, BrokerConfig, build_broker
 from broker.store import Store
@@ -26,10 +27,11 @@ TEAM_TOKEN = "e2e-team-ml-token-0123456789"  # team ml's
 
 @contextlib.contextmanager
 def live_broker(redis_url: str, store: Store, tmp_path: Path, fleet: str,
-                monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
+                monkeypatch: pytest.MonkeyPatch,
+                scheduler: SchedulerConfig | None = None) -> Iterator[Broker]:
     """The broker over ``fleet`` (a fleet file's text); jobs run this repository's code. Its
     API takes TEAM_TOKEN for team ``ml``, seals secrets with the key in its state dir and keeps
-    packed files there."""
+    packed files there. ``scheduler``: the round's policy (default: SchedulerConfig())."""
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     (tmp_path / "fleet.yaml").write_text(fleet)
@@ -40,7 +42,7 @@ def live_broker(redis_url: str, store: Store, tmp_path: Path, fleet: str,
     running = build_broker(BrokerConfig(
         state_dir=tmp_path / "state", redis_url=redis_url, broker_url=server.url,
         fleet=tmp_path / "fleet.yaml", agent_token=AGENT_TOKEN, tick_s=0.3,
-        heartbeat_interval_s=0.5)).start()
+        heartbeat_interval_s=0.5, scheduler=scheduler or SchedulerConfig())).start()
     try:
         yield running
     finally:

@@ -264,17 +264,18 @@ def test_agent_heartbeat(server: ApiServer, store: Store) -> None:
     with client(server, "agent") as c:
         r = c.post("/v1/agent/heartbeat", json=beat)
         assert r.status_code == 200 and r.json() == {
-            "action": None, "round": 0, "brokers": ["http://10.0.0.7:8470"]}
+            "action": None, "round": 0, "brokers": ["http://10.0.0.7:8470"], "nproc": None}
         store.r.delete(f"{store.p}brokers")
         got = store.get_job(job_id)
         assert got is not None and got.samples_done == 320 and got.checkpoint_step == 4
         warmup = c.post("/v1/agent/heartbeat", json={**beat, "samples_per_sec": 0.0,
                                                      "global_batch_size": None})
-        assert warmup.json() == {"action": None, "round": 0, "brokers": []}
+        assert warmup.json() == {"action": None, "round": 0, "brokers": [], "nproc": None}
         got = store.get_job(job_id)
         assert got is not None and got.samples_per_sec == 250.5  # 0 is not a measurement
         assert c.post("/v1/agent/heartbeat", json={**beat, "attempt": 0}).json() == {
-            "action": "checkpoint-exit", "round": 0, "brokers": []}  # a stale attempt must stop
+            # a stale attempt must stop
+            "action": "checkpoint-exit", "round": 0, "brokers": [], "nproc": None}
         bad = c.post("/v1/agent/heartbeat", json={**beat, "samples_per_sec": -1,
                                                   "world_size": 0})
         assert bad.status_code == 422
@@ -286,7 +287,7 @@ def test_agent_heartbeat(server: ApiServer, store: Store) -> None:
         c.post(f"/v1/jobs/{job_id}/cancel")
     with client(server, "agent") as c:
         assert c.post("/v1/agent/heartbeat", json=beat).json() == {
-            "action": "checkpoint-exit", "round": 0, "brokers": []}
+            "action": "checkpoint-exit", "round": 0, "brokers": [], "nproc": None}
 
 
 def test_an_attempt_token_reports_for_its_own_attempt_only(server: ApiServer,
@@ -299,7 +300,7 @@ def test_an_attempt_token_reports_for_its_own_attempt_only(server: ApiServer,
     headers = {"Authorization": f"Bearer {token}"}
     with httpx.Client(base_url=server.url, headers=headers, timeout=10) as c:
         assert c.post("/v1/agent/heartbeat", json=beat).json() == {
-            "action": None, "round": 0, "brokers": []}
+            "action": None, "round": 0, "brokers": [], "nproc": None}
         for forged in ({**beat, "job_id": other}, {**beat, "attempt": 2}):
             r = c.post("/v1/agent/heartbeat", json=forged)
             assert r.status_code == 403 and "attempt's agent token" in r.json()["error"]["message"]
@@ -321,7 +322,7 @@ def test_agent_heartbeat_checkpoint_size(server: ApiServer, store: Store) -> Non
             "checkpoint_bytes": 52_100_000_000}
     with client(server, "agent") as c:
         assert c.post("/v1/agent/heartbeat", json=beat).json() == {
-            "action": None, "round": 0, "brokers": []}
+            "action": None, "round": 0, "brokers": [], "nproc": None}
         got = store.get_job(job_id)
         assert got is not None and (got.checkpoint_step, got.checkpoint_bytes) == (
             10, 52_100_000_000) and got.version == version
@@ -384,7 +385,7 @@ def test_agent_rendezvous(server: ApiServer, store: Store) -> None:
     with client(server, "agent") as c:  # the fleet's agent token works as for heartbeats
         beat = {"job_id": job_id, "attempt": 1, "node_rank": 1, "round": 0}
         assert c.post("/v1/agent/heartbeat", json=beat).json() == {
-            "action": None, "round": 1, "brokers": []}
+            "action": None, "round": 1, "brokers": [], "nproc": None}
         assert c.post("/v1/agent/rendezvous", json=visit).json() == {
             "round": 1, "nnodes": 2, "master": None, "addrs": None, "action": None}
         assert c.post("/v1/agent/rendezvous", json={**visit, "job_id": "nope-9"}
@@ -482,3 +483,23 @@ def test_any_json_body_is_201_or_a_clear_4xx(server: ApiServer, store: Store,
         err = r.json()["error"]
         assert err["problems"] and all(p["field"] and p["message"] for p in err["problems"])
         assert len(store.list_jobs()) == before
+
+
+def test_heartbeat_reply_resizes_a_job_resized_in_place(server: ApiServer, store: Store) -> None:
+    """After ``transitions.resized_in_place`` the node's rank 0 hears ``resize`` with the new
+    size until it reports that world size; other ranks hear nothing of it."""
+    job_id = launching(server, store)
+    job = store.get_job(job_id)
+    assert job is not None
+    plan = Plan()
+    plan.change(job, JobState.RUNNING, gpus=2, resized_to=2)
+    store.apply(plan)
+    beat = {"job_id": job_id, "attempt": 1, "node_rank": 0, "state": "running", "step": 5,
+            "samples_done": 320, "world_size": 1}
+    with client(server, "agent") as c:
+        asked = c.post("/v1/agent/heartbeat", json=beat).json()
+        assert asked["action"] == "resize" and asked["nproc"] == 2
+        done = c.post("/v1/agent/heartbeat", json={**beat, "world_size": 2}).json()
+        assert done["action"] is None and done["nproc"] is None
+        other = c.post("/v1/agent/heartbeat", json={**beat, "node_rank": 1}).json()
+        assert other["action"] is None

@@ -10,6 +10,7 @@ from functools import partial
 
 import pytest
 
+from broker.api import resize_owed
 from broker.models import IntentKind, JobRecord, JobState
 from broker.scheduler import (
     WAIT_FOR_ON_DEMAND,
@@ -612,7 +613,10 @@ def test_a_spot_job_that_holds_its_pace_is_not_shrunk_for_a_newcomer(store: Stor
         assert holds_pace(view) is kept and choose_market(view, True) is Market.SPOT
         store.submit(spec("newcomer", gpus=(1, 4), priority=100), team="t")
         Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
-        assert (not [i for i in store.intents() if i.job_id == job]) is kept
+        # shrunk by a restart (an intent) or in place on its node (its size)
+        shrunk = [i for i in store.intents() if i.job_id == job] or \
+            store.get_job(job).gpus < 2  # type: ignore[union-attr]
+        assert (not shrunk) is kept
 
 
 def test_a_spot_never_job_is_not_shrunk_or_suspended_to_make_room(store: Store) -> None:
@@ -885,3 +889,31 @@ def test_on_demand_room_is_held_for_one_recovery_at_a_time() -> None:
     view = deadline_job(loose, one, {}, config, now=0.0)
     assert with_recovery(loose, view, opts, [OD_V100], left, Marks(), config) == view
     assert left == spare
+
+
+def test_a_job_running_the_runtime_is_resized_in_place_on_its_node(store: Store) -> None:
+    """The shrink of the first test, for a job that reported progress (it runs the runtime) in
+    a pool that sells any count on one node, at a fixed batch: its node keeps running, the
+    attempt stays, and the agent is owed the new size until rank 0 reports it."""
+    store.set_pools(POOLS)
+    fence = store.acquire_lease("t", ttl_s=30)
+    sched = Scheduler(store, SchedulerConfig(min_rescale_interval_s=0))
+    a = store.submit(spec("a", batch=128), team="t")  # a fixed batch: only the size changes
+    sched.run_round(fence)
+    run_all(store, fence)
+    job = store.get_job(a.id)
+    assert job is not None and job.gpus == 4
+    store.record_heartbeat(a.id, job.attempt, launch_key=job.launch_key, samples_done=640,
+                           world_size=4, global_batch_size=128)
+    for n in ("b", "c", "d"):
+        store.submit(spec(n), team="t")
+    res = sched.run_round(fence)
+    job = store.get_job(a.id)
+    assert job is not None and job.state is JobState.RUNNING and job.attempt == 1, job.reason
+    assert job.gpus < 4 and job.resized_to == job.gpus and job.rescales == 1
+    assert res.resizes == 1 and not [i for i in store.intents() if i.job_id == a.id]
+    assert "resize-in-place" in [e.type for e in store.events(job_id=a.id)]
+    assert resize_owed(job, job.attempt, world_size=4) == job.gpus
+    assert resize_owed(job, job.attempt, world_size=job.gpus) is None  # done: nothing owed
+    assert resize_owed(job, job.attempt + 1, world_size=4) is None  # another attempt's node
+

@@ -98,6 +98,11 @@ notice only for a round the job reached and a rank it has.
 Once the node has a preemption notice every heartbeat carries it as ``notice``
 (the first is sent at once), so the broker blocks the location. A response
 ``{"action": "checkpoint-exit"}`` stops the job; its ``round`` is the job's rendezvous round.
+``{"action": "resize", "nproc": N}`` runs N workers on the node from now on: in place where the
+workers run this library (new workers join the running group, leaving ones exit 75; the order
+goes to FLEET_RESIZE_FILE, new workers get FLEET_RESIZE_JOIN and FLEET_RESIZE_READY), else, or
+when that fails or takes over FLEET_RESIZE_TIMEOUT (default 60 s), by restarting the workers from
+a checkpoint (docs/runtime.md, "Resizing in place").
 
 Rendezvous (FLEET_NNODES > 1, no FLEET_MASTER_ADDR, a FLEET_BROKER_URL): nobody knows the master at
 launch, so each round every agent checks in with ``POST /v1/agent/rendezvous {job_id, attempt,
@@ -129,9 +134,11 @@ streamed to the agent's stdout/stderr, each line prefixed with ``[rank N]``.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from broker.protocol import EXIT_FINISHED, EXIT_STOPPED
+from broker.protocol import EXIT_FINISHED, EXIT_STOPPED, Env
 from broker.runtime.assignment import Assignment
 from broker.runtime.checkpoint_stores import open_store
 
@@ -141,6 +148,18 @@ if TYPE_CHECKING:
 __all__ = [
     "EXIT_FINISHED", "EXIT_STOPPED", "Assignment", "Trainer", "elastic", "from_args", "open_store",
 ]
+
+
+# A worker the agent starts to join a running group (an in-place grow) says, once its imports are
+# done, that the others may stop to re-form the group: they then wait for its last set-up only.
+# Its imports include the trainer's and torch._dynamo, which DDP's constructor imports on first
+# use: seconds each on a busy node, paid here while the others still train.
+if _ready := os.environ.get(Env.RESIZE_READY):
+    import torch._dynamo  # noqa: F401
+
+    import broker.runtime.trainer  # noqa: F401
+
+    Path(_ready).touch()
 
 
 def __getattr__(name: str) -> Any:

@@ -40,6 +40,7 @@ from broker.protocol import (
     HEARTBEAT_PATH,
     PROGRESS_FIELDS,
     RENDEZVOUS_PATH,
+    RESIZE,
     Env,
 )
 from broker.runtime import failure, integrations
@@ -268,6 +269,13 @@ class Agent:
         self._brokers_lock = threading.Lock()
         self._workers_since: float | None = None  # when this agent first started workers
         self._resumable: bool | None = None  # once the progress file said so
+        # Resizes (the broker's ``resize`` action): the size asked for, the in-place resizes
+        # done, and whether the workers are being restarted at a new size instead.
+        self.resize_to: int | None = None
+        self.generation = 0
+        self.resize_timeout = env_float(env, Env.RESIZE_TIMEOUT, 60.0) or 60.0
+        self._restart = False
+        self._started_at = time.monotonic()  # when this round's workers started
 
     # ---- workers ----------------------------------------------------------------------------
     def worker_env(self, local_rank: int) -> dict[str, str]:
@@ -291,6 +299,7 @@ class Agent:
         )
         if c.nproc > 1:
             env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: no oversubscribed cores
+        env[Env.RESIZE_FILE] = str(self.workdir / "resize.json")
         return env
 
     def _node_vars(self) -> dict[str, str]:
@@ -341,31 +350,136 @@ class Agent:
             self._workers_since = time.monotonic()
         with contextlib.suppress(OSError):  # a cause named in an earlier round is not this one's
             (self.workdir / "error").unlink()
+        with contextlib.suppress(OSError):  # nor a resize order, which new workers must not obey
+            (self.workdir / "resize.json").unlink()
+        self._started_at = time.monotonic()
         for local_rank in range(1 if self.config.per_node else self.config.nproc):
-            rank = self.config.node_rank * self.config.nproc + local_rank
-            proc = subprocess.Popen(
-                self.command,
-                env=self.worker_env(local_rank),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                cwd=self.cwd,
-            )
-            self.procs.append(proc)
-            for stream, sink in (
-                (proc.stdout, sys.stdout.buffer),
-                (proc.stderr, sys.stderr.buffer),
-            ):
-                t = threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True)
-                t.start()
-                pumps.append(t)
+            self.procs.append(self._spawn(local_rank, {}, pumps))
         return pumps
+
+    def _spawn(self, local_rank: int, extra: dict[str, str],
+               pumps: list[threading.Thread]) -> subprocess.Popen[bytes]:
+        """Start one worker (its environment plus ``extra``); its output pumps join ``pumps``."""
+        rank = self.config.node_rank * self.config.nproc + local_rank
+        proc = subprocess.Popen(
+            self.command,
+            env={**self.worker_env(local_rank), **extra},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            cwd=self.cwd,
+        )
+        for stream, sink in (
+            (proc.stdout, sys.stdout.buffer),
+            (proc.stderr, sys.stderr.buffer),
+        ):
+            t = threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True)
+            t.start()
+            pumps.append(t)
+        return proc
 
     def signal_workers(self, sig: int) -> None:
         for proc in self.procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, sig)
+
+    # ---- resizes ------------------------------------------------------------------------------
+    def request_resize(self, nproc: int) -> None:
+        """Run ``nproc`` workers from now on (the broker's ``resize``); the supervising loop
+        carries it out between its checks."""
+        if nproc >= 1 and nproc != self.config.nproc:
+            self.resize_to = nproc
+
+    def _resize(self) -> None:
+        """Carry out the resize asked for: in place where the workers run the runtime (one node,
+        one worker per GPU), else, or when that fails, by restarting them from a checkpoint."""
+        c, n = self.config, self.resize_to
+        if n is None or n == c.nproc:
+            self.resize_to = None
+            return
+        # Workers run the runtime if rank 0's progress says so, or, for a grow, if the new
+        # worker says it is ready (it imported the runtime) within FLEET_RESIZE_TIMEOUT.
+        progress = self.progress()
+        young = time.monotonic() - self._started_at < self.resize_timeout
+        if not progress and n < c.nproc and young:
+            return  # no progress yet: a shrink waits for it
+        self.resize_to = None
+        why = ("a multi-node job" if self.nnodes > 1 else
+               "one process per node" if c.per_node else
+               "the workers cannot resize in place (not the runtime's own loop, or a sharded "
+               "model)" if
+               progress.get("resize_generation") is None and (progress or n < c.nproc) else
+               None)
+        if why is None:
+            began = time.monotonic()
+            why = self._resize_in_place(n)
+            if why is None:
+                log(f"resized in place to {n} workers in {time.monotonic() - began:.2f} s")
+                return
+            if all(p.poll() == EXIT_FINISHED for p in self.procs):
+                log(f"resize to {n} workers: not needed, the job finished meanwhile")
+                return
+        log(f"resize to {n} workers: {why}; restarting them from a checkpoint")
+        c.nproc, self._restart = n, True
+
+    def _resize_in_place(self, n: int) -> str | None:
+        """Grow: start the new workers, wait until they are past their imports, then order
+        everyone to re-form the group; shrink: order it, the extra workers leave. None when the
+        group runs at ``n`` (rank 0 says so in its progress), else why not."""
+        c, old = self.config, self.config.nproc
+        generation, port = self.generation + 1, free_port(avoid=self.master[1])
+        deadline = time.monotonic() + self.resize_timeout
+        joiners: list[subprocess.Popen[bytes]] = []
+        pumps: list[threading.Thread] = []
+        ready = [self.workdir / f"ready-{generation}-{r}" for r in range(old, n)]
+        for r, path in zip(range(old, n), ready, strict=True):
+            joiners.append(self._spawn(r, {
+                "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+                "MASTER_PORT": str(port), "OMP_NUM_THREADS": self.env.get("OMP_NUM_THREADS", "1"),
+                Env.RESIZE_JOIN: str(generation), Env.RESIZE_READY: str(path)}, pumps))
+
+        def failed() -> str | None:
+            if self._stop.is_set():
+                return "the agent is stopping"
+            if any(p.poll() not in (None, EXIT_STOPPED) for p in [*self.procs, *joiners]):
+                return "a worker ended during the resize"
+            if time.monotonic() > deadline:
+                return f"not done within {self.resize_timeout:g} s ({Env.RESIZE_TIMEOUT})"
+            return None
+
+        def undo(why: str) -> str:
+            for p in joiners:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            return why
+
+        while not all(p.exists() for p in ready):
+            if why := failed():
+                return undo(why)
+            time.sleep(0.01)
+        order = {"generation": generation, "world_size": n, "master_addr": self.master[0],
+                 "master_port": port}
+        tmp = self.workdir / "resize.json.tmp"
+        tmp.write_text(json.dumps(order))
+        os.replace(tmp, self.workdir / "resize.json")  # the workers look for it every step
+        while True:
+            p = self.progress()
+            leavers = self.procs[n:]
+            if p.get("resize_generation") == generation and p.get("world_size") == n and \
+                    all(x.poll() is not None for x in leavers):
+                break
+            if why := failed():
+                if all(x.poll() == EXIT_FINISHED for x in self.procs):
+                    return undo("the job finished")  # before it saw the order
+                # The group may be half re-formed: the restart from a checkpoint follows.
+                self.procs.extend(joiners)
+                return why
+            time.sleep(0.01)
+        self.procs = [*self.procs[:n], *joiners]
+        c.nproc, self.master, self.generation = n, (self.master[0], port), generation
+        return None
 
     # ---- the broker ---------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -556,6 +670,8 @@ class Agent:
                 self.brokers = list(dict.fromkeys([*self.brokers, *new]))
         if reply.get("action") == CHECKPOINT_EXIT:
             self.request_stop("broker asked for checkpoint-exit")
+        if reply.get("action") == RESIZE and isinstance(reply.get("nproc"), int):
+            self.request_resize(reply["nproc"])
         got = reply.get("round")
         if self.config.rendezvous and isinstance(got, int):
             with self._round_lock:
@@ -719,6 +835,10 @@ class Agent:
             code = self._supervise()
             for t in pumps:
                 t.join(timeout=5)
+            if self._restart and code != EXIT_FINISHED and not self._stop.is_set():
+                # a resize that needs new workers
+                self._restart = False
+                continue
             if code == EXIT_FINISHED or self._stop.is_set() or not rendezvous:
                 return code
             if self.broker_round <= self.round and not self.await_round(code):
@@ -730,6 +850,8 @@ class Agent:
             return self.stop_reason
         if self.broker_round > self.round:
             return f"the broker started round {self.broker_round}"
+        if self._restart:
+            return f"restarting at {self.config.nproc} workers"
         return None
 
     def _supervise(self) -> int:
@@ -738,6 +860,8 @@ class Agent:
         deadline: float | None = None
         failed: int | None = None
         while True:
+            if self.resize_to is not None and deadline is None and failed is None:
+                self._resize()
             codes = [p.poll() for p in self.procs]
             bad = [x for x in codes if x is not None and not self._clean(x, deadline is not None)]
             if bad and failed is None:

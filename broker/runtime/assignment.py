@@ -64,6 +64,8 @@ class Assignment:
     checkpoint_every_steps: int | None = None
     checkpoint_every_seconds: float | None = None
     checkpoint_keep: int = 3
+    resize_file: str | None = None  # where the agent writes an in-place resize order
+    resize_join: int | None = None  # set: this worker joins a running group (that generation)
 
     @property
     def distributed(self) -> bool:
@@ -95,4 +97,6 @@ class Assignment:
             checkpoint_every_steps=env_int(env, Env.CHECKPOINT_EVERY_STEPS, None, minimum=1),
             checkpoint_every_seconds=env_float(env, Env.CHECKPOINT_EVERY_SECONDS, None),
             checkpoint_keep=env_int(env, Env.CHECKPOINT_KEEP, 3, minimum=1),  # type: ignore[arg-type]
+            resize_file=env.get(Env.RESIZE_FILE, "").strip() or None,
+            resize_join=env_int(env, Env.RESIZE_JOIN, None, minimum=1),
         )

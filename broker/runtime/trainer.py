@@ -3,8 +3,9 @@
 ``fleet.elastic(model, optimizer, dataset, batch_size=..., steps=...)`` replaces the script's
 DataLoader. Iterating it yields this rank's micro-batches; the script's own ``zero_grad`` /
 ``backward`` / ``step`` / ``scheduler.step`` calls stay as they are. Between optimizer steps the
-trainer agrees with all ranks (one tiny all-reduce) whether to checkpoint or stop, and it
-checkpoints, resumes and reshards through :mod:`broker.runtime.checkpoint`.
+trainer agrees with all ranks (one tiny all-reduce) whether to checkpoint, stop or re-form the
+group at the size the agent ordered (in place: docs/runtime.md), and it checkpoints, resumes and
+reshards through :mod:`broker.runtime.checkpoint`.
 
 Gradient maths: the loss is assumed to be a mean over the micro-batch (PyTorch's default). A
 micro-batch of ``m`` samples in a global batch of ``B`` carries weight ``m / B``; the accumulated
@@ -22,6 +23,7 @@ collective).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -170,13 +172,7 @@ class Trainer:
                                                     a.checkpoint_every_seconds)
 
         self._init_distributed(a, on_gpu=any(p.is_cuda for p in model.parameters()))
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        multi = self.world_size > 1
-        # Own gloo groups: control flags never wait behind NCCL kernels, and the background
-        # checkpoint thread's collectives never interleave with the training thread's.
-        self._control = dist.new_group(backend="gloo") if multi else None
-        ckpt_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        ckpt_group = self._new_groups()
 
         uri = checkpoint_dir or a.checkpoint_uri
         try:
@@ -200,15 +196,23 @@ class Trainer:
         self.step = 0
         self.samples_done = 0
         self.finished = False
-        self._restore()
+        self.noise = NoiseScale()  # the gradient noise scale, reported with the progress
+        self.generation = a.resize_join or 0  # in-place resizes this job went through
+        # A joining rank starts its loop where the others are: just past a step boundary.
+        self._joined = bool(a.resize_join)
+        self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self._in_place = False  # set once this trainer's own loop runs (``__iter__``)
+        if a.resize_join:
+            self._share_state()  # a running group's rank 0 has the state: no checkpoint read
+        else:
+            self._restore()
         # Refuse an impossible split now, with the fix in the message, not at the first step.
         step_plan(self.seed, self.n, 0, self.global_batch_size, self.world_size, self.rank, None)
 
         self._micro: MicroBatch | None = None
         self._next_weight: float | None = None
         self._local_n = 0  # this rank's samples in the current step
-        self.noise = NoiseScale()  # the gradient noise scale, reported with the progress
         # this step's squared norms, local and all-reduced, on the gradients' device
         self._sq: list[torch.Tensor | None] = [None, None]
         self._previous: torch.Tensor | None = None  # a lone replica's last mean gradient
@@ -218,11 +222,11 @@ class Trainer:
             if self.batch_mode == "fixed"
             else lr_factor(lr_scaling, self.global_batch_size, self.base_batch_size)
         )
-        self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._wrap()
 
         self._stop = threading.Event()
         self._ckpt_request = threading.Event()
+        self._order_seen: tuple[int, int] = (0, 0)  # the order file's mtime, its generation
         self._handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             self._handlers = {
@@ -261,6 +265,16 @@ class Trainer:
         if on_gpu:
             torch.cuda.set_device(a.local_rank)
         dist.init_process_group("nccl" if on_gpu else "gloo")
+
+    def _new_groups(self) -> dist.ProcessGroup | None:
+        """Note rank and world of the default group; make the trainer's own groups (each rank
+        calls this at the same point: a group's creation is collective). The checkpoint's."""
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        # Own gloo groups: control flags never wait behind NCCL kernels, and the background
+        # checkpoint thread's collectives never interleave with the training thread's.
+        self._control = dist.new_group(backend="gloo") if self.world_size > 1 else None
+        return dist.new_group(backend="gloo") if dist.is_initialized() else None
 
     def _restore(self) -> None:
         if self.checkpointer is None:
@@ -473,10 +487,12 @@ class Trainer:
         )
 
     def __iter__(self) -> Iterator[Any]:
+        self._in_place = not self._fsdp  # the trainer's own loop re-forms a DDP group in place
         batches = self.batches()
         try:
             while True:
-                self.boundary()
+                if self.boundary():  # resized in place: this rank's share of each step changed
+                    batches = self.batches()
                 if self.samples_done >= self.total_samples:
                     break
                 plan = self._plan(self.samples_done)
@@ -509,17 +525,22 @@ class Trainer:
         self._checkpoint(sync=True)
         self._write_progress(force=True)
 
-    def boundary(self) -> None:
-        """Between steps: agree with every rank on checkpoint/stop, then act on it."""
+    def boundary(self) -> bool:
+        """Between steps: agree with every rank on checkpoint/stop/resize, then act on it.
+        True when the group was resized in place."""
+        if self._joined:
+            self._joined = False
+            return False
         now = time.monotonic()
         timer = bool(self.every_seconds) and now - self._last_ckpt_time >= self.every_seconds  # type: ignore[operator]
         flags = torch.tensor(
-            [self._stop.is_set(), self._ckpt_request.is_set() or (timer and self.rank == 0)],
+            [self._stop.is_set(), self._ckpt_request.is_set() or (timer and self.rank == 0),
+             self._ordered_generation()],
             dtype=torch.int32,
         )
         if self._control is not None:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
-        stop, requested = bool(flags[0]), bool(flags[1])
+        stop, requested, generation = bool(flags[0]), bool(flags[1]), int(flags[2])
         self._ckpt_request.clear()
         if stop:
             log.warning(
@@ -530,9 +551,141 @@ class Trainer:
             self._checkpoint(sync=True)
             self._write_progress(force=True)
             raise SystemExit(EXIT_STOPPED)
+        if generation > self.generation:
+            self._resize(generation)
+            return True
         periodic = bool(self.every_steps) and self.step % self.every_steps == 0  # type: ignore[operator]
         if requested or periodic:
             self._checkpoint(sync=not self.async_checkpoint)
+        return False
+
+    # ---- in-place resize ----------------------------------------------------------------------
+    def _order(self) -> dict[str, Any] | None:
+        """The agent's resize order (FLEET_RESIZE_FILE), if there is one."""
+        path = self.assignment.resize_file
+        if path is None:
+            return None
+        try:
+            return json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _ordered_generation(self) -> int:
+        """The generation of the agent's latest resize order, else 0. A stat per step: no
+        signal, whose default action would kill a script past its loop."""
+        if self.assignment.resize_file is None:
+            return 0
+        try:
+            mtime = os.stat(self.assignment.resize_file).st_mtime_ns
+        except OSError:
+            return 0
+        if mtime != self._order_seen[0]:
+            order = self._order()
+            self._order_seen = (mtime, int(order["generation"]) if order else 0)
+        return self._order_seen[1]
+
+    def _resize(self, generation: int) -> None:
+        """Re-form the group at the order's size without leaving the process: ranks at or above
+        it exit (75), the others keep model, optimizer and trainer state, and ranks the agent
+        started meanwhile (``FLEET_RESIZE_JOIN``) get them from rank 0."""
+        box = [self._order() if self.rank == 0 else None]
+        if self._control is not None:
+            dist.broadcast_object_list(box, src=0, group=self._control)
+        order = box[0]
+        if order is None or int(order["generation"]) != generation:
+            raise RuntimeError(f"resize {generation}: the agent's order is gone or changed")
+        world, host, port = int(order["world_size"]), order["master_addr"], order["master_port"]
+        old_world, began = self.world_size, time.monotonic()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # a checkpoint being written uses the old group
+        backend = dist.get_backend() if dist.is_initialized() else None
+        if dist.is_initialized():
+            if self._control is not None:
+                dist.barrier(group=self._control)  # leave together: gloo aborts a rank left alone
+            dist.destroy_process_group()
+        if self.rank >= world:
+            log.info("rank %d: leaving the group (resize %d -> %d) at step %d",
+                     self.rank, old_world, world, self.step)
+            self._restore_signals()
+            raise SystemExit(EXIT_STOPPED)
+        # What the script reads of its world after this point is the new one.
+        os.environ.update({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+                           "MASTER_ADDR": host, "MASTER_PORT": str(port)})
+        address = f"[{host}]" if ":" in host else host
+        dist.init_process_group(
+            backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+            init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=world)
+        if self._ddp is not None:
+            self._rewrap()
+        ckpt_group = self._new_groups()
+        if self.checkpointer is not None:
+            self.checkpointer.group = ckpt_group
+        self._share_state(joining=False)
+        self.generation = generation
+        self.assignment = dataclasses.replace(self.assignment, world_size=world,
+                                              local_world_size=world)
+        step_plan(self.seed, self.n, 0, self.global_batch_size, self.world_size, self.rank, None)
+        self._previous, self._sq = None, [None, None]
+        if self.rank == 0:
+            log.info("resized in place %d -> %d ranks at step %d in %.2f s",
+                     old_world, world, self.step, time.monotonic() - began)
+        self._write_progress(force=True)
+
+    def _rewrap(self) -> None:
+        """Build the script's DDP wrapper anew over the new group, in the same object (the
+        script holds it), with its options; like the constructor on a joining rank, this checks
+        the parameters' shapes and broadcasts rank 0's parameters and buffers."""
+        ddp = self._ddp
+        assert ddp is not None
+        ddp.reducer._remove_autograd_hooks()  # the old reducer's hooks would reduce on a dead group
+        options: dict[str, Any] = {
+            "device_ids": ddp.device_ids, "output_device": ddp.output_device, "dim": ddp.dim,
+            "find_unused_parameters": ddp.find_unused_parameters,
+            "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+            "static_graph": ddp.static_graph,
+        }
+        if not ddp.bucket_bytes_cap_default:
+            options["bucket_cap_mb"] = ddp.bucket_bytes_cap / 1024**2
+        DistributedDataParallel.__init__(ddp, ddp.module, **options)
+        ddp.register_comm_hook(None, self._weighted_allreduce)
+
+    def _share_state(self, *, joining: bool = True) -> None:
+        """Every rank of a re-formed group takes rank 0's training state; only a joining rank
+        loads it (the others have it). Collective: every rank calls it at the same point."""
+        if self.world_size == 1:
+            return
+        if self._ddp is None:  # DDP's constructor broadcasts a wrapped model's parameters
+            for tensor in self.model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        box = [self._state() if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        if not joining:
+            return
+        state = box[0]
+        assert state is not None
+        self.optimizer.load_state_dict(state["optim"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.samples_done = state["step"], state["samples_done"]
+        self.global_batch_size, self.finished = state["global_batch_size"], state["finished"]
+        self.noise = state["noise"]
+        log.info("rank %d: joined the group (resize %d) at step %d",
+                 self.rank, self.generation, self.step)
+
+    def _state(self) -> dict[str, Any]:
+        """What a joining rank needs beyond the model: optimizer, scheduler, progress."""
+        return {"optim": self.optimizer.state_dict(), "scheduler": self._scheduler_state(),
+                "step": self.step, "samples_done": self.samples_done,
+                "global_batch_size": self.global_batch_size, "finished": self.finished,
+                "noise": self.noise}
+
+    def _scheduler_state(self) -> dict[str, Any] | None:
+        if self.scheduler is None:
+            return None
+        state = self.scheduler.state_dict()
+        if state.get("step") is self.scheduler.step:  # our wrapper lives in the instance dict
+            del state["step"]
+        return state
 
     def _checkpoint(self, *, sync: bool) -> None:
         if self.checkpointer is None:
@@ -543,13 +696,8 @@ class Trainer:
                 self.checkpointer.wait()
             return
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        sched = None
-        if self.scheduler is not None:
-            sched = self.scheduler.state_dict()
-            if sched.get("step") is self.scheduler.step:  # our wrapper lives in the instance dict
-                del sched["step"]
         shared = {
-            "scheduler": sched,
+            "scheduler": self._scheduler_state(),
             "step": self.step,
             "samples_done": self.samples_done,
             "global_batch_size": self.global_batch_size,
@@ -602,6 +750,9 @@ class Trainer:
             "finished": self.finished,
             # without checkpoints a move restarts the job from the beginning
             "resumable": self.checkpointer is not None,
+            # the in-place resizes done; None: this loop cannot resize in place (a framework
+            # drives it, or the model is sharded), and the agent restarts its workers instead
+            "resize_generation": self.generation if self._in_place else None,
         }
         tmp = Path(f"{path}.tmp")
         tmp.write_text(json.dumps(record))

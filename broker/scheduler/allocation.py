@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from broker.models import JobRecord, JobState
 from broker.scheduler.config import Admission, Policy, SchedulerConfig
-from broker.scheduler.intents import RoundResult
+from broker.scheduler.intents import RoundResult, resizes_in_place
 from broker.scheduler.pacing import (
     Paced,
     Placed,
@@ -204,8 +204,15 @@ def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity:
                 if pin and cur and pinned and pool is not None and pool.capacity >= job.gpus:
                     out.append(JobChoices(job.id, cur, required=True))
                     continue
-                bonus = 1.0 + restart_s(job, config, now) / config.restart_horizon_s
-                opts = [Choice(c.gpus, c.batch_size, c.value * bonus) if c in cur else c
+                # Leaving the current config costs a restart; a size the job reaches in place
+                # on its node costs only the in-place resize, so it is favoured by the rest.
+                restart = restart_s(job, config, now)
+                bonus = 1.0 + restart / config.restart_horizon_s
+                near = 1.0 + max(0.0, restart - config.resize_in_place_s) / \
+                    config.restart_horizon_s
+                opts = [Choice(c.gpus, c.batch_size, c.value * bonus) if c in cur else
+                        Choice(c.gpus, c.batch_size, c.value * near)
+                        if resizes_in_place(job, pool, c.gpus, c.batch_size) else c
                         for c in opts]
             out.append(JobChoices(job.id, opts))
         return out

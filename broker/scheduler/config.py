@@ -8,6 +8,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policies.region_score import DEFAULT_RESTART_S, Egress, Stickiness
 
+# Seconds of training an in-place resize of the demo job loses: the larger of the grow (0.24 s)
+# and shrink (0.06 s) medians of ``python -m tests.bench resize`` (examples/results/resize.json,
+# 2026-12-04); the same run's checkpoint-and-relaunch path lost 15-17 s.
+RESIZE_IN_PLACE_S = 0.24
+
 
 class Policy(StrEnum):
     ELASTIC = "elastic"  # the allocator picks GPU count and batch size
@@ -44,6 +49,11 @@ class SchedulerConfig(BaseModel):
     restart_s: float = Field(
         default=DEFAULT_RESTART_S, ge=0, description="what a relaunch costs (node start, setup, "
         "checkpoint restore): placement prices it into a move and into every preemption")
+    resize_in_place_s: float = Field(
+        default=RESIZE_IN_PLACE_S, ge=0, description="what a resize costs a job that its node "
+        "takes in place (the runtime re-forms the group without a restart; "
+        "docs/runtime.md): the allocator favours its current size over such a size by this "
+        "only, over any other by restart_s")
     checkpoint_gb: float = Field(
         default=0.0, ge=0, description="checkpoint size assumed for egress on a move to another "
         "region or cloud for a job whose agent has not reported its checkpoint's size yet")

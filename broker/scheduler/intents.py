@@ -45,8 +45,13 @@ def diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None, 
         elif target[0] != job.pool:
             stop(res, job, fence, IntentKind.MIGRATE, f"moving to {target[0]}", target)
         elif target[1:] != (job.gpus, job.batch_size):
-            stop(res, job, fence, IntentKind.RESIZE,
-                 f"resize to {target[1]} GPUs, batch {target[2]}", target)
+            if resizes_in_place(job, pools_by_id.get(target[0]), target[1], target[2]):
+                transitions.resized_in_place(res.plan, job, gpus=target[1], fence=fence)
+                res.resizes += 1
+                res.changed.append(job.id)
+            else:
+                stop(res, job, fence, IntentKind.RESIZE,
+                     f"resize to {target[1]} GPUs, batch {target[2]}", target)
         return
     if target is None:
         if dropped_if_left_out(job, config):
@@ -67,6 +72,16 @@ def diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None, 
     res.migrations += moved
     res.resizes += resized
     res.changed.append(job.id)
+
+
+def resizes_in_place(job: JobRecord, pool: Pool | None, gpus: int, batch: int | None) -> bool:
+    """Can the running ``job`` go to ``gpus`` GPUs in ``pool`` without a restart? Where its one
+    node stays: the job's pool, one that sells any count on one node (a local region), the
+    same batch, and a job that runs the runtime (it reported progress), whose workers re-form
+    their group in place (docs/runtime.md). Anything else checkpoints and relaunches."""
+    return (pool is not None and pool.id == job.pool and pool.gpu_prices is None
+            and job.nodes == 1 and pool.shape(gpus) == (1, gpus) and batch == job.batch_size
+            and job.samples_done > 0)
 
 
 def dropped_if_left_out(job: JobRecord, config: SchedulerConfig) -> bool:

@@ -8,13 +8,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from tests.http_stub import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "train_digits.py"
@@ -98,3 +103,33 @@ def max_abs_diff(a: Path, b: Path) -> float:
     sa, sb = torch.load(a), torch.load(b)
     assert sa.keys() == sb.keys()
     return max((sa[k] - sb[k]).abs().max().item() for k in sa)
+
+
+@contextmanager
+def broker_asking(action: str, at_step: int | None,
+                  **extra: object) -> Iterator[tuple[str, list[dict]]]:
+    """A broker's heartbeat endpoint that answers ``{"action": action, **extra}`` to every
+    heartbeat from the first one reporting ``at_step`` on (None: from the first heartbeat;
+    nothing before): the agent's side of a resize (``resize``, ``nproc=N``) or of a stop
+    (``checkpoint-exit``). Yields its URL and the heartbeats it took."""
+    beats: list[dict] = []
+    told = threading.Event()
+
+    class Heartbeat(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            beat = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            beats.append(beat)
+            if at_step is None or beat.get("step", -1) >= at_step:
+                told.set()
+            body = json.dumps({"action": action, **extra} if told.is_set() else {}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    with serve(Heartbeat) as url:
+        yield url, beats
