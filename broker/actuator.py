@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from broker import metrics, secrets, skyenv, transitions
 from broker.auth import attempt_token
 from broker.costs import ondemand_reference
-from broker.models import Intent, IntentKind, JobRecord, JobState, Placement
+from broker.models import Intent, IntentKind, JobRecord, JobState, Placement, carry_out_order
 from broker.protocol import Env
 from broker.runtime.files import FILES_ENV
 from broker.sealed import Sealer, SealError
@@ -186,7 +186,7 @@ class Actuator:
             self.config.peer_urls = [u for u in self.store.broker_urls()
                                      if u != self.config.broker_url]
         done = 0
-        for intent in intents:
+        for intent in carry_out_order(intents):
             try:
                 done += self._one(intent, fence, pools)
             except Conflict as exc:  # the job moved on; the next pass sees its new state
@@ -203,6 +203,12 @@ class Actuator:
             return self._launch(job, intent, fence, pools, plan)
         if intent.kind is IntentKind.REPLACE:
             return self._replace(job, intent, fence, pools, plan)
+        if intent.kind is IntentKind.RESIZE_IN_PLACE:
+            if job.state is JobState.RUNNING and job.attempt == intent.attempt:
+                for node_id in job.node_ids:
+                    self.provider.resized(node_id, intent.gpus)
+            self.store.apply(plan, fence=fence)
+            return 1
         # resize / migrate / suspend / stop: ask the nodes to checkpoint and exit. The
         # reconciler records the outcome when they are gone.
         for node_id in job.node_ids:

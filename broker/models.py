@@ -5,6 +5,7 @@ placement intervals, intents (the scheduler's outbox) and events.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any
 
@@ -199,6 +200,9 @@ class IntentKind(StrEnum):
     # launch stand-ins for a running multi-node job's lost ``ranks`` in its pool, for
     # rendezvous ``round``; the survivors keep their nodes and re-form the group with them
     REPLACE = "replace"
+    # the running job's one node keeps its processes and runs ``gpus`` workers from now on:
+    # the backend learns the node's new size, so its free count holds for the round's launches
+    RESIZE_IN_PLACE = "resize-in-place"
 
 
 class Intent(BaseModel):
@@ -229,6 +233,13 @@ class Intent(BaseModel):
         # one REPLACE per round: a second loss in the same pass of the same leader is a new one
         suffix = f".{self.round}" if self.kind is IntentKind.REPLACE else ""
         return f"{self.kind.value}:{self.key}{suffix}"
+
+
+def carry_out_order(intents: Iterable[Intent]) -> list[Intent]:
+    """The order the actuator (and the simulator) carries out a plan's intents in: a node shrunk
+    in place first, so the backend frees its GPUs before a launch of the same plan counts on
+    them; the rest as written."""
+    return sorted(intents, key=lambda i: i.kind is not IntentKind.RESIZE_IN_PLACE)
 
 
 class Event(BaseModel):

@@ -217,6 +217,12 @@ class Provider(abc.ABC):
     def nodes(self) -> list[Node]:
         """Every node this broker owns in the backend (found by tag or label)."""
 
+    def resized(self, node_id: str, gpus: int) -> None:
+        """The job on ``node_id`` runs ``gpus`` workers from now on, its processes kept (an
+        in-place resize), so ``capacity()`` counts that many on the node. Backends that sell
+        whole instances keep this default: the instance is billed and held as launched."""
+        return None
+
     def notices(self) -> list[PreemptionNotice]:
         """Pending preemption notices; backends without notices return none."""
         return []

@@ -348,6 +348,11 @@ class FleetProvider(Provider):
         if backend is not None:  # unknown everywhere: already gone
             self._call(backend, "terminate", backend.terminate, node_id)
 
+    def resized(self, node_id: str, gpus: int) -> None:
+        backend = self._backend(node_id)
+        if backend is not None:
+            backend.resized(node_id, gpus)
+
     def forget(self, node_id: str) -> None:
         backend = self._backend(node_id)
         if backend is not None:

@@ -70,6 +70,9 @@ def test_a_job_is_shrunk_in_place_for_a_newcomer(broker: Broker, store: Store) -
         shrunk = store.get_job(job.id)
         assert shrunk is not None and shrunk.gpus == 1 and shrunk.attempt == attempt
         assert shrunk.state is JobState.RUNNING
+        # the GPU it gave up is free in the backend at once: the newcomer runs on it
+        wait("the newcomer never ran", lambda: (
+            (j := store.get_job(newcomer.id)) is not None and j.state is JobState.RUNNING), 60)
         before = shrunk.samples_done
         # rank 0 reports world size 1 once the workers re-formed the group; training goes on
         wait("the workers did not re-form the group at 1", lambda: (

@@ -47,6 +47,9 @@ def diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None, 
         elif target[1:] != (job.gpus, job.batch_size):
             if resizes_in_place(job, pools_by_id.get(target[0]), target[1], target[2]):
                 transitions.resized_in_place(res.plan, job, gpus=target[1], fence=fence)
+                res.plan.add_intent(Intent(kind=IntentKind.RESIZE_IN_PLACE, job_id=job.id,
+                                           fence=fence, attempt=job.attempt, gpus=target[1],
+                                           batch_size=target[2], pool=target[0]))
                 res.resizes += 1
                 res.changed.append(job.id)
             else:

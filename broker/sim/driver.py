@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from broker.models import Intent, IntentKind, JobRecord, JobState
+from broker.models import Intent, IntentKind, JobRecord, JobState, carry_out_order
 from broker.scheduler import Policy, SchedulerConfig, plan_round
 from broker.sim.cluster import fleet_capacity
 from broker.sim.engine import Assignment, Baseline, SimConfig, SimulationError, goodput
@@ -210,10 +210,11 @@ class LiveRoundDriver(SpotRounds):
                 jobs[old.id].sim.record.dropped = True
             self._put(old, state=state, **{k: getattr(new, k) for k in new.model_fields_set})
         stopped = False
-        for raw in intents:
-            intent = Intent.model_validate_json(raw["json"])
+        for intent in carry_out_order(Intent.model_validate_json(r["json"]) for r in intents):
             job = jobs[intent.job_id]
-            if intent.kind is IntentKind.LAUNCH:
+            if intent.kind is IntentKind.RESIZE_IN_PLACE:
+                self._resize_in_place(job, intent)
+            elif intent.kind is IntentKind.LAUNCH:
                 if self._start(job, intent, now):
                     launched.append(job)
                 else:
@@ -254,6 +255,16 @@ class LiveRoundDriver(SpotRounds):
             return False
         self._launch(job, a, pool, now)
         return True
+
+    def _resize_in_place(self, job: SpotJob, intent: Intent) -> None:
+        """The job's workers re-form their group at the intent's size in the same attempt:
+        it trains on that many GPUs after the in-place pause, with nothing lost."""
+        a, pool = job.state.current, job.pool
+        if a is None or pool is None:
+            return
+        job.state.current = Assignment(a.accelerator, intent.gpus, a.batch_size,
+                                       placement_for(intent.gpus, pool.pool.gpus_per_node))
+        job.sim.restart_left += self.config.resize_in_place_s
 
     def _running(self, job: SpotJob, now: float) -> None:
         """The actuator records the launch: the job runs; a spot launch that succeeded in a

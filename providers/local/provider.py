@@ -213,6 +213,13 @@ def write_private(path: str | os.PathLike[str], text: str) -> None:
         os.close(fd)
 
 
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Replace ``path`` whole: a listing that reads it meanwhile sees the old or the new."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
 def _ts(x: float | None) -> datetime | None:
     return datetime.fromtimestamp(x, UTC) if x is not None else None
 
@@ -270,6 +277,12 @@ class LocalProvider(Provider):
         for n in hit:
             self._signal_stop(n.node_id, reason="spot-reclaim")
         return len(hit)
+
+    def resized(self, node_id: str, gpus: int) -> None:
+        path = self.nodes_dir / node_id / "meta.json"
+        meta = _read_json(path)
+        if meta is not None and meta.get("gpus") != gpus:
+            _write_json(path, {**meta, "gpus": gpus})
 
     def reclaim_node(self, node_id: str) -> None:
         """Reclaim one spot node (a cloud reclaims single instances too): its preemption notice
@@ -355,7 +368,7 @@ class LocalProvider(Provider):
                 "region": region.region, "market": region.market.value,
                 "accelerator": region.accelerator.value, "gpus": request.gpus_per_node,
                 "rank": rank, "launched_at": time.time()}
-        (node_dir / "meta.json").write_text(json.dumps(meta))
+        _write_json(node_dir / "meta.json", meta)
         proc = subprocess.Popen(
             [sys.executable, "-m", "providers.local.node", str(node_dir), str(self.workdir),
              *(["--user", self.job_user.name] if self.job_user else []),
