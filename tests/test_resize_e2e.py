@@ -48,11 +48,27 @@ def broker(redis_server: RedisServer, store: Store, tmp_path: Path,
         yield running
 
 
-def wait(what: str, check, timeout: float = 180) -> None:
+def wait(what: str, check, timeout: float = 180, broker: Broker | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not check():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, f"{what}\n{story(broker)}"
         time.sleep(0.2)
+
+
+def story(broker: Broker | None) -> str:
+    """The jobs, their events and their nodes' output: what a timed-out wait saw."""
+    if broker is None:
+        return ""
+    out = []
+    for job in broker.store.list_jobs():
+        out.append(f"{job.id}: {job.state.value} gpus={job.gpus} attempt={job.attempt} "
+                   f"samples={job.samples_done} reason={job.reason}")
+        out += [f"  {e.type} {e.data}" for e in broker.store.events(job_id=job.id)]
+    for node in broker.provider.nodes():
+        lines, _ = broker.provider.read_log(node.node_id)
+        out.append(f"node {node.node_id} {node.state.value}:")
+        out += [f"  | {line}" for line in lines[-30:]]
+    return "\n".join(out)
 
 
 @pytest.mark.slow
@@ -62,22 +78,23 @@ def test_a_job_is_shrunk_in_place_for_a_newcomer(broker: Broker, store: Store) -
     try:
         wait("the job never trained on 2 GPUs", lambda: (
             (j := store.get_job(job.id)) is not None and j.state is JobState.RUNNING
-            and j.gpus == 2 and j.samples_done > 0))
+            and j.gpus == 2 and j.samples_done > 0), broker=broker)
         attempt = store.get_job(job.id).attempt  # type: ignore[union-attr]
         newcomer = store.submit(parse_spec_text(NEWCOMER).spec, team="ml")
         wait("the job was not resized in place", lambda: "resize-in-place" in [
-            e.type for e in store.events(job_id=job.id)])
+            e.type for e in store.events(job_id=job.id)], broker=broker)
         shrunk = store.get_job(job.id)
         assert shrunk is not None and shrunk.gpus == 1 and shrunk.attempt == attempt
         assert shrunk.state is JobState.RUNNING
         # the GPU it gave up is free in the backend at once: the newcomer runs on it
         wait("the newcomer never ran", lambda: (
-            (j := store.get_job(newcomer.id)) is not None and j.state is JobState.RUNNING), 60)
+            (j := store.get_job(newcomer.id)) is not None
+            and j.state is JobState.RUNNING), 60, broker)
         before = shrunk.samples_done
         # rank 0 reports world size 1 once the workers re-formed the group; training goes on
         wait("the workers did not re-form the group at 1", lambda: (
             (j := store.get_job(job.id)) is not None and j.samples_done > before
-            and j.measured_gpus == 1), 120)
+            and j.measured_gpus == 1), 120, broker)
         final = store.get_job(job.id)
         assert final is not None and final.attempt == attempt
         assert final.state is JobState.RUNNING
@@ -87,4 +104,4 @@ def test_a_job_is_shrunk_in_place_for_a_newcomer(broker: Broker, store: Store) -
             store.request_cancel(one.id)
         for one in filter(None, (job, newcomer)):
             wait("a job did not end after its cancel", lambda one=one: (
-                (j := store.get_job(one.id)) is not None and j.state.terminal), 120)
+                (j := store.get_job(one.id)) is not None and j.state.terminal), 120, broker)
