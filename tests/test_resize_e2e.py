@@ -38,12 +38,15 @@ batch_size: 32
 work: {steps: 1000}
 priority: 100
 """
+RESCALE_AFTER_S = 45
 
 
 @pytest.fixture
 def broker(redis_server: RedisServer, store: Store, tmp_path: Path,
            monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
-    config = SchedulerConfig(min_rescale_interval_s=0)
+    # a loaded machine can measure two CPU workers no faster than one, and the round would then
+    # shrink the job on its own before the newcomer arrives: the interval keeps it at 2 until then
+    config = SchedulerConfig(min_rescale_interval_s=RESCALE_AFTER_S)
     with live_broker(redis_server.url, store, tmp_path, FLEET, monkeypatch, config) as running:
         yield running
 
