@@ -1,6 +1,7 @@
 """The overhead benchmark's pairing (no timing asserted): loops interleaved in turns A B B A,
 the time a loop waits for its turn left out of its steps, a failing loop does not hang the
-other, and each pair of blocks that ran side by side gives one overhead."""
+other, each pair of blocks that ran side by side gives one overhead, and so does each pair of
+a framework's runs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from tests.bench.bench_overhead import block_overheads, bootstrap_ci
+from tests.bench.bench_overhead import block_overheads, bootstrap_ci, run_overheads
 from tests.bench.overhead_loops import OnStep, interleave
 
 
@@ -53,3 +54,10 @@ def test_block_pairs_and_their_interval() -> None:
     assert got == pytest.approx([10.0, 0.0, 20.0])
     low, high = bootstrap_ci(got)
     assert 0.0 <= low <= 10.0 <= high <= 20.0
+
+
+def test_each_pair_of_framework_runs_gives_one_overhead() -> None:
+    # a framework's runs with and without its integration are separate trainings, paired in order
+    without = [[9.0, 1.0, 1.0, 1.0], [9.0, 2.0, 2.0, 2.0]]
+    with_ = [[9.0, 1.1, 1.1, 1.1], [9.0, 2.0, 2.0, 2.0]]
+    assert run_overheads(without, with_, warmup=1) == pytest.approx([10.0, 0.0])

@@ -16,13 +16,19 @@ Comparison ``runtime``: the script's loop over ``fleet.elastic`` (fixed batch) a
 model and loop over a plain ``DataLoader`` (a ``DistributedSampler`` in a group). Model:
 ``examples/train_synthetic.py``'s ``tiny`` transformer, global batch 16 x 64 tokens, one thread
 per worker, gloo on CPU (NCCL with ``--device cuda``), world sizes 1 and 2 on one machine. No
-periodic checkpoint falls in the measured steps (the checkpoint benchmark measures those). A
-framework integration is one more entry of ``COMPARISONS`` and its two loops entries of
-``overhead_loops.LOOPS``.
+periodic checkpoint falls in the measured steps (the checkpoint benchmark measures those).
+
+Comparisons ``lightning`` and ``hf``: the same model trained by a Lightning or a Hugging Face
+Trainer (``tests/bench/overhead_frameworks.py``), under the agent with the integration it injects
+and with FLEET_INTEGRATIONS=off. An integration patches the framework for the whole process, so
+the two cannot share one: they run as separate trainings one right after the other (without,
+with, with, without, ...), and each pair of runs gives one overhead, the median step time with
+the integration over that without.
 
 Options: ``--repeats`` (runs per launcher and world size, 4), ``--steps`` (measured per loop and
 run, 120), ``--warmup`` (10), ``--block`` (2), ``--world-sizes`` (1,2), ``--size`` (tiny),
-``--device`` (cpu; ``cuda`` on a GPU machine), ``--only NAME``. Writes
+``--device`` (cpu; ``cuda`` on a GPU machine; the framework comparisons run on the CPU),
+``--only NAME`` (runtime, lightning, hf). Writes
 ``examples/results/overhead.json``.
 """
 
@@ -48,6 +54,7 @@ from typing import Any
 
 from broker.protocol import Env
 from broker.runtime.agent import free_port
+from tests.bench.overhead_frameworks import FRAMEWORKS
 from tests.bench.results import ROOT, measured, single, write
 from tests.http_stub import serve
 
@@ -108,40 +115,19 @@ class Run:
     agent_cpu_share: float | None  # the agent's CPU time over its workers' (under the agent)
 
 
-def run(
-    comparison: Comparison,
+def launch(
+    worker: list[str],
     launcher: str,
     world: int,
     args: argparse.Namespace,
     broker_url: str,
     folder: Path,
-) -> Run:
-    """One run of ``comparison``'s two loops, interleaved, at world size ``world``, started
-    ``bare`` (as torchrun starts workers) or by the ``agent``."""
-    times = folder / "times.json"
-    times.unlink(missing_ok=True)
-    worker = [
-        sys.executable,
-        "-m",
-        "tests.bench.overhead_loops",
-        "--loops",
-        f"{comparison.without},{comparison.with_}",
-        "--times",
-        str(times),
-        "--steps",
-        str(args.steps + args.warmup),
-        "--block",
-        str(args.block),
-        "--size",
-        args.size,
-        "--batch-size",
-        str(args.batch_size),
-        "--device",
-        args.device,
-        "--threads",
-        str(args.threads),
-    ]
-    env = _env(args.threads)
+    label: str,
+    env: dict[str, str] | None = None,
+) -> float | None:
+    """Start ``world`` processes of ``worker``, ``bare`` (as torchrun starts workers) or by the
+    ``agent``, and wait for them; the agent's CPU time over its workers' (under the agent)."""
+    env = {**_env(args.threads), **(env or {})}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     agent_cpu: list[float] = []
     if launcher == "agent":
@@ -199,15 +185,94 @@ def run(
     if failed:
         code, err = failed[0]
         raise RuntimeError(
-            f"{comparison.name}, {launcher}, world size {world}: exit {code}: "
+            f"{label}, {launcher}, world size {world}: exit {code}: "
             f"{err.decode(errors='replace')[-2000:]}"
         )
+    if not agent_cpu:
+        return None
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    share = None
-    if agent_cpu:
-        total = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-        share = agent_cpu[-1] / max(total - agent_cpu[-1], 1e-9)
+    total = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return agent_cpu[-1] / max(total - agent_cpu[-1], 1e-9)
+
+
+def run(
+    comparison: Comparison,
+    launcher: str,
+    world: int,
+    args: argparse.Namespace,
+    broker_url: str,
+    folder: Path,
+) -> Run:
+    """One run of ``comparison``'s two loops, interleaved, at world size ``world``, started
+    ``bare`` (as torchrun starts workers) or by the ``agent``."""
+    times = folder / "times.json"
+    times.unlink(missing_ok=True)
+    worker = [
+        sys.executable,
+        "-m",
+        "tests.bench.overhead_loops",
+        "--loops",
+        f"{comparison.without},{comparison.with_}",
+        "--times",
+        str(times),
+        "--steps",
+        str(args.steps + args.warmup),
+        "--block",
+        str(args.block),
+        "--size",
+        args.size,
+        "--batch-size",
+        str(args.batch_size),
+        "--device",
+        args.device,
+        "--threads",
+        str(args.threads),
+    ]
+    share = launch(worker, launcher, world, args, broker_url, folder, comparison.name)
     return Run(json.loads(times.read_text()), share)
+
+
+def run_framework(
+    framework: str,
+    integrated: bool,
+    world: int,
+    args: argparse.Namespace,
+    broker_url: str,
+    folder: Path,
+) -> list[float]:
+    """Rank 0's step times of one ``framework`` training under the agent, with its integration
+    injected or (FLEET_INTEGRATIONS=off) without."""
+    times = folder / "times.json"
+    times.unlink(missing_ok=True)
+    worker = [
+        sys.executable,
+        "-m",
+        "tests.bench.overhead_frameworks",
+        "--framework",
+        framework,
+        "--times",
+        str(times),
+        "--steps",
+        str(args.steps + args.warmup),
+        "--size",
+        args.size,
+        "--batch-size",
+        str(args.batch_size),
+        "--threads",
+        str(args.threads),
+    ]
+    env = {} if integrated else {Env.INTEGRATIONS: "off"}
+    launch(worker, "agent", world, args, broker_url, folder, framework, env)
+    return json.loads(times.read_text())
+
+
+def run_overheads(without: list[list[float]], with_: list[list[float]], warmup: int) -> list[float]:
+    """Overhead (%) of each pair of runs made one after the other: medians of their step times,
+    the warm-up left out."""
+    return [
+        100 * (statistics.median(b[warmup:]) / statistics.median(a[warmup:]) - 1)
+        for a, b in zip(without, with_, strict=True)
+    ]
 
 
 def block_overheads(
@@ -264,12 +329,45 @@ def workspace() -> Iterator[tuple[str, Path]]:
         yield url, Path(tmp)
 
 
+def summarise_framework(
+    key: str, without: list[list[float]], with_: list[list[float]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """One framework and world size over its pairs of runs: each side's step time, and the
+    overhead of every pair: median, spread, interquartile range, 95% CI."""
+    pcts = run_overheads(without, with_, args.warmup)
+    low, high = bootstrap_ci(pcts)
+    q = statistics.quantiles(pcts, n=4) if len(pcts) > 1 else [pcts[0]] * 3
+    return {
+        f"{key}: step time, without the integration": measured(
+            [t for r in without for t in r[args.warmup :]], "ms", 1e3
+        ),
+        f"{key}: step time, with it": measured(
+            [t for r in with_ for t in r[args.warmup :]], "ms", 1e3
+        ),
+        f"{key}: overhead (run pairs)": measured(pcts, "%"),
+        f"{key}: overhead, interquartile range": single(q[2] - q[0], "%"),
+        f"{key}: overhead, 95% CI low": single(low, "%"),
+        f"{key}: overhead, 95% CI high": single(high, "%"),
+    }
+
+
+def _report(key: str, part: dict[str, Any], pairs: str) -> None:
+    o = part[f"{key}: overhead ({pairs})"]
+    lo, hi = (part[f"{key}: overhead, 95% CI {e}"]["value"] for e in ("low", "high"))
+    print(
+        f"  {key}: median overhead {o['median']:+.2f}% over {o['n']} {pairs} (95% CI "
+        f"{lo:+.2f}% .. {hi:+.2f}%): target under {TARGET_PCT:g}% "
+        f"{'met' if hi < TARGET_PCT else 'not shown'}",
+        flush=True,
+    )
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    names = [c.name for c in COMPARISONS] + list(FRAMEWORKS)
+    if args.only and not set(args.only) <= set(names):
+        raise SystemExit("--only: no such comparison; choose from " + ", ".join(names))
     comparisons = [c for c in COMPARISONS if not args.only or c.name in args.only]
-    if not comparisons:
-        raise SystemExit(
-            "--only: no such comparison; choose from " + ", ".join(c.name for c in COMPARISONS)
-        )
+    frameworks = [f for f in FRAMEWORKS if not args.only or f in args.only]
     numbers: dict[str, Any] = {}
     with workspace() as (url, folder):
         for world in args.world_sizes:
@@ -286,16 +384,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     key = f"{c.name}, world size {world}, {launcher}"
                     part = summarise(key, runs, c, args)
                     numbers.update(part)
-                    o = part[f"{key}: overhead (block pairs)"]
-                    lo, hi = (
-                        part[f"{key}: overhead, 95% CI {e}"]["value"] for e in ("low", "high")
-                    )
-                    print(
-                        f"  {key}: median overhead {o['median']:+.2f}% over {o['n']} block "
-                        f"pairs (95% CI {lo:+.2f}% .. {hi:+.2f}%): target under "
-                        f"{TARGET_PCT:g}% {'met' if hi < TARGET_PCT else 'not shown'}",
-                        flush=True,
-                    )
+                    _report(key, part, "block pairs")
                 shares = [
                     100 * r.agent_cpu_share for r in got["agent"] if r.agent_cpu_share is not None
                 ]
@@ -303,6 +392,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     key = f"{c.name}, world size {world}: the agent's CPU time over its workers'"
                     numbers[key] = measured(shares, "%")
                     print(f"  {key}: median {statistics.median(shares):.2f}%", flush=True)
+            for f in frameworks:
+                sides: dict[bool, list[list[float]]] = {False: [], True: []}
+                for rep in range(args.repeats):  # without, with, with, without, ...
+                    for integrated in (False, True)[:: 1 if rep % 2 == 0 else -1]:
+                        sides[integrated].append(
+                            run_framework(f, integrated, world, args, url, folder)
+                        )
+                    print(
+                        f"{f}, world size {world}: repetition {rep + 1}/{args.repeats}", flush=True
+                    )
+                key = f"{f}, world size {world}, agent"
+                part = summarise_framework(key, sides[False], sides[True], args)
+                numbers.update(part)
+                _report(key, part, "run pairs")
     return numbers
 
 
@@ -351,6 +454,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{c.name}: {c.with_} loop vs {c.without} loop"
             for c in COMPARISONS
             if not args.only or c.name in args.only
+        ]
+        + [
+            f"{f}: its Trainer under the agent with the integration vs FLEET_INTEGRATIONS=off"
+            for f in FRAMEWORKS
+            if not args.only or f in args.only
         ],
         "target": f"overhead under {TARGET_PCT:g}% (upper end of the 95% CI)",
     }
