@@ -13,7 +13,8 @@ for the broker, the runtime writing its progress file), runs of the two alternat
 agent's own cost, a separate process beside the workers, is its CPU time over theirs.
 
 Comparison ``runtime``: the script's loop over ``fleet.elastic`` (fixed batch) against the same
-model and loop over a plain ``DataLoader`` (a ``DistributedSampler`` in a group). Model:
+model and loop over a plain ``DataLoader`` (a ``DistributedSampler`` in a group); comparison
+``fsdp`` the same two loops over the model sharded with FSDP2 instead of DDP. Model:
 ``examples/train_synthetic.py``'s ``tiny`` transformer, global batch 16 x 64 tokens, one thread
 per worker, gloo on CPU (NCCL with ``--device cuda``), world sizes 1 and 2 on one machine. No
 periodic checkpoint falls in the measured steps (the checkpoint benchmark measures those).
@@ -28,7 +29,7 @@ the integration over that without.
 Options: ``--repeats`` (runs per launcher and world size, 4), ``--steps`` (measured per loop and
 run, 120), ``--warmup`` (10), ``--block`` (2), ``--world-sizes`` (1,2), ``--size`` (tiny),
 ``--device`` (cpu; ``cuda`` on a GPU machine; the framework comparisons run on the CPU),
-``--only NAME`` (runtime, lightning, hf). Writes
+``--only NAME`` (runtime, fsdp, lightning, hf). Writes
 ``examples/results/overhead.json``.
 """
 
@@ -73,7 +74,10 @@ class Comparison:
     with_: str
 
 
-COMPARISONS = (Comparison("runtime", "plain", "runtime"),)
+COMPARISONS = (
+    Comparison("runtime", "plain", "runtime"),
+    Comparison("fsdp", "plain-fsdp", "runtime-fsdp"),
+)
 
 
 class Broker(BaseHTTPRequestHandler):

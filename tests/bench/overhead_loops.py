@@ -16,6 +16,7 @@ batch to ``--device`` themselves.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import threading
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -44,14 +46,20 @@ class LoopConfig:
     context: int
     device: str
     seed: int = 0
+    fsdp: bool = False  # shard with FSDP2 (``fully_shard`` on every block, then the model)
 
 
 def _model(cfg: LoopConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
-    """The model (DDP-wrapped in a group), its optimizer and the data set, seeded alike."""
+    """The model (DDP-wrapped in a group, or sharded), its optimizer and the data set, seeded
+    alike."""
     ex = example()
     torch.manual_seed(cfg.seed)
     model = ex.build(cfg.size, cfg.context).to(cfg.device)
-    if dist.is_initialized():
+    if cfg.fsdp:
+        for block in model.blocks.layers:
+            fully_shard(block)
+        fully_shard(model)
+    elif dist.is_initialized():
         ids = [torch.device(cfg.device).index or 0] if cfg.device.startswith("cuda") else None
         model = DistributedDataParallel(model, device_ids=ids)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -116,8 +124,19 @@ def runtime(cfg: LoopConfig, on_step: OnStep) -> None:
         on_step()
 
 
-# name -> loop; the bench's comparisons name these
-LOOPS: dict[str, Callable[[LoopConfig, OnStep], None]] = {"plain": plain, "runtime": runtime}
+def sharded(loop: Callable[[LoopConfig, OnStep], None]) -> Callable[[LoopConfig, OnStep], None]:
+    """``loop`` over the model sharded with FSDP2 instead of DDP."""
+    return lambda cfg, on_step: loop(dataclasses.replace(cfg, fsdp=True), on_step)
+
+
+# name -> loop; the bench's comparisons name these. An FSDP loop needs a process group, even of
+# one process: ``main`` starts one for it.
+LOOPS: dict[str, Callable[[LoopConfig, OnStep], None]] = {
+    "plain": plain,
+    "runtime": runtime,
+    "plain-fsdp": sharded(plain),
+    "runtime-fsdp": sharded(runtime),
+}
 
 
 def interleave(loops: dict[str, Callable[[OnStep], None]], block: int) -> dict[str, list[float]]:
@@ -200,6 +219,10 @@ def main() -> None:
         torch.cuda.set_device(device)
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
+    elif any(n.endswith("-fsdp") for n in names) and not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
     cfg = LoopConfig(
         steps=args.steps,
         batch_size=args.batch_size,
