@@ -35,8 +35,9 @@ docs: setup
 	out=$$(mktemp -d) && trap 'rm -rf "$$out"' EXIT && \
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -f docs/mkdocs.yml -d "$$out"
 
+# Two pytest-xdist workers: most cases wait on servers, agents and subprocesses, not the CPU.
 test: setup lint docs
-	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/bench -m 'not chaos'
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests --ignore=tests/bench -m 'not chaos'
 
 # The long fault-and-attack cases (tests/chaos); their fast cases already run in `make test`.
 chaos: setup

@@ -150,7 +150,9 @@ def test_two_brokers_one_acts_and_the_other_takes_over(redis_server: RedisServer
         killed = time.monotonic()
         wait_for(lambda: (store.leader() or (0, ""))[1] == "b", timeout=10)
         takeover = time.monotonic() - killed
-        assert takeover <= 1.5 + 1.0  # the lease time plus one standby poll
+        # the lease time plus one standby poll, and a second of slack: beside the other tests
+        # (pytest-xdist) a 2-core machine can hold the standby's poll back that long
+        assert takeover <= 1.5 + 1.0 + 1.0
         second = store.leader()
         assert second is not None and second[0] > first[0]
         wait_for(lambda: all_terminal(store), timeout=60)

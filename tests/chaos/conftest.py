@@ -1,7 +1,8 @@
 """The fault-and-attack suite's one summary: each case records, through the ``chaos`` fixture,
 the faults it injected and what it found (jobs lost, duplicate launches, acknowledged
 submissions lost, 5xx answers, broker secrets a job could see, the worst API latency under
-attack); the session prints the totals, each with the number of cases that checked it.
+attack); the session prints the totals, each with the number of cases that checked it
+(``tests/conftest.py``, which also gathers the tallies of pytest-xdist's workers).
 ``duplicate_launches`` counts them from the local provider's spawn log."""
 
 from __future__ import annotations
@@ -34,8 +35,17 @@ class Tally:
         if latency_s is not None:
             self.worst_latency_s = max(self.worst_latency_s or 0.0, latency_s)
 
+    def merge(self, other: Tally) -> None:
+        """Add ``other``'s cases (a pytest-xdist worker's) to these."""
+        self.faults += other.faults
+        for name in COUNTS:
+            self.found[name] += other.found[name]
+            self.checked[name] += other.checked[name]
+        if other.worst_latency_s is not None:
+            self.worst_latency_s = max(self.worst_latency_s or 0.0, other.worst_latency_s)
 
-_TALLY = Tally()
+
+TALLY = Tally()  # this process's cases; tests/conftest.py prints the session's
 
 
 def duplicate_launches(state_dir: Path) -> int:
@@ -57,21 +67,4 @@ def duplicate_launches(state_dir: Path) -> int:
 
 @pytest.fixture
 def chaos() -> Tally:
-    return _TALLY
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    t = _TALLY
-    if not t.faults and not any(t.checked.values()):
-        return
-    tr = terminalreporter
-    tr.section("fault and attack summary")
-    tr.write_line(f"faults injected: {t.faults}")
-    for name in COUNTS:
-        label = name.replace("_", " ")
-        if t.checked[name]:
-            tr.write_line(f"{label}: {t.found[name]} (checked by {t.checked[name]} cases)")
-        else:
-            tr.write_line(f"{label}: not checked in this run")
-    worst = "not measured" if t.worst_latency_s is None else f"{t.worst_latency_s * 1000:.0f} ms"
-    tr.write_line(f"worst API latency under attack: {worst}")
+    return TALLY
