@@ -450,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "device": args.device,
         "threads per worker": args.threads,
         "world sizes": args.world_sizes,
-        "runs per launcher (bare, agent) and world size": args.repeats,
+        "runs per launcher (bare, agent) or framework side, and world size": args.repeats,
         "steps measured per loop and run": args.steps,
         "warm-up steps left out": args.warmup,
         "steps per turn (block)": args.block,
@@ -466,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ],
         "target": f"overhead under {TARGET_PCT:g}% (upper end of the 95% CI)",
     }
-    write("overhead", setup, numbers)
+    write("overhead", setup, numbers, argv)
 
 
 if __name__ == "__main__":

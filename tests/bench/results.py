@@ -33,12 +33,13 @@ def single(value: float, unit: str) -> dict[str, Any]:
     return {"value": value, "unit": unit}
 
 
-def write(name: str, setup: Mapping[str, Any], numbers: Mapping[str, Any]) -> Path:
+def write(name: str, setup: Mapping[str, Any], numbers: Mapping[str, Any],
+          options: Sequence[str] = ()) -> Path:
     """Write ``examples/results/<name>.json``; ``numbers``: label -> ``measured(...)`` or
-    ``single(...)``."""
+    ``single(...)``; ``options``: the command line's, so its command reproduces the run."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    doc = {"command": f"python -m tests.bench {name}",
+    doc = {"command": " ".join(["python -m tests.bench", name, *options]),
            "date": datetime.now(UTC).date().isoformat(), "setup": dict(setup),
            "numbers": dict(numbers)}
     path.write_text(json.dumps(doc, indent=1) + "\n")
