@@ -271,12 +271,13 @@ RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
 def page(name: str, doc: str) -> str:
     """The markdown of one benchmark's page."""
     summary, _, setup = doc.partition("\n\n")
-    command = f"python -m tests.bench {name}"
     result = RESULTS / f"{name}.json"
+    data = json.loads(result.read_text()) if result.exists() else {}
+    # the published numbers' own command line, options included, where the file records one
+    command = data.get("command", f"python -m tests.bench {name}")
     out = [f"# Benchmark: {name}", "", " ".join(summary.split()), "", setup.strip(), "",
            "## Command", "", "```bash", f"{command}        # or: make bench (every benchmark)",
            "```", ""]
-    data = json.loads(result.read_text()) if result.exists() else {}
     render = _renderer(name, data)
     if render is not None:
         out += ["## Numbers", "",
