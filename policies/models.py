@@ -38,6 +38,9 @@ class Accelerator(StrEnum):
     @classmethod
     def parse(cls, name: str) -> Accelerator:
         """Case- and punctuation-insensitive lookup: ``t4``, ``A100-80GB``, ``rtx_2080ti``."""
+        # Stored records name their types canonically; a round parses thousands of them.
+        if (exact := cls._value2member_map_.get(name)) is not None:
+            return exact  # type: ignore[return-value]
         key = _norm(name)
         # A name is a known one, or one with a variant suffix (A100-80GB-SXM4, H100-PCIe);
         # anything else (A100X) is refused rather than read as its prefix.

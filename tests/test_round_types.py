@@ -1,12 +1,18 @@
 """The live round's planning, pure (no Redis): a job that accepts several accelerator types gets
 an idle one, allocation respects what one pool can host and leaves no GPU idle that a waiting
 job could use, admission drop never suspends a running job for a newcomer, and a plain script
-(which a move restarts from the beginning) is the last job the round moves."""
+(which a move restarts from the beginning) is the last job the round moves; a round holds the
+cyclic collector off while it runs."""
 
 from __future__ import annotations
 
+import gc
+
+import pytest
+
 from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.scheduler import Admission, Marks, SchedulerConfig, placement_request, plan_round
+from broker.scheduler.round import paused_gc
 from broker.store import Snapshot
 from policies.elastic_dp import Choice
 from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
@@ -143,3 +149,18 @@ def test_a_plain_script_stays_where_a_resumable_job_would_move() -> None:
         moved[resumable] = [(_intent(i)["kind"], _intent(i)["pool"]) for i in
                             res.plan.intents_add]
     assert moved == {True: [("migrate", cheap.id)], False: []}
+
+
+def test_a_round_holds_the_collector_off_and_gives_it_back() -> None:
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), paused_gc():
+        assert not gc.isenabled()
+        raise RuntimeError("a round that fails still resumes collection")
+    assert gc.isenabled()
+    gc.disable()  # a process that keeps it off keeps it off
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
