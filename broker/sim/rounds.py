@@ -125,8 +125,8 @@ class SpotConfig:
     market: MarketPolicy = MarketPolicy.FLEET
     checkpoint_s: float = DEFAULT_CHECKPOINT_S
     # FleetBroker's agent checkpoints when the cloud announces a preemption (AWS 2 min, GCP and
-    # Azure 30 s ahead), so a preemption loses no work; SkyPilot finds preemptions by polling
-    # (FACTS.md section 4) and loses the work since the last periodic checkpoint.
+    # Azure 30 s ahead), so a preemption loses no work; SkyPilot's managed-jobs controller finds
+    # preemptions by polling (every 15 s) and loses the work since the last periodic checkpoint.
     checkpoint_on_notice: bool = False
     blocklist_decay_s: float = DEFAULT_DECAY_S
 

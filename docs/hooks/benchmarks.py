@@ -2,7 +2,7 @@
 
 Every ``tests/bench/bench_*.py`` gets ``benchmarks/<name>.md``: its docstring (the setup), the
 command that runs it, and, where it writes ``examples/results/<name>.json``, the date of that
-file (its last commit, else its modification time) and its numbers as tables. Nothing here is
+result (the one it records, else its last commit) and its numbers as tables. Nothing here is
 typed by hand, so a page cannot drift from its JSON. The spot tables and the goal lines come
 from ``tests.bench.spot_common``, the functions the benchmark prints them with.
 """
@@ -50,7 +50,10 @@ def _constant(name: str, module: str) -> Any:
 
 
 def _date(path: Path) -> str:
-    """The day ``path`` was last committed, else (an uncommitted result) its modification day."""
+    """The day the result in ``path`` was measured: the date the benchmark wrote into it, else
+    the day it was last committed, else (an uncommitted result) its modification day."""
+    if isinstance(written := json.loads(path.read_text()), dict) and written.get("date"):
+        return str(written["date"])
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%cs", "--",
                               str(path)], capture_output=True, text=True, check=True).stdout

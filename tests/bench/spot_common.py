@@ -19,7 +19,7 @@ from broker.sim.engine import SimConfig
 from broker.sim.rounds import MarketPolicy, SpotConfig, SpotResult, sim_pools, simulate_spot
 from broker.sim.workload import read_workload
 
-NOTICE = "fleet + checkpoint on notice"  # FleetBroker's agent; SkyPilot polls (FACTS.md 4)
+NOTICE = "fleet + checkpoint on notice"  # FleetBroker's agent; SkyPilot polls for preemptions
 VARIANTS = [(m.value, m, False) for m in MarketPolicy] + [(NOTICE, MarketPolicy.FLEET, True)]
 SKY = [m.value for m in (MarketPolicy.FAILOVER, MarketPolicy.EAGER)]
 FLEET_ROWS = (MarketPolicy.FLEET.value, NOTICE)
