@@ -23,6 +23,7 @@ from broker.runtime.files import FILES_ENV
 from broker.sealed import Sealer, SealError
 from broker.store import Conflict, Plan, Store
 from policies.migration import (
+    Blocklist,
     expire,
     location_keys,
     mark_launched,
@@ -59,6 +60,7 @@ class ActuatorConfig(BaseModel):
     launch_deadline_s: float | None = None
     secrets_dir: Path | None = None  # where the key that opens the jobs' secrets is (its state dir)
     rendezvous_margin_s: float = 600.0  # a stand-in's launch, after the deadline, and its boot
+    refusal_decay_s: float | None = None  # how long a refused pool stays marked (None: stored)
 
 
 def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorConfig, *,
@@ -230,12 +232,15 @@ class Actuator:
                                   max_failures=self.config.max_failures, counted=False)
         self.store.apply(plan, fence=fence)
 
+    def _blocklist(self) -> tuple[Blocklist, str | None]:
+        return self.store.blocklist(refusal_decay_s=self.config.refusal_decay_s)
+
     def _mark_refused(self, job: JobRecord, pool: Pool, exc: ProviderError, plan: Plan) -> str:
         """Put ``pool``'s (or its zone's) refusal mark into ``plan``; returns what was missing."""
         now = time.time()
         missing = "capacity" if isinstance(exc, CapacityError) else "quota"
         zone = exc.zone if isinstance(exc, CapacityError) else None
-        blocklist, read = self.store.blocklist()
+        blocklist, read = self._blocklist()
         blocklist = mark_refused(expire(blocklist, now), refusal_key(pool.id, zone), now,
                                  missing)
         plan.set_blocklist(blocklist, read=read)
@@ -380,14 +385,14 @@ class Actuator:
         """The zones of an unpinned spot pool that just refused a launch (``_refused``)."""
         if pool.market is not Market.SPOT or pool.zone:
             return ()
-        return refused_zones(self.store.blocklist()[0], pool.id, time.time())
+        return refused_zones(self._blocklist()[0], pool.id, time.time())
 
     def _reactivate(self, job: JobRecord, pool: Pool, plan: Plan) -> None:
         """SpotHedge's ``mark_launched``: a spot launch that succeeded in a blocked location
         (placement's last resort when nothing else had room) shows capacity is back there, so
         the location is active again, in the launch's atomic step."""
         now = time.time()
-        blocklist, read = self.store.blocklist()
+        blocklist, read = self._blocklist()
         back = [k for k in location_keys(pool) if blocklist.is_blocked(k, now)]
         if not back:
             return

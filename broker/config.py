@@ -36,8 +36,8 @@ from broker.spec import Problem, preview
 # The fields of BrokerConfig a file may set: its tuning knobs (where the broker's state lives,
 # its Redis and its fleet file are ``fleet up``'s flags; its identity and tokens are its own).
 BROKER_KEYS = ("tick_s", "lease_ttl_s", "lease_stall_s", "heartbeat_interval_s",
-               "blocklist_decay_s", "quick_reclaim_s", "final_report_wait_s", "launch_deadline_s",
-               "rendezvous_margin_s", "confirm_durable")
+               "blocklist_decay_s", "refusal_decay_s", "quick_reclaim_s", "final_report_wait_s",
+               "launch_deadline_s", "rendezvous_margin_s", "confirm_durable")
 
 BrokerSection = create_model(  # type: ignore[call-overload]
     "BrokerSection",

@@ -61,6 +61,7 @@ class ReconcileResult:
 class Reconciler:
     def __init__(self, store: Store, provider: Provider, *, max_failures: int = 3,
                  blocklist_decay_s: float = DEFAULT_DECAY_S,
+                 refusal_decay_s: float | None = None,
                  launch_deadline_s: float | None = None,
                  replace_lost_nodes: bool = False,
                  final_report_wait_s: float | None = None,
@@ -70,6 +71,7 @@ class Reconciler:
         self.provider = provider
         self.max_failures = max_failures
         self.blocklist_decay_s = blocklist_decay_s
+        self.refusal_decay_s = refusal_decay_s  # None: what the stored blocklist says
         self.launch_deadline_s = launch_deadline_s  # None: agents cannot report (no broker URL)
         # whether agents can re-form a group with a stand-in (they reach the rendezvous)
         self.replace_lost_nodes = replace_lost_nodes
@@ -215,7 +217,7 @@ class Reconciler:
             return Recovery.MIGRATE, f" (nodes replaced {job.round} times in this attempt)"
         pool = next((p for p in self.store.pools() if p.id == job.pool), None)
         now = time.time()
-        blocklist = self.store.blocklist(self.blocklist_decay_s)[0]
+        blocklist = self.store.blocklist(self.blocklist_decay_s, self.refusal_decay_s)[0]
         decision = recover_lost_nodes(
             job.nodes, lost, elastic=False,
             # agents reach the rendezvous, and the backend can stop or add one node alone
@@ -275,7 +277,7 @@ class Reconciler:
         if pool is None or pool.market is not Market.SPOT:
             return
         now = time.time()
-        blocklist, read = self.store.blocklist(self.blocklist_decay_s)
+        blocklist, read = self.store.blocklist(self.blocklist_decay_s, self.refusal_decay_s)
         spot = [k for p in pools.values() if p.market is Market.SPOT for k in location_keys(p)]
         blocklist = expire(register(blocklist, spot), now)
         ran = None if job.launched_at is None else now - job.launched_at

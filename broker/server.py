@@ -38,7 +38,7 @@ from broker.reconciler import QUICK_RECLAIM_S, Reconciler
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.sealed import Sealer
 from broker.store import Conflict, Plan, StaleFence, Store
-from policies.migration import DEFAULT_DECAY_S
+from policies.migration import DEFAULT_DECAY_S, DEFAULT_REFUSAL_DECAY_S
 from providers.fleet import FleetProvider, build_fleet_provider
 from providers.local.provider import write_private
 
@@ -72,6 +72,10 @@ class BrokerConfig(BaseModel):
     blocklist_decay_s: float = Field(default=DEFAULT_DECAY_S, gt=0,
                                      description="how long a reclaimed spot location stays "
                                      "blocked (SpotHedge's reset may free it earlier)")
+    refusal_decay_s: float = Field(default=DEFAULT_REFUSAL_DECAY_S, gt=0,
+                                   description="how long a pool whose cloud refused a launch "
+                                   "(no capacity or quota) is passed over while other pools "
+                                   "have room")
     final_report_wait_s: float = Field(default=120.0, gt=0, description="how long a job "
                                        "whose command finished waits for its agent's final "
                                        "report (its last progress) before it is recorded "
@@ -313,17 +317,19 @@ class Broker:
         self.skipped = skipped or {}  # declared clouds without credentials -> why
         secrets.register(config.agent_token)  # never in a stored reason
         self.scheduler = Scheduler(store, config.scheduler, priors=provider.interruption_priors,
-                                   blocklist_decay_s=config.blocklist_decay_s)
+                                   blocklist_decay_s=config.blocklist_decay_s,
+                                   refusal_decay_s=config.refusal_decay_s)
         self.actuator = Actuator(store, provider, ActuatorConfig(
             checkpoint_root=config.state_dir / "checkpoints", broker_url=config.broker_url,
             agent_token=config.agent_token, use_agent=config.use_agent,
             heartbeat_interval_s=config.heartbeat_interval_s,
             max_failures=config.scheduler.max_failures,
             launch_deadline_s=config.launch_deadline_s if config.broker_url else None,
-            secrets_dir=config.state_dir, rendezvous_margin_s=config.rendezvous_margin_s))
+            secrets_dir=config.state_dir, rendezvous_margin_s=config.rendezvous_margin_s,
+            refusal_decay_s=config.refusal_decay_s))
         self.reconciler = Reconciler(
             store, provider, max_failures=config.scheduler.max_failures,
-            blocklist_decay_s=config.blocklist_decay_s,
+            blocklist_decay_s=config.blocklist_decay_s, refusal_decay_s=config.refusal_decay_s,
             # without a broker URL no agent can report: no heartbeat is ever late
             launch_deadline_s=config.launch_deadline_s if config.broker_url else None,
             # agents re-form a multi-node group with a stand-in through the broker's rendezvous

@@ -624,14 +624,18 @@ class Store:
         return sorted(u for u, until in self.r.hgetall(f"{self.p}{BROKERS_KEY}").items()
                       if float(until) > now)
 
-    def blocklist(self, decay_s: float | None = None) -> tuple[Blocklist, str | None]:
+    def blocklist(self, decay_s: float | None = None,
+                  refusal_decay_s: float | None = None) -> tuple[Blocklist, str | None]:
         """The stored blocklist and its stored text (pass it to ``Plan.set_blocklist``); a new
-        one when none is stored yet. ``decay_s``, the broker's setting, replaces the stored one,
-        so a changed setting takes effect at the next restart."""
+        one when none is stored yet. ``decay_s`` and ``refusal_decay_s``, the broker's
+        settings, replace the stored ones, so a changed setting takes effect at the next
+        restart."""
         raw = self.r.get(f"{self.p}{BLOCKLIST_KEY}")
         stored = Blocklist() if raw is None else Blocklist.model_validate_json(raw)
-        if decay_s is not None:
-            stored = stored.model_copy(update={"decay_s": decay_s})
+        settings = {k: v for k, v in (("decay_s", decay_s), ("refusal_decay_s", refusal_decay_s))
+                    if v is not None}
+        if settings:
+            stored = stored.model_copy(update=settings)
         return stored, raw
 
     def pool_stats(self) -> PoolStats:

@@ -36,6 +36,7 @@ broker:
   heartbeat_interval_s: 2.5
   quick_reclaim_s: 45
   rendezvous_margin_s: 30
+  refusal_decay_s: 90
 """
 
 

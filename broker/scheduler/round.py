@@ -176,18 +176,21 @@ class Scheduler:
 
     def __init__(self, store: Store, config: SchedulerConfig | None = None,
                  priors: Callable[[Sequence[Pool]], Mapping[str, float]] | None = None,
-                 blocklist_decay_s: float | None = None) -> None:
+                 blocklist_decay_s: float | None = None,
+                 refusal_decay_s: float | None = None) -> None:
         self.store = store
         self.config = config or SchedulerConfig()
         self.priors = priors
-        self.blocklist_decay_s = blocklist_decay_s  # None: what the stored blocklist says
+        # None: what the stored blocklist says
+        self.blocklist_decay_s = blocklist_decay_s
+        self.refusal_decay_s = refusal_decay_s
 
     def run_round(self, fence: int) -> RoundResult:
         """Snapshot, plan, apply atomically. A conflict (a job changed meanwhile) leaves
         everything as it was; the next round re-plans from fresh state."""
         with paused_gc():
             snap = self.store.snapshot()
-            blocklist, _ = self.store.blocklist(self.blocklist_decay_s)
+            blocklist, _ = self.store.blocklist(self.blocklist_decay_s, self.refusal_decay_s)
             res = plan_round(snap, fence, self.config, blocklist=blocklist,
                              priors=self.priors(snap.pools) if self.priors else None,
                              stats=self.store.pool_stats())
