@@ -130,14 +130,16 @@ def _decode_job(doc: str, state: str, version: str | int, progress: Sequence[str
     key = (doc, state, str(version), *progress)
     if cache is not None and (hit := cache.get(key)) is not None:
         return hit
-    data: dict[str, Any] = json.loads(doc)
-    data["state"], data["version"] = state, int(version)
     prog = dict(zip(progress[::2], progress[1::2], strict=True))
-    for k in _PROGRESS_FIELDS:
-        if k in prog:
-            data[k] = json.loads(prog[k])
-    data["measured"] = {k[2:]: float(v) for k, v in prog.items() if k.startswith("m:")}
-    job = JobRecord.model_validate(data)
+    # One JSON text for pydantic's own parser (about a fifth faster than json.loads and then
+    # validating the dict): the doc's fields, then the hash's and the progress's, which are
+    # JSON scalars ``record_heartbeat`` wrote from typed values and, coming later, win over
+    # any stale copy in the doc.
+    measured = {k[2:]: float(v) for k, v in prog.items() if k.startswith("m:")}
+    extra = ",".join([f'"state":{json.dumps(state)},"version":{int(version)}',
+                      *(f'"{k}":{prog[k]}' for k in _PROGRESS_FIELDS if k in prog),
+                      f'"measured":{json.dumps(measured) if measured else "{}"}'])
+    job = JobRecord.model_validate_json(f"{doc.rstrip()[:-1]},{extra}}}")  # a doc has an id
     if cache is not None:
         if len(cache) > 200_000:
             cache.clear()

@@ -10,9 +10,9 @@ import threading
 import pytest
 import redis
 
-from broker.models import Intent, IntentKind, JobState, Placement, check_transition
+from broker.models import Intent, IntentKind, JobRecord, JobState, Placement, check_transition
 from broker.protocol import CHECKPOINT_EXIT, CONTINUE
-from broker.store import Conflict, Plan, StaleFence, Store
+from broker.store import Conflict, Plan, StaleFence, Store, _decode_job, _doc
 from policies.models import Accelerator, Market, Pool
 from tests.builders import spec
 from tests.redis_server import RedisServer
@@ -226,3 +226,16 @@ def test_acknowledged_submissions_survive_redis_kill(redis_server: RedisServer) 
     redis_server.restart(kill=True)  # kill -9, then reload the AOF
     store = Store.from_url(redis_server.url)
     assert {j.id for j in store.list_jobs()} == set(acked)
+
+
+def test_a_record_reads_back_with_its_progress_over_its_doc() -> None:
+    rec = JobRecord(id="a-1", spec=spec("a"), team="t", submitted_at=1.0, updated_at=1.0,
+                    samples_done=5)
+    got = _decode_job(_doc(rec), "running", "7", ["samples_done", "42", "m:T4/2/64", "12.5",
+                                                   "grad_noise_scale", "2.5", "resumable",
+                                                   "true", "exit:1:0:0", "0"])
+    assert got == rec.model_copy(update={
+        "state": JobState.RUNNING, "version": 7, "samples_done": 42,
+        "measured": {"T4/2/64": 12.5}, "grad_noise_scale": 2.5, "resumable": True})
+    nan = _decode_job(_doc(rec), "running", "7", ["samples_per_sec", "NaN"])
+    assert nan.samples_per_sec is not None and math.isnan(nan.samples_per_sec)
