@@ -1155,6 +1155,10 @@ def _sky_alternatives(p: _Problems, resources: Mapping[str, Any],
         if key == "instance_type":
             p.add(f"resources.{key}", resources[key], "not supported; FleetBroker picks "
                   "instance types itself; name accelerators instead")
+        elif key == "candidates":  # read by SkyPilot's removed `sky bench`; SkyPilot refuses it
+            p.add(f"resources.{key}", resources[key], "unknown key; did you mean 'any_of'? "
+                  "SkyPilot tasks list alternative resources under any_of: rename candidates "
+                  "to any_of")
         elif key not in _SKY_RESOURCE_KEYS:
             close = difflib.get_close_matches(str(key), sorted(_SKY_RESOURCE_KEYS), n=1)
             fix = f"did you mean {close[0]!r}?" if close else "remove it"

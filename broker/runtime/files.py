@@ -44,11 +44,12 @@ class FilesError(FleetError):
 
 
 def node_path(path: str, root: Path) -> Path:
-    """A node path as SkyPilot reads it: ``~`` and relative paths under the home (``root``)."""
+    """A node path as SkyPilot reads it: ``~`` under the home (``root``), a relative path under
+    the workdir (``~/sky_workdir``, where SkyPilot's backend puts a relative destination)."""
     if path == "~" or path.startswith("~/"):
         return root / path[2:]
     p = Path(path)
-    return p if p.is_absolute() else root / p
+    return p if p.is_absolute() else root / WORKDIR / p
 
 
 def unpack(data: bytes, dest: Path) -> None:
