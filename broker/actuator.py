@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -31,7 +32,7 @@ from policies.migration import (
     refusal_key,
     refused_zones,
 )
-from policies.models import JobSpec, Market, Pool
+from policies.models import CLOUD_STORES, FileMount, JobSpec, Market, Pool
 from providers.base import (
     CapacityError,
     LaunchRequest,
@@ -124,7 +125,7 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
         env[Env.AGENT_TOKEN] = attempt_token(config.agent_token, job.id, intent.attempt)
     if spec.workdir or spec.file_mounts:  # the agent places them before setup (runtime.files)
         env[FILES_ENV] = json.dumps({"workdir": spec.workdir, "mounts": [
-            m.model_dump(mode="json") for m in spec.file_mounts]})
+            _placed_mount(m, pool.cloud) for m in spec.file_mounts]})
     if spec.run_per_node:
         env.update(skyenv.task_env(job, pool, nodes=nodes, gpus_per_node=per_node,
                                    zone=zone or pool.zone))
@@ -138,6 +139,16 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
                          accelerator=pool.accelerator, gpus_per_node=per_node, nodes=count,
                          first_rank=first_rank, market=pool.market, env=env,
                          secret_names=frozenset(secret_env or ()), command=command)
+
+
+def _placed_mount(mount: FileMount, cloud: str) -> dict[str, Any]:
+    """A mount as the agent gets it: a named bucket with no ``store`` lands on the store of the
+    cloud the job is placed on, as SkyPilot's does; only here is that cloud known. On a cloud
+    with no store (local) it stays unset and the agent fails the launch naming the fix."""
+    out = mount.model_dump(mode="json")
+    if mount.name and not mount.store:
+        out["store"] = CLOUD_STORES.get(cloud)
+    return out
 
 
 def _script(spec: JobSpec) -> str:

@@ -25,6 +25,7 @@ from broker.protocol import ENV_PREFIX
 from policies.models import (
     CLOUD_REGION,
     REMOTE_SCHEMES,
+    STORE_SCHEMES,
     Accelerator,
     FileMount,
     JobSpec,
@@ -566,11 +567,28 @@ def _parse_envs(p: _Problems, value: Any, where: str = "envs") -> dict[str, str 
 
 
 _MOUNT_KEYS = {"source", "mode", "name", "store", "persistent", "path"}
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+# SkyPilot's pattern for the envs it fills into file_mounts and workdir: $NAME and ${NAME}.
+_ENV_REF = re.compile(r"\$\{?\b([a-zA-Z_][a-zA-Z0-9_]*)\b\}?")
+
+
+def _fill_envs(value: Any, envs: Mapping[str, str]) -> Any:
+    """``value`` with the task's envs filled in, as SkyPilot fills them into file_mounts (paths,
+    bucket names, sources) and workdir; a name that is no env stays as written. Secrets are not
+    filled in: a path or bucket name is kept in the job record in clear text."""
+    if isinstance(value, str):
+        return _ENV_REF.sub(lambda m: envs.get(m.group(1), m.group(0)), value)
+    if isinstance(value, Mapping):
+        return {_fill_envs(k, envs): _fill_envs(v, envs) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill_envs(v, envs) for v in value]
+    return value
 
 
 def _parse_files(p: _Problems, doc: Mapping[str, Any], out: dict[str, Any]) -> None:
     """``workdir`` (a local directory, packed at launch) and ``file_mounts``: SkyPilot's
-    mapping ``{node path: source or {source, mode}}``, or the canonical list of FileMount."""
+    mapping ``{node path: source or {source, name, store, mode}}``, or the canonical list of
+    FileMount."""
     workdir = doc.get("workdir")
     if workdir is not None:
         if not isinstance(workdir, str) or not workdir.strip() or \
@@ -597,32 +615,73 @@ def _parse_files(p: _Problems, doc: Mapping[str, Any], out: dict[str, Any]) -> N
         if not isinstance(path, str) or not path.strip():
             p.add("file_mounts", path, "each key is a path on the node, like /data")
             continue
-        spec = entry if isinstance(entry, Mapping) else {"source": entry}
-        bad = set(spec) - _MOUNT_KEYS
-        if bad:
-            p.add(f"{field}.{sorted(map(str, bad))[0]}", None, "unknown key; a mount takes "
-                  "source and mode", show=False)
-            continue
-        source, mode = spec.get("source"), str(spec.get("mode") or "COPY").upper()
-        if isinstance(source, list) and len(source) == 1:
-            source = source[0]
-        if not isinstance(source, str) or not source.strip():
-            why = ("FleetBroker creates no buckets: give source (s3://, gs://, az://, https:// "
-                   "or a local path)" if "name" in spec else
-                   "write a source: a local path, s3://, gs://, az:// or https://")
-            p.add(f"{field}.source", source, why)
-            continue
-        if mode not in MountMode.__members__:
-            p.add(f"{field}.mode", spec.get("mode"), "use COPY, MOUNT or MOUNT_CACHED")
-            continue
-        mount = FileMount(path=path.strip(), source=source.strip(), mode=MountMode[mode])
-        if mount.mode is not MountMode.COPY and not mount.source.startswith(
-                ("s3://", "gs://", "az://")):
-            p.add(f"{field}.mode", mode, "only a bucket (s3://, gs://, az://) can be mounted; "
-                  "use COPY")
-            continue
-        found.append(mount)
+        mount = _parse_mount(p, field, path.strip(), entry, canonical=isinstance(mounts, list))
+        if mount is not None:
+            found.append(mount)
     out["file_mounts"] = found
+
+
+def _parse_mount(p: _Problems, field: str, path: str, entry: Any, *,
+                 canonical: bool) -> FileMount | None:
+    """One file_mounts entry, with SkyPilot's meaning: a plain source is copied; a mapping
+    (SkyPilot's storage) mounts by default, and with ``name`` it is a bucket FleetBroker makes
+    if absent (filled from a local ``source``). SkyPilot's refusals are kept: a bucket source
+    with a name, a new bucket in COPY mode with nothing to copy into it."""
+    spec = entry if isinstance(entry, Mapping) else {"source": entry}
+    bad = set(spec) - _MOUNT_KEYS
+    if bad:
+        p.add(f"{field}.{sorted(map(str, bad))[0]}", None, "unknown key; a mount takes "
+              "source, name, store and mode", show=False)
+        return None
+    source, name, store = spec.get("source"), spec.get("name"), spec.get("store")
+    if isinstance(source, list) and len(source) == 1:
+        source = source[0]
+    if source is not None and (not isinstance(source, str) or not source.strip()):
+        p.add(f"{field}.source", source, "write a source: a local path, s3://, gs://, az:// "
+              "or https://")
+        return None
+    source = source.strip() if source is not None else None
+    remote = source is not None and source.startswith(REMOTE_SCHEMES)
+    bucket = remote and not source.startswith("https://")
+    if source is None and name is None:
+        p.add(f"{field}.source", None, "write a source (a local path, s3://, gs://, az:// or "
+              "https://), or name: a bucket to create (like name: my-outputs)", show=False)
+        return None
+    if name is not None and (not isinstance(name, str) or not _BUCKET_NAME.match(name)):
+        p.add(f"{field}.name", name, "a bucket name is 3-63 lowercase letters, digits, '.', "
+              "'-' or '_', starting and ending with a letter or digit: write your bucket's name")
+        return None
+    if name is not None and remote:
+        p.add(f"{field}.name", name, f"{source} names its bucket already: remove name (or "
+              "remove source to create a bucket of that name)")
+        return None
+    if store is not None:
+        store = str(store).strip().lower()
+        if name is None:
+            p.add(f"{field}.store", store, "store says where FleetBroker creates a bucket: "
+                  "give name too, or remove store")
+            return None
+        if store not in STORE_SCHEMES:
+            p.add(f"{field}.store", spec["store"], f"use one of {', '.join(STORE_SCHEMES)} "
+                  "(the stores of FleetBroker's clouds)")
+            return None
+    # SkyPilot: a storage mapping mounts unless told otherwise; a plain string is copied. A
+    # local path without a name has no bucket to mount, so it is copied as before.
+    default = "MOUNT" if not canonical and isinstance(entry, Mapping) and (
+        name is not None or bucket) else "COPY"
+    mode = str(spec.get("mode") or default).upper()
+    if mode not in MountMode.__members__:
+        p.add(f"{field}.mode", spec.get("mode"), "use COPY, MOUNT or MOUNT_CACHED")
+        return None
+    if mode == "COPY" and name is not None and source is None:
+        p.add(f"{field}.mode", mode, "a new bucket has nothing to copy: use mode: MOUNT to "
+              "write into it, or give source (a local path uploaded into the bucket)")
+        return None
+    if mode != "COPY" and name is None and not bucket:
+        p.add(f"{field}.mode", mode, "only a bucket (s3://, gs://, az://) can be mounted: use "
+              "COPY, or give name to upload a local source into a bucket and mount that")
+        return None
+    return FileMount(path=path, source=source, mode=MountMode[mode], name=name, store=store)
 
 
 def _resolve_envs(p: _Problems, envs: dict[str, str | None] | None,
@@ -1059,7 +1118,8 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
     envs, secret_values = _resolve_envs(p, _parse_envs(p, doc.get("envs")),
                                         _parse_envs(p, doc.get("secrets"), "secrets"), launch)
     out["envs"], out["secret_envs"] = envs, list(secret_values)
-    _parse_files(p, doc, out)
+    _parse_files(p, {k: _fill_envs(doc[k], envs or {}) for k in ("workdir", "file_mounts")
+                     if k in doc}, out)
     nodes = _int(p, "num_nodes", doc.get("num_nodes", 1))
     if nodes is not None and not 1 <= nodes <= 512:
         p.add("num_nodes", nodes, "must lie in [1, 512]")
@@ -1155,6 +1215,10 @@ def _sky_alternatives(p: _Problems, resources: Mapping[str, Any],
         if key == "instance_type":
             p.add(f"resources.{key}", resources[key], "not supported; FleetBroker picks "
                   "instance types itself; name accelerators instead")
+        elif key == "candidates":  # read by SkyPilot's removed `sky bench`; SkyPilot refuses it
+            p.add(f"resources.{key}", resources[key], "unknown key; did you mean 'any_of'? "
+                  "SkyPilot tasks list alternative resources under any_of: rename candidates "
+                  "to any_of")
         elif key not in _SKY_RESOURCE_KEYS:
             close = difflib.get_close_matches(str(key), sorted(_SKY_RESOURCE_KEYS), n=1)
             fix = f"did you mean {close[0]!r}?" if close else "remove it"

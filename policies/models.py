@@ -296,20 +296,38 @@ BLOB_PREFIX = "blob:sha256:"  # a local path packed at launch and kept in the br
 REMOTE_SCHEMES = ("s3://", "gs://", "az://", "https://")
 
 
+# SkyPilot's ``store`` names and the bucket URL scheme of each.
+STORE_SCHEMES = {"s3": "s3", "gcs": "gs", "azure": "az"}
+# The store a named bucket lands on when the task names none: the cloud the job is placed on
+# (SkyPilot's default); a cloud missing here (local) has no object store of its own.
+CLOUD_STORES = {"aws": "s3", "gcp": "gcs", "azure": "azure"}
+
+
 class FileMount(BaseModel):
     """One file_mounts entry: ``source`` (a bucket path, an https URL, or a packed local path:
-    ``blob:sha256:<hex>``; a local path before it is packed) put at ``path`` on every node."""
+    ``blob:sha256:<hex>``; a local path before it is packed) put at ``path`` on every node.
+    With ``name``, a bucket of that name on ``store`` (else on the placed job's cloud), made
+    if absent and filled from the local ``source`` if one is given (SkyPilot's storage)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     path: str = Field(min_length=1, max_length=1024)
-    source: str = Field(min_length=1, max_length=2048)
+    source: str | None = Field(default=None, min_length=1, max_length=2048)
     mode: MountMode = MountMode.COPY
+    name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+    store: str | None = Field(default=None, pattern="^(" + "|".join(STORE_SCHEMES) + ")$")
+
+    @model_validator(mode="after")
+    def _source_or_name(self) -> FileMount:
+        if self.source is None and self.name is None:
+            raise ValueError("a file mount needs a source, or a bucket name")
+        return self
 
     @property
     def local(self) -> bool:
         """A path on the launching machine, not yet packed and stored."""
-        return not self.source.startswith((BLOB_PREFIX, *REMOTE_SCHEMES))
+        return self.source is not None and not self.source.startswith(
+            (BLOB_PREFIX, *REMOTE_SCHEMES))
 
 
 class JobSpec(BaseModel):

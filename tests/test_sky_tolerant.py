@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from broker.cli import app
+from broker.runtime.files import node_path
 from broker.spec import SpecError, parse_spec_text
 from policies.models import Accelerator
 from tests.api_server import TOKENS, api_stack
@@ -124,3 +125,15 @@ def test_notes_are_kept_on_the_job_and_shown(tmp_path: Path) -> None:
         r = httpx.post(f"{srv.url}/v1/jobs", params={"note": "x" * 301},
                        content=task.read_text(), headers=headers)
         assert r.status_code == 422 and "note" in r.text
+
+
+def test_the_legacy_candidates_key_points_to_any_of() -> None:
+    (found,) = _problems("run: x\nresources: {candidates: [{accelerators: T4:4}]}")
+    assert found.startswith("resources.candidates") and "did you mean 'any_of'?" in found
+
+
+def test_a_relative_mount_destination_lands_under_the_workdir(tmp_path: Path) -> None:
+    # SkyPilot's backend puts a relative destination under ~/sky_workdir, not the home
+    assert node_path("relative_dir", tmp_path) == tmp_path / "sky_workdir" / "relative_dir"
+    assert node_path("~/data", tmp_path) == tmp_path / "data"
+    assert node_path("/data", tmp_path) == Path("/data")

@@ -288,8 +288,8 @@ resources:
 
 @pytest.mark.parametrize(("text", "field", "fix"), [
     ("run: x\nworkdir: s3://b/code", "workdir", "use file_mounts"),
-    ("run: x\nfile_mounts: {/data: {name: my-bucket}}", "file_mounts./data.source",
-     "creates no buckets"),
+    ("run: x\nfile_mounts: {/data: {name: my-bucket, mode: COPY}}", "file_mounts./data.mode",
+     "a new bucket has nothing to copy"),
     ("run: x\nfile_mounts: {/data: {source: ./d, mode: MOUNT}}", "file_mounts./data.mode",
      "only a bucket"),
     ("run: x\nfile_mounts: {/data: {source: s3://b, mode: FAST}}", "file_mounts./data.mode",

@@ -33,6 +33,7 @@ from broker.spec import (
     apply_overrides,
     load_spec_file,
 )
+from policies.models import FileMount
 
 UrlOpt = typer.Option(None, "--url", envvar=BrokerEnv.URL, show_envvar=True,
                       help="Broker URL (default: client config, else http://127.0.0.1:8470)")
@@ -145,6 +146,14 @@ def launch(
             _print_logs(client, job["id"], 0, follow=True, interval=interval)
 
 
+def _mount_source(m: FileMount) -> str:
+    if m.name is None:
+        return str(m.source)
+    where = f"on {m.store}" if m.store else "on the store of the cloud it is placed on"
+    return f"bucket {m.name} {where}, created if absent" + (
+        f", filled from {m.source}" if m.source else "")
+
+
 def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | None) -> None:
     """The job as the broker would take it, and the broker's preview when one answers (a dry
     run needs no broker: without one it says so and still exits 0)."""
@@ -186,7 +195,7 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
         lines.append(f"nodes {s.nodes} (setup and run once per node)")
     if s.workdir:
         lines.append(f"workdir {s.workdir} (packed at launch)")
-    lines += [f"mount {m.path} <- {m.source} ({m.mode.value})" for m in s.file_mounts]
+    lines += [f"mount {m.path} <- {_mount_source(m)} ({m.mode.value})" for m in s.file_mounts]
     for line in lines:  # user text (region patterns, URIs) is never read as markup
         console.print(line, highlight=False, markup=False)
     for note in [*parsed.warnings, job["restart"]]:

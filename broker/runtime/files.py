@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+import tempfile
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -37,6 +38,8 @@ FUSE = {"s3": ("goofys", "https://github.com/kahing/goofys"),
         "az": ("blobfuse2", "https://github.com/Azure/azure-storage-fuse")}
 SDK = {"s3": ("boto3", "boto3"), "gs": ("google.cloud.storage", "google-cloud-storage"),
        "az": ("azure.storage.blob", "azure-storage-blob")}
+# policies.models.STORE_SCHEMES: a named bucket's store and its URL scheme.
+STORE_SCHEMES = {"s3": "s3", "gcs": "gs", "azure": "az"}
 
 
 class FilesError(FleetError):
@@ -44,11 +47,12 @@ class FilesError(FleetError):
 
 
 def node_path(path: str, root: Path) -> Path:
-    """A node path as SkyPilot reads it: ``~`` and relative paths under the home (``root``)."""
+    """A node path as SkyPilot reads it: ``~`` under the home (``root``), a relative path under
+    the workdir (``~/sky_workdir``, where SkyPilot's backend puts a relative destination)."""
     if path == "~" or path.startswith("~/"):
         return root / path[2:]
     p = Path(path)
-    return p if p.is_absolute() else root / p
+    return p if p.is_absolute() else root / WORKDIR / p
 
 
 def unpack(data: bytes, dest: Path) -> None:
@@ -153,7 +157,7 @@ def copy_https(source: str, dest: Path) -> None:
 COPY = {"s3": copy_s3, "gs": copy_gs, "az": copy_az, "https": copy_https}
 
 
-def mount(source: str, dest: Path, cached: bool) -> None:
+def mount_bucket(source: str, dest: Path, cached: bool) -> None:
     """A bucket mounted at ``dest`` with its cloud's FUSE tool; ``FilesError`` naming the tool
     where the node lacks it."""
     scheme, bucket, prefix = _bucket(source)
@@ -179,6 +183,103 @@ def mount(source: str, dest: Path, cached: bool) -> None:
                          f"{done.stderr.strip()[-300:]}")
 
 
+def create_s3(bucket: str) -> None:
+    """The bucket, made in the client's region if absent; one this account owns already is
+    reused (SkyPilot's storage reuses its bucket, so a task can be launched again)."""
+    boto3 = _sdk("s3")
+    s3 = boto3.client("s3")
+    region = s3.meta.region_name
+    extra = {} if region in (None, "us-east-1") else {
+        "CreateBucketConfiguration": {"LocationConstraint": region}}
+    try:
+        s3.create_bucket(Bucket=bucket, **extra)
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    except s3.exceptions.BucketAlreadyExists:
+        raise FilesError(f"s3://{bucket} belongs to another account (bucket names are global): "
+                         "choose another name") from None
+
+
+def create_gs(bucket: str) -> None:
+    client = _sdk("gs").Client()
+    if client.lookup_bucket(bucket) is None:
+        client.create_bucket(bucket)
+
+
+def create_az(url: str) -> None:
+    blob = _sdk("az")
+    _, account, container = _bucket(url)
+    service = blob.BlobServiceClient(f"https://{account}.blob.core.windows.net",
+                                     credential=os.environ.get("AZURE_STORAGE_KEY"))
+    client = service.get_container_client(container)
+    if not client.exists():
+        client.create_container()
+
+
+def upload(url: str, local: Path) -> None:
+    """Every file under ``local`` (or the one file) into the root of the bucket at ``url``,
+    keyed by its path relative to ``local``."""
+    scheme, bucket, container = _bucket(url)
+    files = [(f, f.relative_to(local).as_posix()) for f in sorted(local.rglob("*"))
+             if f.is_file()] if local.is_dir() else [(local, local.name)]
+    if scheme == "s3":
+        s3 = _sdk("s3").client("s3")
+        for f, key in files:
+            s3.upload_file(str(f), bucket, key)
+    elif scheme == "gs":
+        target = _sdk("gs").Client().bucket(bucket)
+        for f, key in files:
+            target.blob(key).upload_from_filename(str(f))
+    else:  # az://account/container
+        client = _sdk("az").BlobServiceClient(
+            f"https://{bucket}.blob.core.windows.net",
+            credential=os.environ.get("AZURE_STORAGE_KEY")).get_container_client(container)
+        for f, key in files:
+            with open(f, "rb") as data:
+                client.upload_blob(key, data, overwrite=True)
+
+
+def bucket_url(mount: dict[str, Any]) -> str:
+    """The URL of a named bucket on its store (the broker fills in the placed cloud's)."""
+    name, store = mount["name"], mount.get("store")
+    if store is None:
+        raise FilesError(f"file_mounts {mount['path']}: bucket {name} names no store and the "
+                         "job's cloud has no object store of its own: set store: s3, gcs or "
+                         "azure in the mount")
+    scheme = STORE_SCHEMES[store]
+    if scheme != "az":
+        return f"{scheme}://{name}"
+    account = os.environ.get("AZURE_STORAGE_ACCOUNT")
+    if not account:  # an Azure container lives in a storage account the node must name
+        raise FilesError(f"file_mounts {mount['path']}: an azure bucket needs its storage "
+                         "account: set AZURE_STORAGE_ACCOUNT (and AZURE_STORAGE_KEY) in the "
+                         "task's envs or secrets")
+    return f"az://{account}/{name}"
+
+
+def place_named(mount: dict[str, Any], dest: Path, fetch_blob: Callable[[str], bytes]) -> None:
+    """A named bucket at ``dest``: created if absent, the local source (packed at launch)
+    uploaded into it, then mounted or copied down as its mode says. Every node of a gang does
+    this: creating is idempotent and each node uploads the same bytes, so no node waits on
+    another before its setup."""
+    url = bucket_url(mount)
+    scheme = _bucket(url)[0]
+    {"s3": lambda: create_s3(mount["name"]), "gs": lambda: create_gs(mount["name"]),
+     "az": lambda: create_az(url)}[scheme]()
+    source = mount.get("source")
+    if source:
+        with tempfile.TemporaryDirectory(prefix="fleet-upload-") as tmp:
+            local = Path(tmp) / (dest.name or "src")  # a single file keeps the mount's name
+            unpack(fetch_blob(source.removeprefix(BLOB_PREFIX)), local)
+            upload(url, local)
+    mode = mount.get("mode", "MOUNT")
+    if mode != "COPY":
+        mount_bucket(url, dest, cached=mode == "MOUNT_CACHED")
+    else:
+        dest.mkdir(parents=True, exist_ok=True)
+        COPY[scheme](url, dest)
+
+
 def place(files: dict[str, Any], root: Path,
           fetch_blob: Callable[[str], bytes]) -> Path | None:
     """Put the job's files in place under ``root``; the workdir's path (setup and run start
@@ -188,11 +289,13 @@ def place(files: dict[str, Any], root: Path,
         workdir = root / WORKDIR
         unpack(fetch_blob(files["workdir"].removeprefix(BLOB_PREFIX)), workdir)
     for m in files.get("mounts", []):
-        dest, source, mode = node_path(m["path"], root), m["source"], m.get("mode", "COPY")
-        if source.startswith(BLOB_PREFIX):
+        dest, source, mode = node_path(m["path"], root), m.get("source"), m.get("mode", "COPY")
+        if m.get("name"):
+            place_named(m, dest, fetch_blob)
+        elif source.startswith(BLOB_PREFIX):
             unpack(fetch_blob(source.removeprefix(BLOB_PREFIX)), dest)
         elif mode != "COPY":
-            mount(source, dest, cached=mode == "MOUNT_CACHED")
+            mount_bucket(source, dest, cached=mode == "MOUNT_CACHED")
         else:
             COPY[_bucket(source)[0]](source, dest)
     return workdir

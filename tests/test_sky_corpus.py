@@ -1,0 +1,108 @@
+"""Real SkyPilot task YAMLs (tests/data/skypilot_tasks, see its SOURCE.md) through
+``fleet launch --dryrun``: each is accepted with the facts SkyPilot gives it (nodes,
+accelerators, envs, mounts), or refused naming the field and the fix (issue 15). The count
+accepted is printed and asserted, so the number in the issue is checkable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from broker.cli import app
+from broker.files import pack
+from broker.runtime.agent import free_port
+
+CORPUS = Path(__file__).parent / "data" / "skypilot_tasks"
+SERVICE = "08-llama3-serve.yaml"  # a SkyServe service, not a job: outside the 13
+# What each task needs at launch, as its README tells a SkyPilot user: `--secret HF_TOKEN`.
+LAUNCH = {"05-axolotl-spot.yaml": ["--secret", "HF_TOKEN", "--env", "BUCKET=axolotl-out"],
+          "06-llama31-lora.yaml": ["--secret", "HF_TOKEN"]}
+
+
+def _bucket(path: str, name: str, mode: str = "MOUNT") -> dict[str, Any]:
+    return {"path": path, "source": None, "mode": mode, "name": name, "store": None}
+
+
+def _copy(path: str, source: str) -> dict[str, Any]:
+    return {"path": path, "source": source, "mode": "COPY", "name": None, "store": None}
+
+
+# file: (nodes, accelerators, GPUs in all, env names, secret names, mounts)
+ACCEPTED: dict[str, tuple[int, list[str], int, list[str], list[str], list[dict[str, Any]]]] = {
+    "01-ddp-train.yaml": (2, ["L4"], 2, [], [], []),
+    "02-ddp-rdzv.yaml": (2, ["L4"], 4, [], [], []),
+    "03-deepspeed.yaml": (2, ["A100"], 2, ["DEEPSPEED_ENVS", "MY_VAR_1", "MY_VAR_2"], [],
+                          [_copy("~/.ssh/id_rsa", "~/.ssh/sky-key")]),
+    "04-gpt2-train.yaml": (1, ["A100"], 8, [], [],
+                           [_copy("~/.cache/huggingface", "gs://gpt2-data-skypilot")]),
+    # the bucket's name comes from the task's own env, as SkyPilot fills it in
+    "06-llama31-lora.yaml": (1, ["A100"], 8, ["CHECKPOINT_BUCKET_NAME", "DATASET", "MODEL_SIZE"],
+                             ["HF_TOKEN"], [_copy("/configs", "./configs"),
+                                            _bucket("/output", "sky-llama-31-checkpoints")]),
+    "07-ray-train.yaml": (2, ["L4"], 4, [], [], []),
+    "11-disk-size.yaml": (1, ["T4"], 1, [], [], []),
+    "13-glue-imdb.yaml": (1, ["V100"], 1, [], [], []),
+    "14-resnet-ddp.yaml": (2, ["V100"], 2, [], [], []),
+}
+# file: (field, words of the fix)
+REFUSED = {
+    "05-axolotl-spot.yaml": ("resources.image_id", "install what it needs in setup"),
+    "09-falcon-train.yaml": ("file_mounts./results.name", "write your bucket's name"),
+    "10-timm.yaml": ("resources.candidates", "did you mean 'any_of'"),
+    "12-file-mounts.yaml": ("resources.cpus", "name the GPU it may use"),
+    SERVICE: ("service", "SkyServe services are not jobs"),
+}
+# A local path a task names that lives on the user's machine, not in the corpus.
+USERS_OWN = {"~/.ssh/sky-key"}
+
+
+def _dryrun(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.chdir(CORPUS)  # relative paths are read where `fleet launch` runs
+    # no broker answers on a free port: the dry run still translates (the preview is skipped)
+    env = {"FLEET_URL": f"http://127.0.0.1:{free_port()}", "FLEET_TOKEN": "x",
+           "HF_TOKEN": "hf_not_a_real_token"}
+    return CliRunner().invoke(app, ["launch", "--dryrun", name, "--json", *LAUNCH.get(name, [])],
+                              env=env)
+
+
+def test_the_corpus_is_every_vendored_task() -> None:
+    assert sorted(p.name for p in CORPUS.glob("*.yaml")) == sorted({*ACCEPTED, *REFUSED})
+    assert all(name in (CORPUS / "SOURCE.md").read_text() for name in {*ACCEPTED, *REFUSED})
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_an_accepted_task_keeps_skypilots_meaning(name: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    got = _dryrun(name, monkeypatch)
+    assert got.exit_code == 0, got.output
+    job = json.loads(got.stdout)["job"]
+    nodes, accelerators, gpus, envs, secrets, mounts = ACCEPTED[name]
+    assert (job["nodes"], job["accelerators"], job["gpus"]["min"], job["gpus"]["max"]) == (
+        nodes, accelerators, gpus, gpus)
+    assert (job["env_names"], job["secret_names"], job["mounts"]) == (envs, secrets, mounts)
+    # the local paths it names exist here and pack, as `fleet launch` packs them
+    for local in [job["workdir"], *(m["source"] for m in mounts)]:
+        if local and local not in USERS_OWN and "://" not in local:
+            assert pack(local)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_refused_task_names_the_field_and_the_fix(name: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    got = _dryrun(name, monkeypatch)
+    assert got.exit_code != 0
+    field, fix = REFUSED[name]
+    said = " ".join(got.output.split())  # the console wraps long lines
+    assert f"- {field}" in said and fix in said, said
+
+
+def test_the_count_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    outcome = {name: _dryrun(name, monkeypatch).exit_code == 0
+               for name in sorted({*ACCEPTED, *REFUSED} - {SERVICE})}
+    accepted = sorted(name for name, ok in outcome.items() if ok)
+    print(f"SkyPilot corpus: {len(accepted)} of {len(outcome)} accepted: {', '.join(accepted)}")
+    assert accepted == sorted(ACCEPTED) and len(outcome) == 13
