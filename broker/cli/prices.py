@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from broker.cli.app import app, console, err_console, fail, print_json
+from broker.errors import InvalidInput
 from policies.models import Accelerator, Market
 from providers import registry
 from providers.catalog import CatalogOffer, cheapest, load_offers
@@ -34,7 +35,7 @@ def _offers(accelerator: Accelerator | None, cloud: str | None) -> list[CatalogO
     clouds = _clouds(cloud)
     try:
         offers = load_offers(clouds)
-    except ValueError as exc:  # a broken user catalog file: name it, no traceback
+    except InvalidInput as exc:  # a broken user catalog file: name it, no traceback
         fail(f"catalog: {exc}")
     return [o for o in offers if accelerator is None or o.accelerator is accelerator]
 
