@@ -17,7 +17,7 @@ from pathlib import Path
 
 from broker.errors import InvalidInput
 from broker.protocol import BrokerEnv
-from policies.models import Accelerator, Market, Offer, Pool, pool_id
+from policies.models import Accelerator, Market, Offer, Pool, UnknownAccelerator, pool_id
 from providers import registry
 from providers.base import CapacityError, LaunchRequest, Quota
 from providers.cloud import DATA
@@ -158,7 +158,7 @@ def _row_offer(cloud: str, row: dict[str, str], where: str) -> CatalogOffer | No
         return None
     try:
         accelerator = Accelerator.parse(name)
-    except ValueError:
+    except UnknownAccelerator:
         return None
     try:
         return CatalogOffer(

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from broker.cli.app import app, console, err_console, fail, print_json
 from broker.errors import InvalidInput
-from policies.models import Accelerator, Market
+from policies.models import Accelerator, Market, UnknownAccelerator
 from providers import registry
 from providers.catalog import CatalogOffer, cheapest, load_offers
 
@@ -20,7 +20,7 @@ def _accelerator(name: str | None, argument: str) -> Accelerator | None:
         return None
     try:
         return Accelerator.parse(name)
-    except ValueError as exc:
+    except UnknownAccelerator as exc:
         fail(f"{argument}: {exc}")
 
 
