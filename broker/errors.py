@@ -99,8 +99,9 @@ def foreign() -> dict[type[BaseException], type[FleetError]]:
     """Errors of packages that must not import the broker (``policies``), and the class each
     counts as."""
     from policies.elastic_dp import InfeasibleAllocation
+    from policies.models import UnknownAccelerator
 
-    return {InfeasibleAllocation: InvalidInput}
+    return {InfeasibleAllocation: InvalidInput, UnknownAccelerator: InvalidInput}
 
 
 def kind(exc: BaseException) -> type[FleetError]:

@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 
 from broker import logs, metrics, secrets, transitions
 from broker.actuator import Actuator, ActuatorConfig
+from broker.errors import InvalidInput, NotFound
 from broker.files import BlobStore
 from broker.models import JobState
 from broker.protocol import BrokerEnv
@@ -414,7 +415,7 @@ class Broker:
         if cmd.get("kind") == "preempt":
             try:
                 n = self.provider.reclaim(str(cmd["region"]), float(cmd.get("duration_s", 60)))
-            except ValueError as exc:
+            except InvalidInput as exc:  # no such spot region, or no local regions at all
                 log.warning("chaos preempt refused: %s", exc)
                 return
             plan = Plan()
@@ -428,9 +429,9 @@ class Broker:
                      and n.node_id in job.node_ids and (n.rank or 0) == rank), None)
         try:
             if node is None:
-                raise ValueError(f"job {job_id} has no live node of rank {rank}")
+                raise NotFound(f"job {job_id} has no live node of rank {rank}")
             self.provider.node_chaos(node.node_id, how)
-        except ValueError as exc:
+        except (NotFound, InvalidInput) as exc:
             log.warning("chaos on a node refused: %s", exc)
             return
         plan = Plan()
@@ -498,7 +499,7 @@ def build_broker(config: BrokerConfig, *, redis_url: str | None = None) -> Broke
     its local pretend regions and the declared clouds that have credentials."""
     url = redis_url or config.redis_url
     if url is None:
-        raise ValueError("build_broker needs a redis URL; run_server starts an embedded one")
+        raise InvalidInput("build_broker needs a redis URL; run_server starts an embedded one")
     provider, skipped = build_fleet_provider(config.fleet, config.state_dir, REPO,
                                              reason=secrets.reason)
     return Broker(config, Store.from_url(url, confirm_durable=config.confirm_durable),

@@ -31,6 +31,7 @@ from policies.models import (
     JobSpec,
     MountMode,
     SpotPolicy,
+    UnknownAccelerator,
     check_name,
 )
 from providers import registry
@@ -762,7 +763,7 @@ def _accelerator(p: _Problems, field: str, name: Any) -> Accelerator | None:
     if isinstance(name, str):
         try:
             return Accelerator.parse(name)
-        except ValueError as exc:
+        except UnknownAccelerator as exc:
             p.add(field, name, "unknown accelerator; " + str(exc).split("; ", 1)[1])
             return None
     p.add(field, name, "unknown accelerator; use one of: "

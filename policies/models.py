@@ -13,6 +13,13 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
+class UnknownAccelerator(ValueError):
+    """A name no accelerator type matches; the message gives the closest and the known names.
+    A ``ValueError`` so that validators calling ``Accelerator.parse`` still give pydantic's
+    ValidationError; ``broker.errors`` maps it to ``InvalidInput`` (this package imports no
+    broker)."""
+
+
 class Accelerator(StrEnum):
     """Accelerator types FleetBroker knows, named as the clouds' catalogs name them."""
 
@@ -52,7 +59,8 @@ class Accelerator(StrEnum):
         close = difflib.get_close_matches(name.strip().upper(), [n.upper() for n in names], 1, 0.75)
         hint = f"did you mean {names[[n.upper() for n in names].index(close[0])]}? " \
             if close else ""
-        raise ValueError(f"unknown accelerator {name!r}; {hint}use one of: {', '.join(names)}")
+        raise UnknownAccelerator(f"unknown accelerator {name!r}; {hint}use one of: "
+                                 f"{', '.join(names)}")
 
 
 # What clouds append to an accelerator's name: memory size, form factor, interconnect.

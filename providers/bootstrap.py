@@ -9,6 +9,7 @@ import shlex
 import uuid
 from importlib import metadata
 
+from broker.errors import InvalidInput
 from broker.protocol import Env, shell
 from policies.models import Market
 from providers import registry
@@ -100,7 +101,8 @@ def agent_env(request: LaunchRequest, cloud: str, rank: int | None = None) -> di
     ``rank_step``, SkyPilot's task)."""
     bad = [k for k in request.env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
     if bad:
-        raise ValueError(f"env: {bad} are not valid variable names (use letters, digits, '_')")
+        raise InvalidInput(f"env: {bad} are not valid variable names (use letters, digits, "
+                           "'_')")
     # Where the agent on a spot VM polls for the preemption notice (its cloud's metadata); none
     # where the cloud is not known yet (SkyPilot choosing it).
     home = registry.clouds().get(cloud)
@@ -139,7 +141,7 @@ def agent_install_spec(option: str | None = None) -> str:
         except metadata.PackageNotFoundError:  # run from a source tree: the newest release
             return "fleetbroker"
     if not spec.strip() or re.search(r"\s", spec) or spec.startswith("-"):
-        raise ValueError(
+        raise InvalidInput(
             f"agent_install {redact(spec)!r}: give one pip requirement or wheel URL with no "
             "spaces or pip flags, e.g. 'fleetbroker==0.1.0' or 'https://host/fleetbroker.whl'"
         )

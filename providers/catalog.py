@@ -15,8 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from broker.errors import InvalidInput
 from broker.protocol import BrokerEnv
-from policies.models import Accelerator, Market, Offer, Pool, pool_id
+from policies.models import Accelerator, Market, Offer, Pool, UnknownAccelerator, pool_id
 from providers import registry
 from providers.base import CapacityError, LaunchRequest, Quota
 from providers.cloud import DATA
@@ -139,7 +140,7 @@ def read_vms_csv(text: str, cloud: str, source: str = "vms.csv") -> list[Catalog
         reader.fieldnames or ()
     )
     if missing:
-        raise ValueError(
+        raise InvalidInput(
             f"{source}: missing column(s) {sorted(missing)}; expected {list(VMS_COLUMNS)}"
         )
     offers = []
@@ -157,7 +158,7 @@ def _row_offer(cloud: str, row: dict[str, str], where: str) -> CatalogOffer | No
         return None
     try:
         accelerator = Accelerator.parse(name)
-    except ValueError:
+    except UnknownAccelerator:
         return None
     try:
         return CatalogOffer(
@@ -175,7 +176,7 @@ def _row_offer(cloud: str, row: dict[str, str], where: str) -> CatalogOffer | No
             spot_price=_num(row.get("SpotPrice")),
         )
     except ValueError as exc:
-        raise ValueError(f"{where}: bad row ({exc})") from exc
+        raise InvalidInput(f"{where}: bad row ({exc})") from exc
 
 
 # --- the vendored snapshots --------------------------------------------------------------------
@@ -203,8 +204,8 @@ def load_offers(clouds: Iterable[str] | None = None, root: Path | None = None
     for cloud in registry.priced() if clouds is None else clouds:
         home = registry.get(cloud)
         if not home.priced:
-            raise ValueError(f"cloud {cloud!r} has no price catalog; use one of: "
-                             f"{', '.join(registry.priced())}")
+            raise InvalidInput(f"cloud {cloud!r} has no price catalog; use one of: "
+                               f"{', '.join(registry.priced())}")
         user = user_catalog_path(cloud, root)
         if user.exists():
             offers.extend(read_vms_csv(user.read_text(), cloud, str(user)))

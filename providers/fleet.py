@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from broker.errors import InvalidInput
 from policies.models import Accelerator, Market, Offer, Pool, pool_id
 from providers import registry
 from providers.base import (
@@ -268,15 +269,15 @@ class FleetProvider(Provider):
     def reclaim(self, region: str, duration_s: float = 60.0) -> int:
         """Chaos: reclaim a local pretend spot region (real clouds reclaim on their own)."""
         if self.local is None:
-            raise ValueError(f"cannot reclaim {region!r}: chaos reclaims act on local pretend "
-                             "regions only, and this fleet has none")
+            raise InvalidInput(f"cannot reclaim {region!r}: chaos reclaims act on local pretend "
+                               "regions only, and this fleet has none")
         return self.local.reclaim(region, duration_s)
 
     def node_chaos(self, node_id: str, how: str) -> None:
         """Chaos: reclaim (notice, grace period) or kill one node of a local pretend region."""
         if self.local is None or node_id not in {n.node_id for n in self.local.nodes()}:
-            raise ValueError(f"cannot {how} node {node_id!r}: chaos acts on nodes of local "
-                             "pretend regions only")
+            raise InvalidInput(f"cannot {how} node {node_id!r}: chaos acts on nodes of local "
+                               "pretend regions only")
         if how == "kill":
             self.local.lose(node_id)
         else:
@@ -396,8 +397,8 @@ class FleetProvider(Provider):
 def build_fleet_provider(path: Path, state_dir: Path, workdir: Path, *,
                          reason: Callable[[object], str] = one_line) -> tuple[
         FleetProvider, dict[str, str]]:
-    """The fleet file's providers: ``(provider, skipped clouds -> why)``. Raises ``ValueError``
-    naming the file and field for a bad file."""
+    """The fleet file's providers: ``(provider, skipped clouds -> why)``. Raises
+    ``InvalidInput`` naming the file and field for a bad file."""
     fleet = FleetFile.load(path)
     local_fleet = fleet.local_fleet()
     local = LocalProvider(local_fleet, state_dir / "provider", workdir=workdir,
@@ -407,7 +408,7 @@ def build_fleet_provider(path: Path, state_dir: Path, workdir: Path, *,
         clouds, skipped = registry.build_providers(list(fleet.clouds), options, launchers={
             name: c.launcher for name, c in fleet.clouds.items() if c.launcher != "native"})
     except TypeError as exc:  # an option the provider does not take
-        raise ValueError(f"{path}: clouds: options: {exc}") from None
+        raise InvalidInput(f"{path}: clouds: options: {exc}") from None
     if fleet.clouds and not clouds and local is None:
         log.warning("no cloud of %s is configured and it has no local regions: the broker has "
                     "no capacity until one is", path)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from broker.errors import InvalidInput
 from policies.apps import ACCELERATOR_TRACES, APP_SPECS, MAX_LOCAL_BSZ_OVERRIDES, Application
 from policies.goodput import Efficiency, EfficiencyModel, ValidationTable
 from policies.models import Accelerator
@@ -65,7 +66,8 @@ def load_validation(model: str, root: Path = TRACES_DIR) -> ValidationTable:
 def load_application(model: str, efficiency: EfficiencyModel = EfficiencyModel.GNS) -> Application:
     """The model with throughput tables for every accelerator type that has measurements."""
     if model not in APP_SPECS:
-        raise ValueError(f"unknown application {model!r}; known: {', '.join(sorted(APP_SPECS))}")
+        raise InvalidInput(f"unknown application {model!r}; known: "
+                           f"{', '.join(sorted(APP_SPECS))}")
     spec = APP_SPECS[model]
     app = Application(spec, Efficiency(load_validation(model), spec.max_epochs, efficiency))
     for acc, (suffix, _) in ACCELERATOR_TRACES.items():

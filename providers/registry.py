@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from broker.errors import InvalidInput
 from providers.base import NotConfiguredError, Provider
 from providers.cloud import Cloud
 
@@ -59,11 +60,12 @@ def rented() -> tuple[str, ...]:
 
 
 def get(name: str) -> Cloud:
-    """The cloud called ``name``; a ``ValueError`` naming the clouds (and the closest) if none."""
+    """The cloud called ``name``; an ``InvalidInput`` naming the clouds (and the closest) if
+    none."""
     found = clouds().get(name)
     if found is None:
-        raise ValueError(f"unknown cloud {name!r}{_suggest(name)}; use one of: "
-                         f"{', '.join(names())}")
+        raise InvalidInput(f"unknown cloud {name!r}{_suggest(name)}; use one of: "
+                           f"{', '.join(names())}")
     return found
 
 
@@ -106,8 +108,8 @@ def build_providers(
     skipped: dict[str, str] = {}
     for name in rented() if names is None else names:
         if name not in rented():
-            raise ValueError(f"unknown cloud {name!r} to rent from{_suggest(name)}; use one of: "
-                             f"{', '.join(rented())}")
+            raise InvalidInput(f"unknown cloud {name!r} to rent from{_suggest(name)}; use one of: "
+                               f"{', '.join(rented())}")
         cloud = get(name)
         launcher = (launchers or {}).get(name, name)
         kw = (options or {}).get(name, {})
@@ -117,8 +119,8 @@ def build_providers(
             elif launcher in LAUNCHERS:
                 built[name] = LAUNCHERS[launcher](**{**kw, "cloud": name})
             else:
-                raise ValueError(f"unknown launcher {launcher!r} for {name}; use {name} itself "
-                                 f"or one of: {', '.join(LAUNCHERS)}")
+                raise InvalidInput(f"unknown launcher {launcher!r} for {name}; use {name} itself "
+                                   f"or one of: {', '.join(LAUNCHERS)}")
         except NotConfiguredError as exc:
             skipped[name] = str(exc)
             log.warning("skipping %s: %s", name, exc)

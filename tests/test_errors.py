@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,10 +20,15 @@ from broker.cli import app
 from broker.client import BrokerUnreachable
 from broker.models import IllegalTransition, JobState
 from broker.runtime.assignment import AssignmentError
+from broker.sim.engine import SimConfig, SimulationError
 from broker.spec import SpecError
 from broker.store import Conflict, JobNotFound, NotDurable, StaleFence, Store
 from policies.elastic_dp import InfeasibleAllocation
+from policies.models import Accelerator, UnknownAccelerator
+from providers import registry
 from providers.base import CapacityError, NotConfiguredError, ProviderError, QuotaError
+from providers.catalog import load_offers, read_vms_csv
+from providers.fleet import FleetFile
 from tests.api_server import TOKENS, ApiServer, api_stack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +49,8 @@ TABLE: dict[type[BaseException], tuple[int, int]] = {
     ConfigError: (422, 2),
     AssignmentError: (422, 2),
     InfeasibleAllocation: (422, 2),  # policies' own, mapped
+    UnknownAccelerator: (422, 2),  # policies' own, mapped
+    SimulationError: (422, 2),
     JobNotFound: (404, 3),
     Conflict: (409, 6),
     StaleFence: (409, 6),
@@ -175,3 +185,85 @@ def test_the_cli_exits_with_each_class_exit_code(stack: tuple[ApiServer, Store],
         assert (result.exit_code, cls.exit_code) == (cls.exit_code, cls.exit_code), \
             (cls, result.stderr)
         assert said in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+# --- what crosses a module boundary is a FleetError (or one broker.errors maps) -----------------
+
+
+def _bad_fleet(tmp_path: Path) -> Path:
+    path = tmp_path / "fleet.yaml"
+    path.write_text("regions:\n  - region: east\n    price_per_gpu_hour: -1\n    gpus: 2\n")
+    return path
+
+
+@pytest.mark.parametrize(("refuse", "cls", "said"), [
+    (lambda tmp: FleetFile.load(_bad_fleet(tmp)), errors.InvalidInput,
+     "regions.0.price_per_gpu_hour"),
+    (lambda tmp: FleetFile.load(tmp / "absent.yaml"), errors.InvalidInput,
+     "cannot read fleet file"),
+    (lambda tmp: registry.get("ibm"), errors.InvalidInput, "unknown cloud 'ibm'; use one of"),
+    (lambda tmp: registry.build_providers(["gpc"]), errors.InvalidInput,
+     "did you mean 'gcp'"),
+    (lambda tmp: registry.build_providers(["aws"], launchers={"aws": "terraform"}),
+     errors.InvalidInput, "unknown launcher 'terraform' for aws"),
+    (lambda tmp: load_offers(["local"]), errors.InvalidInput, "has no price catalog"),
+    (lambda tmp: read_vms_csv("a,b\n1,2\n", "aws"), errors.InvalidInput, "missing column"),
+    (lambda tmp: Accelerator.parse("TPU"), UnknownAccelerator, "unknown accelerator 'TPU'"),
+    (lambda tmp: SimConfig(interval=0), SimulationError, "interval must be positive"),
+], ids=["fleet-field", "fleet-unreadable", "cloud", "cloud-to-rent", "launcher",
+        "unpriced-cloud", "catalog-file", "accelerator", "sim-setting"])
+def test_refusals_across_modules_are_fleet_errors(refuse, cls: type[Exception], said: str,
+                                                  tmp_path: Path) -> None:
+    with pytest.raises(cls, match=said) as got:
+        refuse(tmp_path)
+    assert errors.exit_code_of(got.value) == errors.InvalidInput.exit_code
+    assert errors.status_of(got.value) == errors.InvalidInput.status
+
+
+def test_the_cli_names_a_bad_fleet_file_with_its_exit_code(tmp_path: Path) -> None:
+    fleet = _bad_fleet(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "broker", "up", "--fleet", str(fleet),
+                        "--state-dir", str(tmp_path / "state")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120,
+                       env={**os.environ, "FLEET_CONFIG_DIR": str(tmp_path)})
+    assert p.returncode == errors.InvalidInput.exit_code, p.stderr
+    assert f"{fleet}: regions.0.price_per_gpu_hour" in p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "state").exists()
+
+
+# Where a bare ``raise ValueError`` may stay in broker/ and providers/: inside pydantic
+# validators (pydantic makes it a ValidationError), or these functions, each for its reason.
+VALUE_ERROR_KEPT = {
+    "broker/api.py:_stream_id": "an AfterValidator of a query parameter",
+    "broker/spec.py:_json_object": "caught in broker.spec, which names the field",
+    "broker/sim/baselines.py:__init__": "internal contract: the CLI checks the fleet first",
+    "providers/bootstrap.py:node_rank": "internal contract between providers",
+    "providers/bootstrap.py:rank_step": "internal contract between providers",
+    "providers/skypilot.py:validate_task": "our own task against SkyPilot's schema: a bug",
+}
+# The job-side runtime is a library for training scripts: plain ValueError for bad arguments.
+VALUE_ERROR_FREE = ("broker", "providers")
+VALUE_ERROR_EXEMPT = ("broker/runtime/",)
+
+
+def _value_error_raises() -> Iterator[str]:
+    """``path:function`` of each ``raise ValueError`` outside a pydantic validator."""
+    for package in VALUE_ERROR_FREE:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith(VALUE_ERROR_EXEMPT):
+                continue
+            for fn in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) or any(
+                        "validator" in ast.unparse(d) for d in fn.decorator_list):
+                    continue
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Raise) and node.exc is not None and \
+                            ast.unparse(node.exc).split("(")[0] == "ValueError":
+                        yield f"{rel}:{fn.name}"
+
+
+def test_no_bare_value_error_leaves_a_module() -> None:
+    found = set(_value_error_raises())
+    assert found - set(VALUE_ERROR_KEPT) == set(), "raise an InvalidInput (broker.errors) instead"
+    assert set(VALUE_ERROR_KEPT) <= found, "a kept ValueError is gone: drop its entry"

@@ -157,6 +157,7 @@ def test_cli_json_report_and_jobs_file(tmp_path: Path) -> None:
     (["--cluster", "t4:2x8"], "measured with 4 GPUs per node"),
     (["--policy", "pollux"], "--policy 'pollux' is not one of"),
     (["--restart-penalty", "soon"], "must be seconds"),
+    (["--interval", "0"], "interval must be positive, got 0"),  # SimulationError
 ])
 def test_cli_bad_options_exit_2_without_traceback(args: list[str], message: str) -> None:
     p = _cli(str(POLLUX / "workload-1.csv"), *args)

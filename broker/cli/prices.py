@@ -8,7 +8,8 @@ import typer
 from rich.table import Table
 
 from broker.cli.app import app, console, err_console, fail, print_json
-from policies.models import Accelerator, Market
+from broker.errors import InvalidInput
+from policies.models import Accelerator, Market, UnknownAccelerator
 from providers import registry
 from providers.catalog import CatalogOffer, cheapest, load_offers
 
@@ -19,7 +20,7 @@ def _accelerator(name: str | None, argument: str) -> Accelerator | None:
         return None
     try:
         return Accelerator.parse(name)
-    except ValueError as exc:
+    except UnknownAccelerator as exc:
         fail(f"{argument}: {exc}")
 
 
@@ -34,7 +35,7 @@ def _offers(accelerator: Accelerator | None, cloud: str | None) -> list[CatalogO
     clouds = _clouds(cloud)
     try:
         offers = load_offers(clouds)
-    except ValueError as exc:  # a broken user catalog file: name it, no traceback
+    except InvalidInput as exc:  # a broken user catalog file: name it, no traceback
         fail(f"catalog: {exc}")
     return [o for o in offers if accelerator is None or o.accelerator is accelerator]
 

@@ -13,6 +13,7 @@ from typing import Any
 import typer
 
 from broker.cli.app import app, fail, print_json
+from broker.errors import InvalidInput
 
 
 def _expand(paths: list[Path]) -> list[Path]:
@@ -132,7 +133,7 @@ def simulate(
             spot = SpotConfig(market, checkpoint_interval, checkpoint_on_notice)
         else:
             pools = classic_pools(specs)
-    except ValueError as e:  # ClusterError included
+    except InvalidInput as e:  # ClusterError, SimulationError (a bad setting) included
         fail(str(e))
     paths = _expand(workloads)
     settings = {"policy": pol.value, "cluster": cluster, "admission": adm.value,

@@ -12,6 +12,7 @@ from pathlib import Path
 import typer
 
 from broker.cli.app import app, console, fail
+from broker.errors import InvalidInput
 from broker.logs import LogFormat, LogLevel
 from broker.logs import configure as configure_logs
 from broker.protocol import ENV_PREFIX, BrokerEnv
@@ -48,7 +49,6 @@ def up(
 ) -> None:
     """Run the broker in the foreground until Ctrl-C."""
     from broker import config as broker_config
-    from broker.auth import ConfigError
     from broker.client import write_client_config
     from broker.secrets import redact_url, scrub
     from broker.server import DEFAULT_FLEET, Stack
@@ -61,13 +61,13 @@ def up(
     fleet = fleet or DEFAULT_FLEET
     try:
         FleetFile.load(fleet)
-    except ValueError as exc:
+    except InvalidInput as exc:
         fail(str(exc))
     stack = Stack(settings.broker_config(state_dir=state_dir, redis_url=redis_url, fleet=fleet),
                   host=host, port=port, api=settings.api)
     try:
         stack.start()
-    except (RuntimeError, ConfigError, ValueError) as exc:
+    except (RuntimeError, InvalidInput) as exc:  # ConfigError and a bad fleet file included
         fail(scrub(str(exc)))
     saved = write_client_config(stack.url, stack.tokens["admin"])
     where = f"embedded, port {stack.redis.port}" if stack.redis is not None else \
@@ -98,7 +98,7 @@ def demo(
     os.umask(0o077)
     try:
         job_user()
-    except ValueError as exc:
+    except InvalidInput as exc:
         # The demo's jobs are its own, in a throwaway state dir: run them as the demo's user
         # rather than refuse; `fleet up` keeps refusing (docs/security.md).
         os.environ[JOB_USER_ENV] = pwd.getpwuid(os.getuid()).pw_name

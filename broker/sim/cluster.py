@@ -27,7 +27,7 @@ from broker.errors import InvalidInput
 from broker.sim.traces import SpotTrace, TraceError, read_trace
 from policies.apps import ACCELERATOR_TRACES
 from policies.choices import TypeCapacity
-from policies.models import Accelerator, Market, Pool
+from policies.models import Accelerator, Market, Pool, UnknownAccelerator
 from providers import registry
 from providers.catalog import UNKNOWN_RATE, CatalogOffer, load_offers, pool_prior
 
@@ -77,7 +77,7 @@ def read_pool_specs(spec: str) -> list[PoolSpec]:
 def _accelerator(name: str) -> Accelerator:
     try:
         return Accelerator.parse(name)
-    except ValueError as e:
+    except UnknownAccelerator as e:
         raise ClusterError(str(e)) from None
 
 

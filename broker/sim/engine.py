@@ -24,7 +24,8 @@ from providers.measurements import load_application
 
 
 class SimulationError(InvalidInput):
-    """The workload cannot run on this cluster at all (says which job and why)."""
+    """A simulation that cannot run: a setting out of range (says which and its bound), or a
+    workload this cluster cannot run at all (says which job and why)."""
 
 
 class Baseline(StrEnum):
@@ -46,9 +47,9 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         if not self.interval > 0:
-            raise ValueError(f"interval must be positive, got {self.interval}")
+            raise SimulationError(f"interval must be positive, got {self.interval}")
         if self.restart_penalty is not None and self.restart_penalty < 0:
-            raise ValueError(f"restart penalty must be >= 0, got {self.restart_penalty}")
+            raise SimulationError(f"restart penalty must be >= 0, got {self.restart_penalty}")
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,8 @@ class SpotConfig:
 
     def __post_init__(self) -> None:
         if not self.checkpoint_s > 0:
-            raise ValueError(f"checkpoint interval must be positive, got {self.checkpoint_s}")
+            raise SimulationError(f"checkpoint interval must be positive, got "
+                                  f"{self.checkpoint_s}")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from broker.errors import InvalidInput
 from broker.protocol import BrokerEnv
 from policies.models import Accelerator, Market, Offer
 from providers import bootstrap
@@ -88,7 +89,8 @@ class AzureProvider(Provider):
         if not (self.subscription_id and self.resource_group and self.subnet_id):
             raise NotConfiguredError(CLOUD.not_configured)
         if eviction_policy not in ("Delete", "Deallocate"):
-            raise ValueError(f"eviction_policy {eviction_policy!r}: use 'Delete' or 'Deallocate'")
+            raise InvalidInput(f"eviction_policy {eviction_policy!r}: use 'Delete' or "
+                               "'Deallocate'")
         if credential is None:
             from azure.identity import DefaultAzureCredential
 

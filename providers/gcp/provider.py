@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from policies.models import Accelerator, Market, Offer, pool_id
+from policies.models import Accelerator, Market, Offer, UnknownAccelerator, pool_id
 from providers import bootstrap
 from providers.base import (
     CapacityError,
@@ -67,7 +67,7 @@ def _quota_metric(metric: str) -> tuple[Accelerator, Market] | None:
         return None
     try:
         accelerator = Accelerator.parse(m.group(2).replace("_", "-"))
-    except ValueError:
+    except UnknownAccelerator:
         return None
     return accelerator, Market.SPOT if m.group(1) else Market.ON_DEMAND
 

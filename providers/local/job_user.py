@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from broker.errors import InvalidInput
 from broker.protocol import BrokerEnv
 from providers.base import ProviderError
 
@@ -37,7 +38,7 @@ class JobUser:
 
 def job_user(env: dict[str, str] | None = None, python: str = sys.executable) -> JobUser | None:
     """The user local jobs run as, or None for "the broker's own user" (the broker is not root,
-    or ``FLEET_JOB_USER`` names root itself: an explicit choice, logged). Raises ``ValueError``
+    or ``FLEET_JOB_USER`` names root itself: an explicit choice, logged). Raises ``InvalidInput``
     naming the fix when the user does not exist or cannot run ``python`` (their agent's)."""
     if os.geteuid() != 0:
         return None
@@ -45,8 +46,8 @@ def job_user(env: dict[str, str] | None = None, python: str = sys.executable) ->
     try:
         pw = pwd.getpwnam(name)
     except KeyError:
-        raise ValueError(f"{JOB_USER_ENV}={name!r}: no such user on this machine; create it "
-                         f"or set {JOB_USER_ENV} to an existing unprivileged user") from None
+        raise InvalidInput(f"{JOB_USER_ENV}={name!r}: no such user on this machine; create it "
+                           f"or set {JOB_USER_ENV} to an existing unprivileged user") from None
     if pw.pw_uid == 0:
         log.warning("%s=%s: local jobs run as root and can read the broker's state",
                     JOB_USER_ENV, name)
@@ -54,7 +55,7 @@ def job_user(env: dict[str, str] | None = None, python: str = sys.executable) ->
     user = JobUser(name=pw.pw_name, uid=pw.pw_uid, gid=pw.pw_gid, home=pw.pw_dir)
     blocked = unreachable(Path(python).resolve().parent, user)
     if blocked is not None:
-        raise ValueError(
+        raise InvalidInput(
             f"the job user {name} cannot run this Python ({python}): {blocked} is "
             f"{stat.filemode(blocked.stat().st_mode)}; install Python where {name} can read it "
             f"or set {JOB_USER_ENV} to a user that can ({JOB_USER_ENV}=root runs jobs as the "

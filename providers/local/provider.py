@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from broker.errors import InvalidInput
 from broker.protocol import BrokerEnv, Env
 from policies.models import Accelerator, Market, Offer, Pool
 from providers.base import (
@@ -128,11 +129,11 @@ class LocalFleet(BaseModel):
         for r in self.regions:
             if r.region == name:
                 if spot_only and r.market is not Market.SPOT:
-                    raise ValueError(f"region {name!r} is on-demand; only spot regions can be "
-                                     "reclaimed")
+                    raise InvalidInput(f"region {name!r} is on-demand; only spot regions "
+                                       "can be reclaimed")
                 return r
         known = ", ".join(r.region for r in self.regions)
-        raise ValueError(f"unknown region {name!r}; the fleet has: {known}")
+        raise InvalidInput(f"unknown region {name!r}; the fleet has: {known}")
 
     @classmethod
     def load(cls, path: str | Path) -> LocalFleet:
@@ -140,13 +141,13 @@ class LocalFleet(BaseModel):
         try:
             data = yaml.safe_load(Path(path).read_text())
         except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"{path}: cannot read fleet file: {exc}") from None
+            raise InvalidInput(f"{path}: cannot read fleet file: {exc}") from None
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(x) for x in first["loc"]) or "(top level)"
-            raise ValueError(f"{path}: {where}: {first['msg']}") from None
+            raise InvalidInput(f"{path}: {where}: {first['msg']}") from None
 
 
 def _proc_start(pid: int) -> tuple[str, int] | None:
@@ -289,7 +290,7 @@ class LocalProvider(Provider):
         (SIGTERM), then SIGKILL after the grace period; the region keeps its other nodes."""
         meta = _read_json(self.nodes_dir / node_id / "meta.json")
         if meta is None or meta.get("market") != Market.SPOT.value:
-            raise ValueError(f"node {node_id!r} is not a spot node of this fleet")
+            raise InvalidInput(f"node {node_id!r} is not a spot node of this fleet")
         self._signal_stop(node_id, reason="spot-reclaim")
 
     def pools(self) -> list[Pool]:
