@@ -10,8 +10,8 @@ from broker import transitions
 from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.scheduler.config import Admission, SchedulerConfig
 from broker.store import Plan
-from policies.models import Accelerator, Market, Pool
-from policies.placement import region_allowed
+from broker.waiting import Needs
+from policies.models import Accelerator, Pool
 
 
 @dataclass
@@ -154,9 +154,10 @@ def no_pool(res: RoundResult, job: JobRecord, event: str, reason: str,
 
 
 def on_demand_launches(job: JobRecord, pools: Sequence[Pool]) -> bool:
-    """Does an on-demand pool in the job's regions launch a GPU count it accepts?"""
-    g, r = job.spec.gpus, job.spec.regions
-    return any(p.market is Market.ON_DEMAND and region_allowed(p, r.allow, r.deny) and
+    """Does a pool the job may use (``Needs``: on-demand, for the ``spot: never`` job this
+    asks about) launch a GPU count it accepts?"""
+    g, needs = job.spec.gpus, Needs.of(job.spec)
+    return any(needs.unmet(p) is None and
                any(p.launchable(n) for n in range(g.min, min(g.max, p.capacity) + 1))
                for p in pools)
 
