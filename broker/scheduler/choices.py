@@ -182,8 +182,8 @@ def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, fixed: boo
 
 
 class UsablePools:
-    """The pools each set of region filters lets a job use, looked up once per round (many
-    jobs share their filters)."""
+    """The pools each job's needs let it use, looked up once per round per distinct needs (many
+    jobs share them)."""
 
     def __init__(self, pools: Sequence[Pool], room: Mapping[str, int] | None = None) -> None:
         self.live = [p for p in pools if p.capacity > 0]  # a pool reclaimed whole hosts none
