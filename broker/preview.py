@@ -11,28 +11,28 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from policies.models import JobSpec, Market, Pool
-from policies.placement import region_allowed
-from policies.spot import must_not_preempt
+from broker.waiting import Needs
+from policies.models import JobSpec, Pool
 
 
 def placement_preview(spec: JobSpec, pools: Sequence[Pool], used: Mapping[str, int],
                       ) -> list[dict[str, Any]]:
-    """One row per pool the spec may use: pool id, market, GPUs (the spec's default, else its
-    minimum) and the nodes they come on, USD per GPU-hour and per hour at that size, free GPUs,
-    and whether it fits now;
-    cheapest per hour first, those with room ahead of those without."""
+    """One row per pool the spec may use (its ``Needs``, and room for its GPUs): pool id,
+    market, GPUs (the spec's default, else its minimum) and the nodes they come on, USD per
+    GPU-hour and per hour at that size, free GPUs, and whether it fits now; cheapest per hour
+    first, those with room ahead of those without."""
     gpus = spec.gpus.default or spec.gpus.min
+    needs = Needs.of(spec)
     rows = []
     for pool in pools:
-        if pool.accelerator not in spec.accelerators or pool.capacity < gpus or not \
-                region_allowed(pool, spec.regions.allow, spec.regions.deny) or \
-                (must_not_preempt(spec.spot) and pool.market is Market.SPOT) or \
-                not pool.launchable(gpus):
+        # A fixed node count (a SkyPilot num_nodes) is that many nodes with an equal share,
+        # never the pool's own split: 2 GPUs on one node are not 2 nodes of 1.
+        shape = (spec.nodes, gpus // spec.nodes) if spec.nodes else pool.shape(gpus)
+        if shape is None or needs.unmet(pool) is not None or pool.capacity < gpus:
             continue
-        price = pool.price_for(gpus)
+        nodes, per_node = shape
+        price = pool.price_for(per_node)  # a gang of instances costs what one does per GPU
         free = max(0, pool.capacity - used.get(pool.id, 0))
-        nodes, per_node = pool.shape(gpus) or (1, gpus)
         rows.append({"pool": pool.id, "market": pool.market.value,
                      "accelerator": pool.accelerator.value, "gpus": gpus, "nodes": nodes,
                      "gpus_per_node": per_node,

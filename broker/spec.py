@@ -1172,7 +1172,7 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
               resources.get("any_of", resources.get("ordered")),
               f"every alternative names a cloud FleetBroker does not have; add one on "
               f"{', '.join(registry.names())}")
-    _sky_cpu_only(p, resources, alternatives, accelerators, warnings)
+    _sky_cpu_only(p, resources, alternatives, accelerators)
     if accelerators:
         out["accelerators"] = accelerators
     if nodes is not None:
@@ -1278,22 +1278,23 @@ def _sky_image(p: _Problems, where: str, image: Any, warnings: list[str]) -> Non
 
 def _sky_cpu_only(p: _Problems, resources: Mapping[str, Any],
                   alternatives: list[Mapping[str, Any]], accelerators: list[Accelerator],
-                  warnings: list[str]) -> None:
-    """A task naming no accelerator is a CPU task in SkyPilot. FleetBroker's pools are GPU pools,
-    so one that asks for CPUs or memory is refused with the reason; one that asks for nothing
-    at all runs on the default GPU, and says so."""
+                  ) -> None:
+    """A task naming no accelerator is a CPU task in SkyPilot. FleetBroker's pools are GPU pools
+    (a pool always has an accelerator), so such a task is refused with the reason, never put on
+    a GPU unasked: naming the CPU field it asks for, else the missing accelerators."""
     if accelerators or p.items:
         return
+    why = ("no FleetBroker pool offers CPU-only capacity, and it is not put on a GPU unasked; "
+           "name the GPU it may use (resources.accelerators: T4:1) or run it on CPU machines "
+           "elsewhere")
     asked = sorted({k for alt in alternatives for k in ("cpus", "memory") if k in alt})
     if asked:
         where = "resources" if asked[0] in resources else "resources.any_of"
         p.add(f"{where}.{asked[0]}", next(a[asked[0]] for a in alternatives if asked[0] in a),
-              "a CPU-only task (no accelerators): no FleetBroker pool offers CPU-only "
-              "capacity, and it is not put on a GPU unasked; name the GPU it may use "
-              "(resources.accelerators: T4:1) or run it on CPU machines elsewhere")
+              f"a CPU-only task (no accelerators): {why}")
     else:
-        warnings.append("resources.accelerators: not given; the task runs on "
-                        f"{Accelerator.T4.value}:1 per node (FleetBroker's pools are GPU pools)")
+        p.add("resources.accelerators", None, "not given, so a CPU-only task in SkyPilot's "
+              f"meaning: {why}", show=False)
 
 
 def _sky_recovery(p: _Problems, value: Any, warnings: list[str]) -> None:

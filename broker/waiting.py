@@ -3,7 +3,9 @@
 ``never_runs`` judges a spec against the fleet at its most (the pools its fleet file declares,
 none reclaimed, every cloud pool at its ``max_gpus``): what it finds can never change while
 that fleet runs, so the API refuses such a submission with the field and the fix.
-``no_pool_reason`` and ``too_big_reason`` say the same of a waiting job against the round's
+``Needs`` is the one test of whether a job may use a pool, whatever its size: the round, the
+submission check and the preview share it, and ``no_usable_pool`` names the need no pool meets.
+``unusable_reason`` and ``too_big_reason`` say the same of a waiting job against the round's
 pools, which can grow back (a reclaim ends, a cloud comes back), so the round marks the job
 instead of dropping it.
 ``queue_positions`` numbers the jobs that wait for the same accelerators, in the order the round
@@ -15,16 +17,108 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 from broker.models import JobRecord, JobState
 from broker.spec import Problem
-from policies.models import Accelerator, JobSpec, Pool
+from policies.models import Accelerator, JobSpec, Market, Pool
 from policies.placement import region_allowed
+from policies.spot import must_not_preempt
 
 UNSCHEDULABLE = "unschedulable"
 # What a queued job shows before the first round has looked at it.
 NOT_YET_SEEN = "submitted; the next scheduling round considers it"
 WAITING_STATES = (JobState.QUEUED, JobState.SUSPENDED)
+
+
+class Unmet(IntEnum):
+    """What a pool lacks for a job, whatever GPUs it has free, in the order the needs are
+    tested: the first a pool fails is its reason, and the furthest any pool got is the job's."""
+
+    ACCELERATOR = 1
+    REGION = 2
+    MARKET = 3  # spot: never, and the pool is spot
+    NODE = 4  # a fixed node count whose share of GPUs the pool sells on no node
+
+
+@dataclass(frozen=True, slots=True)
+class Needs:
+    """What a job asks of a pool whatever the pool's size: the one eligibility test of the
+    round (``UsablePools``), the submission check (``never_runs``) and the preview. Hashable,
+    so the round looks pools up once per distinct needs."""
+
+    accelerators: frozenset[Accelerator]
+    allow: tuple[str, ...]
+    deny: tuple[str, ...]
+    on_demand: bool  # spot: never
+    per_node: int | None  # GPUs on each node of a job of a fixed node count (JobSpec.nodes)
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> Needs:
+        return cls(frozenset(spec.accelerators), tuple(spec.regions.allow),
+                   tuple(spec.regions.deny), must_not_preempt(spec.spot),
+                   spec.gpus.min // spec.nodes if spec.nodes else None)
+
+    def unmet(self, pool: Pool) -> Unmet | None:
+        """The first need ``pool`` fails, or None: the job may use it."""
+        if pool.accelerator not in self.accelerators:
+            return Unmet.ACCELERATOR
+        if not region_allowed(pool, self.allow, self.deny):
+            return Unmet.REGION
+        if self.on_demand and pool.market is Market.SPOT:
+            return Unmet.MARKET
+        # A pool without instance sizes launches any count on one node; one with sizes
+        # (a cloud's types, a local region of several nodes) only those per node.
+        if self.per_node is not None and pool.gpu_prices is not None and \
+                self.per_node not in pool.gpu_prices:
+            return Unmet.NODE
+        return None
+
+
+def no_usable_pool(spec: JobSpec, pools: Sequence[Pool], *, skypilot: bool = False,
+                   ) -> tuple[Unmet, Problem] | None:
+    """Why none of ``pools`` may host ``spec``: the furthest need any pool got to and failed,
+    with the field and the fix (``skypilot``: the task's fields); None when one may."""
+    needs = Needs.of(spec)
+    failed = [(u, p) for p in pools if (u := needs.unmet(p)) is not None]
+    if len(failed) < len(pools) or not failed:
+        return None
+    cause = max(u for u, _ in failed)
+    near = [p for u, p in failed if u is cause]  # the pools that met every need before it
+    accels = "/".join(a.value for a in spec.accelerators)
+    if cause is Unmet.ACCELERATOR:
+        have = ", ".join(sorted({p.accelerator.value for p in pools}))
+        return cause, Problem(
+            field="resources.accelerators" if skypilot else "accelerators", value=accels,
+            message=f"no pool of this fleet offers {accels}; it has {have}: ask for one of "
+            "those, or add a pool of that type to the fleet file")
+    if cause is Unmet.REGION:
+        r = spec.regions
+        where = ", ".join(sorted({f"{p.cloud}:{p.region}" for p in near}))
+        return cause, Problem(
+            field="resources.infra" if skypilot else "regions",
+            value=f"allow {r.allow} deny {r.deny}",
+            message=f"regions allow {r.allow} deny {r.deny} leave no {accels} pool; {accels} "
+            f"is offered in {where}: widen regions.allow or narrow regions.deny"
+            + (" (resources.infra)" if skypilot else ""))
+    # The round does not know a job's format: these fixes name both forms' fields.
+    if cause is Unmet.MARKET:
+        return cause, Problem(
+            field="resources.use_spot" if skypilot else "spot", value="never",
+            message=f"spot: never, and no on-demand {accels} pool in its regions: allow spot "
+            "(use_spot: true / spot: allowed) or add on-demand capacity")
+    sizes = sorted({g for p in near for g in p.gpu_prices or ()})
+    per_node, total = needs.per_node, spec.gpus.min
+    field = "resources.accelerators" if skypilot else "nodes"
+    if per_node is not None and per_node < sizes[-1]:  # between or below the sizes sold
+        return cause, Problem(field=field, value=f"{per_node} GPUs per node", message=(
+            f"needs {per_node} GPUs on each node; {accels} nodes in its regions come with "
+            f"{', '.join(map(str, sizes))}: ask one of those per node"))
+    split = f"num_nodes (nodes): {total // sizes[-1]} of {accels}:{sizes[-1]}" \
+        if total % sizes[-1] == 0 else "more num_nodes (nodes)"
+    return cause, Problem(field=field, value=f"{per_node} GPUs per node", message=(
+        f"needs {per_node} GPUs on one node; the largest {accels} node in its regions has "
+        f"{sizes[-1]}: ask {split}, or fewer GPUs"))
 
 
 def never_runs(spec: JobSpec, ceiling: Sequence[Pool], *, skypilot: bool = False,
@@ -33,24 +127,12 @@ def never_runs(spec: JobSpec, ceiling: Sequence[Pool], *, skypilot: bool = False
     nothing is certain, no problem). ``skypilot``: name the task's fields in the fix."""
     if not ceiling:
         return []
-    accels = "/".join(a.value for a in spec.accelerators)
-    typed = [p for p in ceiling if p.accelerator in spec.accelerators]
-    if not typed:
-        have = ", ".join(sorted({p.accelerator.value for p in ceiling}))
-        field = "resources.accelerators" if skypilot else "accelerators"
-        return [Problem(field=field, value=accels, message=(
-            f"no pool of this fleet offers {accels}; it has {have}: ask for one of those, or "
-            "add a pool of that type to the fleet file"))]
-    r = spec.regions
-    placed = [p for p in typed if region_allowed(p, r.allow, r.deny)]
-    if not placed:
-        where = ", ".join(sorted({f"{p.cloud}:{p.region}" for p in typed}))
-        field = "resources.infra" if skypilot else "regions"
-        return [Problem(field=field, value=f"allow {r.allow} deny {r.deny}", message=(
-            f"no {accels} pool lies in these regions; {accels} is offered in {where}: widen "
-            "the allowed regions or narrow the denied ones"))]
-    top = max(placed, key=lambda p: p.capacity)
+    if (found := no_usable_pool(spec, ceiling, skypilot=skypilot)) is not None:
+        return [found[1]]
+    needs = Needs.of(spec)
+    top = max((p for p in ceiling if needs.unmet(p) is None), key=lambda p: p.capacity)
     if spec.gpus.min > top.capacity:
+        accels = "/".join(a.value for a in spec.accelerators)
         field = "resources.accelerators" if skypilot else "gpus.min"
         fix = (f"lower the GPU count or num_nodes (at most {top.capacity} GPUs in all)"
                if skypilot else f"lower gpus.min to at most {top.capacity} (in a SkyPilot "
@@ -60,6 +142,19 @@ def never_runs(spec: JobSpec, ceiling: Sequence[Pool], *, skypilot: bool = False
             f"ever have there (its largest {accels} pool, {top.id}, holds {top.capacity}); "
             f"{fix}"))]
     return []
+
+
+def unusable_reason(spec: JobSpec, pools: Sequence[Pool]) -> tuple[str, str]:
+    """The event and reason of a waiting job none of the round's ``pools`` may host (there is
+    one: ``no_usable_pool`` found why). Pools come back (a reclaim ends, a cloud lists them
+    again), so the job is marked, not dropped."""
+    found = no_usable_pool(spec, pools)
+    if found is None or found[0] is Unmet.ACCELERATOR:  # no pool at all, or none of its types
+        return UNSCHEDULABLE, no_pool_reason(spec)
+    cause, problem = found
+    if cause is Unmet.REGION:
+        return "no-region", problem.message
+    return UNSCHEDULABLE, f"{UNSCHEDULABLE}: {problem.message}"
 
 
 def no_pool_reason(spec: JobSpec) -> str:

@@ -162,7 +162,7 @@ BAD_SPECS = [
     ('{"name": "x", "run": "y", "batch_size": 2, "work": {"samples": 1}, "deadline": Infinity}',
      "deadline"),
     ('{"name": "x", "run": "y", "batch_size": NaN, "work": {"samples": 1}}', "batch_size"),
-    ("run: x\nworkdir: .", "workdir"),
+    ("run: x\nworkdir: .\nresources: {accelerators: T4:1}", "workdir"),
     (SPEC + "gpu: 2", "gpu"),
 ]
 

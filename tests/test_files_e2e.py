@@ -183,7 +183,8 @@ def test_a_mount_without_its_fuse_tool_fails_with_the_tool_named(
 
 
 def test_the_api_refuses_a_local_path_it_cannot_read(broker: Broker, tmp_path: Path) -> None:
-    body = "name: x\nrun: ls\nworkdir: /home/me/proj\nfile_mounts: {/d: ./data.csv}\n"
+    body = ("name: x\nrun: ls\nworkdir: /home/me/proj\nfile_mounts: {/d: ./data.csv}\n"
+            "resources: {accelerators: T4:1}\n")
     with httpx.Client(base_url=broker.config.broker_url or "",
                       headers={"Authorization": f"Bearer {TEAM_TOKEN}"}) as c:
         r = c.post("/v1/jobs", content=body, headers={"Content-Type": "application/yaml"})

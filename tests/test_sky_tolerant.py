@@ -87,10 +87,14 @@ def test_a_cpu_only_task_is_refused_not_given_a_gpu(resources: str) -> None:
     assert any("CPU-only" in p and "accelerators" in p for p in found), found
 
 
-def test_a_task_without_resources_says_it_gets_the_default_gpu() -> None:
-    parsed = parse_spec_text("run: echo hi")
-    assert parsed.spec.accelerators == [Accelerator.T4]
-    assert any("T4:1 per node" in w for w in parsed.warnings)
+@pytest.mark.parametrize("text", ["run: echo hi",
+                                  "run: x\nresources: {infra: azure, disk_size: 512}"])
+def test_a_task_without_accelerators_is_refused_not_given_a_default_gpu(text: str) -> None:
+    """No pool has CPU-only capacity: with no accelerators named (and no cpus either), the task
+    is refused as the cpus-only one is, naming the missing field and its fix."""
+    [found] = _problems(text)
+    assert found.startswith("resources.accelerators: not given") and "CPU-only" in found
+    assert "resources.accelerators: T4:1" in found
 
 
 def test_unknown_keys_get_a_did_you_mean() -> None:

@@ -281,8 +281,8 @@ resources:
     assert s.name == "my-job" and s.accelerators == [Accelerator.A100, Accelerator.V100]
     assert s.regions.allow == ["gcp:us-central1", "aws:*"]
     assert any("pairings are not kept" in w for w in parsed.warnings)
-    mixed = parse_spec_text("run: x\nresources:\n  any_of:\n    - {use_spot: true}\n"
-                            "    - {use_spot: false}\n").spec
+    mixed = parse_spec_text("run: x\nresources:\n  accelerators: T4:1\n  any_of:\n"
+                            "    - {use_spot: true}\n    - {use_spot: false}\n").spec
     assert mixed.spot is SpotPolicy.ALLOWED
 
 
@@ -321,7 +321,8 @@ def test_skypilot_unsupported_keys_are_errors(text: str, field: str, fix: str) -
 
 
 def test_zone_widens_to_region_with_warning() -> None:
-    parsed = parse_spec_text("run: x\nresources: {infra: aws/us-east-1/us-east-1a}")
+    parsed = parse_spec_text("run: x\nresources: {infra: aws/us-east-1/us-east-1a, "
+                             "accelerators: T4}")
     assert parsed.spec.regions.allow == ["aws:us-east-1"]
     assert any("us-east-1a" in w for w in parsed.warnings)
 

@@ -18,6 +18,7 @@ from broker.models import JobState
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.store import Store
 from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
+from providers.local.provider import LocalRegion
 from tests.api_server import TOKENS, ApiServer, api_config
 
 EAST = Pool(cloud="aws", region="us-east-1", accelerator=Accelerator.T4, market=Market.SPOT,
@@ -135,7 +136,9 @@ def test_a_job_that_can_never_run_is_refused_at_submission(
 
 
 def test_a_job_the_fleet_can_host_is_accepted(store: Store, server: ApiServer) -> None:
-    r = httpx.post(f"{server.url}/v1/jobs", content=SKY_TWO_L4.replace("L4:1", "T4:2"),
+    # 2 x 2 T4 fits east's 4 spot GPUs only: on-demand west holds 2
+    task = SKY_TWO_L4.replace("L4:1", "T4:2, use_spot: true")
+    r = httpx.post(f"{server.url}/v1/jobs", content=task,
                    headers={"Authorization": f"Bearer {TOKENS['ml']}",
                             "Content-Type": "application/yaml"})
     assert r.status_code == 201, r.text
@@ -158,3 +161,91 @@ def test_the_fleet_ceiling_is_what_the_fleet_file_declares() -> None:
     big = spec("big", 32, 32, accelerators=[Accelerator.A100])
     [problem] = never_runs(big, ceiling)
     assert problem.field == "gpus.min" and "holds 16" in problem.message
+
+
+# ---- the audit's fleet: spot T4 nodes of 1 GPU each ---------------------------------------------
+
+SPOT_NODES = LocalRegion(region="spot", market=Market.SPOT, price_per_gpu_hour=0.4, gpus=2,
+                         nodes=2).pool()
+SKY_T4 = "name: t4\nresources: {accelerators: T4:1}\nrun: echo hi\n"
+SKY_T4_2 = "name: t4\nresources: {accelerators: T4:2, use_spot: true}\nrun: echo hi\n"
+SPOT_NEVER = ("spot: never, and no on-demand T4 pool in its regions: allow spot (use_spot: true "
+              "/ spot: allowed) or add on-demand capacity")
+ONE_NODE = ("needs 2 GPUs on one node; the largest T4 node in its regions has 1: ask num_nodes "
+            "(nodes): 2 of T4:1, or fewer GPUs")
+
+
+def post(srv: ApiServer, path: str, body: str) -> httpx.Response:
+    return httpx.post(f"{srv.url}{path}", content=body, headers={
+        "Authorization": f"Bearer {TOKENS['ml']}", "Content-Type": "application/yaml"})
+
+
+@pytest.fixture
+def spot_nodes(store: Store) -> Iterator[ApiServer]:
+    store.set_pools([SPOT_NODES])
+    srv = ApiServer(build_app(store, api_config(), ceiling=lambda: [SPOT_NODES])).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize(("body", "field", "message"), [
+    (SKY_T4, "resources.use_spot", SPOT_NEVER),  # no use_spot: spot never, and all is spot
+    (SKY_T4_2, "resources.accelerators", ONE_NODE),  # no num_nodes: one node of 2 GPUs
+])
+def test_a_task_the_fleet_file_cannot_host_is_refused_with_the_real_cause(
+        store: Store, spot_nodes: ApiServer, body: str, field: str, message: str) -> None:
+    r = post(spot_nodes, "/v1/jobs", body)
+    assert r.status_code == 422, r.text
+    [problem] = r.json()["error"]["problems"]
+    assert (problem["field"], problem["message"]) == (field, message)
+    assert store.list_jobs() == []
+    preview = post(spot_nodes, "/v1/jobs/preview", body).json()
+    assert [p["message"] for p in preview["never_runs"]] == [message]
+    assert preview["pools"] == []  # no "fits now" on two 1-GPU nodes
+
+
+def test_the_same_gpus_over_num_nodes_fit_the_one_gpu_nodes(spot_nodes: ApiServer) -> None:
+    task = SKY_T4_2.replace("T4:2", "T4:1").replace("name: t4", "name: t4\nnum_nodes: 2")
+    preview = post(spot_nodes, "/v1/jobs/preview", task).json()
+    assert preview["never_runs"] == []
+    assert [(p["pool"], p["nodes"], p["gpus_per_node"], p["fits_now"])
+            for p in preview["pools"]] == [(SPOT_NODES.id, 2, 1, True)]
+    assert post(spot_nodes, "/v1/jobs", task).status_code == 201
+
+
+def test_the_preview_keeps_a_fixed_node_count_off_the_pools_split() -> None:
+    """2 GPUs asked on one node are not two 1-GPU nodes; 2 nodes of 2 on 2-GPU nodes are 2 x 2,
+    not one 4-GPU launch the pool's sizes would make of them."""
+    from broker.preview import placement_preview
+
+    one_node = spec("one", 2, 2, nodes=1)
+    assert placement_preview(one_node, [SPOT_NODES], {}) == []
+    wide = LocalRegion(region="wide", market=Market.SPOT, price_per_gpu_hour=0.4, gpus=8,
+                       nodes=2).pool()  # 2 nodes of 4: sizes 1-4 per node
+    [row] = placement_preview(spec("two", 4, 4, nodes=2), [wide], {})
+    assert (row["nodes"], row["gpus_per_node"], row["fits_now"]) == (2, 2, True)
+
+
+def test_the_round_names_the_real_cause_where_submission_could_not_know(
+        store: Store) -> None:
+    """Where the fleet file leaves a job possible (it declares on-demand capacity a cloud does
+    not list now; a cloud's instance sizes come from its listing), the round marks it
+    unschedulable with the cause and the fix, once, instead of blaming its regions."""
+    fence = store.acquire_lease("t", ttl_s=30)
+    sizes = EAST.model_copy(update={"gpu_prices": {1: 0.2, 4: 0.2}})
+    store.set_pools([sizes])
+    never = store.submit(spec("never", 1, 1, spot="never"), team="ml")
+    store.submit(spec("three", 3, 3, nodes=1), team="ml")
+    store.submit(spec("eight", 8, 8, nodes=1), team="ml")
+    Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
+    got = {j.name: j for j in store.list_jobs()}
+    assert all(j.state is JobState.QUEUED for j in got.values())
+    assert got["never"].reason == f"unschedulable: {SPOT_NEVER}"
+    assert got["three"].reason == ("unschedulable: needs 3 GPUs on each node; T4 nodes in its "
+                                   "regions come with 1, 4: ask one of those per node")
+    assert got["eight"].reason == (
+        "unschedulable: needs 8 GPUs on one node; the largest T4 node in its regions has 4: "
+        "ask num_nodes (nodes): 2 of T4:4, or fewer GPUs")
+    assert [e.type for e in store.events(job_id=never.id)].count("unschedulable") == 1

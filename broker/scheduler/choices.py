@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from broker.models import JobRecord, JobState
 from broker.scheduler.config import Policy, SchedulerConfig
+from broker.waiting import Needs, unusable_reason
 from policies.apps import APP_SPECS, Application
 from policies.elastic_dp import Choice
 from policies.job_model import (
@@ -21,9 +22,7 @@ from policies.job_model import (
     fit,
     measurements,
 )
-from policies.models import Accelerator, JobSpec, Market, Pool
-from policies.placement import region_allowed
-from policies.spot import must_not_preempt
+from policies.models import Accelerator, JobSpec, Pool
 from policies.throughput import batch_candidates
 from providers.measurements import load_application
 
@@ -183,31 +182,30 @@ def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, fixed: boo
 
 
 class UsablePools:
-    """The pools each set of region filters lets a job use, looked up once per round (many
-    jobs share their filters)."""
+    """The pools each job's needs let it use, looked up once per round per distinct needs (many
+    jobs share them)."""
 
     def __init__(self, pools: Sequence[Pool], room: Mapping[str, int] | None = None) -> None:
-        self.pools = pools
+        self.live = [p for p in pools if p.capacity > 0]  # a pool reclaimed whole hosts none
         self.room = room or {}
-        self._memo: dict[tuple, list[Pool]] = {}
+        self._memo: dict[Needs, list[Pool]] = {}
         self._of_spec: dict[int, tuple[JobSpec, list[Pool]]] = {}  # the same spec, asked again
         self._sizes: dict[tuple, tuple[int, frozenset[int], frozenset[int]]] = {}
 
     def __call__(self, spec: JobSpec) -> list[Pool]:
-        """Pools with GPUs in the job's regions, on-demand only for ``spot: never``; for a job of
-        a fixed node count (``JobSpec.nodes``), only pools that sell a node of its share."""
+        """Pools with GPUs that meet the job's needs (``broker.waiting.Needs``: its
+        accelerators, regions, spot setting and, for a fixed node count, its share per node)."""
         if (seen := self._of_spec.get(id(spec))) is not None and seen[0] is spec:
             return seen[1]
-        r, never = spec.regions, must_not_preempt(spec.spot)
-        per_node = spec.gpus.min // spec.nodes if spec.nodes else None
-        key = (tuple(r.allow), tuple(r.deny), never, per_node)
-        if (hit := self._memo.get(key)) is None:
-            hit = self._memo[key] = [
-                p for p in self.pools if p.capacity > 0 and region_allowed(p, r.allow, r.deny)
-                and not (never and p.market is Market.SPOT)
-                and (per_node is None or p.gpu_prices is None or per_node in p.gpu_prices)]
+        needs = Needs.of(spec)
+        if (hit := self._memo.get(needs)) is None:
+            hit = self._memo[needs] = [p for p in self.live if needs.unmet(p) is None]
         self._of_spec[id(spec)] = (spec, hit)
         return hit
+
+    def why_none(self, spec: JobSpec) -> tuple[str, str]:
+        """The event and reason of a job none of the round's pools with GPUs may host."""
+        return unusable_reason(spec, self.live)
 
     def sizes(self, spec: JobSpec, accel: Accelerator,
               ) -> tuple[int, frozenset[int], frozenset[int]]:
@@ -232,18 +230,6 @@ def offered_types(job: JobRecord, usable: UsablePools) -> list[Accelerator]:
         return [accel]
     offered = {p.accelerator for p in usable(job.spec)}
     return [a for a in job.spec.accelerators if a in offered]
-
-
-def no_region_reason(job: JobRecord, pools: Iterable[Pool]) -> str | None:
-    """Why the job's regions leave it no pool: its allow and deny lists and the regions that
-    offer its accelerators (``None``: no pool offers them anywhere)."""
-    where = sorted({f"{p.cloud}:{p.region}" for p in pools
-                    if p.capacity > 0 and p.accelerator in job.spec.accelerators})
-    if not where:
-        return None
-    r, accels = job.spec.regions, "/".join(a.value for a in job.spec.accelerators)
-    return (f"regions allow {r.allow} deny {r.deny} leave no {accels} pool; {accels} is offered "
-            f"in {', '.join(where)}: widen regions.allow or narrow regions.deny")
 
 
 def type_choices(job: JobRecord, accel: Accelerator, usable: UsablePools,

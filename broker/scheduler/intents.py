@@ -10,9 +10,8 @@ from broker import transitions
 from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.scheduler.config import Admission, SchedulerConfig
 from broker.store import Plan
-from broker.waiting import UNSCHEDULABLE, no_pool_reason
-from policies.models import Accelerator, Market, Pool
-from policies.placement import region_allowed
+from broker.waiting import Needs
+from policies.models import Accelerator, Pool
 
 
 @dataclass
@@ -144,23 +143,21 @@ def unlaunchable(res: RoundResult, job: JobRecord, accel: Accelerator, sizes: li
         note(res, job, "unlaunchable", reason)
 
 
-def no_pool(res: RoundResult, job: JobRecord, region_reason: str | None,
+def no_pool(res: RoundResult, job: JobRecord, event: str, reason: str,
             config: SchedulerConfig) -> None:
-    """No pool offers a waiting job's accelerators in its regions: say why on the job (once),
-    from its region filters or, where no pool offers them at all, as unschedulable (a cloud
-    may add such pools); a queued one is dropped instead under admission drop."""
+    """No pool may host a waiting job (``UsablePools.why_none`` says why): say so on the job
+    (once) as ``event``; a queued one is dropped instead under admission drop."""
     if job.state is JobState.QUEUED and config.admission is Admission.DROP:
-        _drop(res, job, region_reason or "no pool offers its accelerators")
-    elif region_reason is not None:
-        note(res, job, "no-region", region_reason)
+        _drop(res, job, reason)
     else:
-        note(res, job, UNSCHEDULABLE, no_pool_reason(job.spec))
+        note(res, job, event, reason)
 
 
 def on_demand_launches(job: JobRecord, pools: Sequence[Pool]) -> bool:
-    """Does an on-demand pool in the job's regions launch a GPU count it accepts?"""
-    g, r = job.spec.gpus, job.spec.regions
-    return any(p.market is Market.ON_DEMAND and region_allowed(p, r.allow, r.deny) and
+    """Does a pool the job may use (``Needs``: on-demand, for the ``spot: never`` job this
+    asks about) launch a GPU count it accepts?"""
+    g, needs = job.spec.gpus, Needs.of(job.spec)
+    return any(needs.unmet(p) is None and
                any(p.launchable(n) for n in range(g.min, min(g.max, p.capacity) + 1))
                for p in pools)
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 from broker.models import IntentKind, JobRecord, JobState
 from broker.scheduler.allocation import allocate_and_place, choose_types, repair
-from broker.scheduler.choices import UsablePools, no_region_reason, offered_types, type_choices
+from broker.scheduler.choices import UsablePools, offered_types, type_choices
 from broker.scheduler.config import Admission, SchedulerConfig
 from broker.scheduler.intents import (
     RoundResult,
@@ -69,7 +69,7 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
         types = offered_types(job, usable)
         if not types:
             if job.state in WAITING_STATES:
-                no_pool(res, job, no_region_reason(job, snap.pools), config)
+                no_pool(res, job, *usable.why_none(job.spec), config)
             continue
         if job.state in WAITING_STATES and (why := too_big_reason(
                 job.spec, max(usable.sizes(job.spec, a)[0] for a in types))):
