@@ -12,9 +12,9 @@ Two kinds, by where the truth lives:
   per-pool counts and the fence. A series, once served, is served from then on (zero when
   nothing is left in it), so dashboards and alerts see a zero rather than an absence.
 * **Observed in this process** (module-level instruments in ``EVENTS``): scheduling-round and
-  allocator-solve durations (the leader), provider errors by kind (the leader's actuator), and
-  checkpoint durations and sizes (the agents' reports this replica took). Sum them over
-  replicas in PromQL.
+  allocator-solve durations and the queue wait of each job's first launch (the leader),
+  provider errors by kind (the leader's actuator), and checkpoint durations and sizes (the
+  agents' reports this replica took). Sum them over replicas in PromQL.
 
 Names follow the Prometheus rules: one ``fleet_`` prefix, base units (``_seconds``, ``_bytes``,
 ``_usd``), counters end in ``_total``, and no label takes unbounded values (no job ids): labels
@@ -61,6 +61,14 @@ PROVIDER_ERRORS = Counter(
     "fleet_provider_errors",
     "Provider calls that failed, by cloud and kind (capacity, quota, other)",
     ["cloud", "kind"], registry=EVENTS)
+QUEUE_WAIT_SECONDS = Histogram(
+    "fleet_queue_wait_seconds",
+    "Time from a job's submission to its first launch (its nodes up), by team, observed by "
+    "the leader when the job first runs",
+    ["team"],
+    buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600,
+             86400),
+    registry=EVENTS)
 CHECKPOINT_SECONDS = Histogram(
     "fleet_checkpoint_duration_seconds",
     "Time to write and commit one checkpoint, as the job's agent reported it",
@@ -114,6 +122,11 @@ def provider_error(cloud: str, exc: BaseException) -> None:
     kind = "capacity" if isinstance(exc, CapacityError) else \
         "quota" if isinstance(exc, QuotaError) else "other"
     PROVIDER_ERRORS.labels(cloud=cloud, kind=kind).inc()
+
+
+def first_launch(team: str, waited_s: float) -> None:
+    """Observe a job's wait from submission to its first launch (``fleet_queue_wait_seconds``)."""
+    QUEUE_WAIT_SECONDS.labels(team=team).observe(max(0.0, waited_s))
 
 
 class CheckpointReports:

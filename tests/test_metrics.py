@@ -88,6 +88,12 @@ def test_metrics_match_the_store_and_the_api(running: Running) -> None:
     spot_s = got.value("fleet_gpu_seconds_total", team="ml", market="spot")
     assert spot_s > 0
     assert got.value("fleet_open_gpu_seconds") == 0  # nothing runs
+    # each job's wait from submission to its first launch, once per job (not per attempt)
+    for team, launched in (("ml", 2), ("vision", 2)):
+        name = "fleet_queue_wait_seconds_count"
+        assert got.value(name, team=team) - before.value(name, team=team) == launched
+    assert 0 < got.value("fleet_queue_wait_seconds_sum") - \
+        before.value("fleet_queue_wait_seconds_sum") < 4 * 60
     # the reclaim: the jobs it hit were preempted in its region and moved out of it
     cloud, region = first.pool.split(":")[:2]
     jobs = [store.get_job(i) for i in ids]
