@@ -416,15 +416,16 @@ def _pools(pools: list[str], held: dict[str, int]) -> Iterator[Metric]:
                               "(launching, running or stopping)", labels=labels)
     free = GaugeMetricFamily(f"{PREFIX}pool_gpus_free", "GPUs of a pool no job holds",
                              labels=labels)
-    price = GaugeMetricFamily(f"{PREFIX}pool_price_usd_per_gpu_hour", "A pool's price per "
-                              "GPU-hour now", labels=labels)
+    # per GPU-second, the base unit (the catalog's prices are per GPU-hour): multiply by 3600
+    price = GaugeMetricFamily(f"{PREFIX}pool_price_usd_per_gpu_second", "A pool's price per "
+                              "GPU-second now (times 3600: per GPU-hour)", labels=labels)
     for pool in sorted((Pool.model_validate_json(v) for v in pools), key=lambda x: x.id):
         values = [pool.id, pool.cloud, pool.region, pool.market.value, pool.accelerator.value]
         busy = held.get(pool.id, 0)
         cap.add_metric(values, pool.capacity)
         alloc.add_metric(values, busy)
         free.add_metric(values, max(0, pool.capacity - busy))
-        price.add_metric(values, pool.price_per_gpu_hour)
+        price.add_metric(values, pool.price_per_gpu_hour / 3600.0)
     yield from (cap, alloc, free, price)
 
 

@@ -125,8 +125,9 @@ def test_metric_names_follow_the_prometheus_rules(running: Running) -> None:
         assert "__" not in name and not name.startswith("fleet_fleet")
         if family.type == "counter":
             assert got.samples(name + "_total") or f"# TYPE {name}_total counter" in got.text
-        # base units only: no milliseconds, minutes, hours or bytes multiples in a name
-        assert not re.search(r"_(ms|milliseconds|minutes|hours|kb|mb|gb|dollars)(_|$)", name)
+        # base units only: no milliseconds, minutes, hours, days or bytes multiples in a name
+        assert not re.search(r"_(ms|milliseconds?|minutes?|min|hours?|h|days?|kb|mb|gb|"
+                             r"dollars)(_|$)", name), name
         for sample in family.samples:
             assert "job" not in sample.labels and "job_id" not in sample.labels
 
