@@ -24,6 +24,7 @@ are teams, pools and their coordinates, states and error kinds.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -34,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from redis.exceptions import RedisError
 
 from broker.costs import interval_cost
 from broker.models import TERMINAL_STATES, JobState, Placement
@@ -41,6 +43,7 @@ from broker.store import MIGRATIONS_KEY, PREEMPTIONS_KEY, Store
 from policies.models import Pool
 from providers.base import CapacityError, QuotaError
 
+log = logging.getLogger(__name__)
 PREFIX = "fleet_"
 # No "<name>_created" companion series: Prometheus does not use them in the text format, and
 # each would double the broker's series.
@@ -202,6 +205,12 @@ class StoreCollector(Collector):
 
     def describe(self) -> list[Metric]:
         return []  # no collect() at registration: that would read Redis
+
+    def warm(self) -> None:
+        """Read every job now, as a fresh process's first scrape would, so that scrape reads
+        only what changed since (an API warms its collector before it serves)."""
+        with self._lock:
+            self._read()
 
     def _read(self) -> tuple[list[str], list[str], list[str], str, str,
                              list[tuple[str, str, list[Placement]]]]:
@@ -437,8 +446,15 @@ class _Events(Collector):
 
 
 def registry(store: Store) -> CollectorRegistry:
-    """A registry for one API app: the store's metrics and this process's instruments."""
+    """A registry for one API app: the store's metrics and this process's instruments, the
+    store read once already (``StoreCollector.warm``: otherwise the first scrape reads every
+    job's record and intervals, 0.5 s with 10,000 jobs, where later ones read what changed)."""
+    collector = StoreCollector(store)
+    try:
+        collector.warm()
+    except RedisError as exc:  # an API starts without Redis (/readyz says so); scrapes warm it
+        log.warning("metrics not warmed, the first scrape reads every job: %s", exc)
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(StoreCollector(store))
+    reg.register(collector)
     reg.register(_Events())
     return reg
