@@ -292,3 +292,17 @@ def test_series_of_a_known_team_read_zero_once_its_jobs_are_done(store: Store) -
         s.value: 1 if s is JobState.CANCELLED else 0 for s in JobState}
     for name in ("fleet_queue_jobs", "fleet_queue_oldest_wait_seconds"):
         assert [s.value for s in got.samples(name, team="ml")] == [0], name
+
+
+def test_the_first_scrape_reads_no_job_the_api_read_at_its_start(store: Store) -> None:
+    _running_job(store, time.time() - 10)
+    scrape = metrics.registry(store)
+
+    def reads() -> dict[str, int]:  # the commands that read a job's record and intervals
+        stats = store.r.info("commandstats")
+        return {k: stats.get(f"cmdstat_{k}", {}).get("calls", 0) for k in ("hmget", "lrange")}
+
+    before = reads()
+    got = Scrape(generate_latest(scrape).decode())
+    assert got.value("fleet_jobs", state="running", team="ml") == 1
+    assert reads() == before
