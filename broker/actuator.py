@@ -320,6 +320,8 @@ class Actuator:
         if pool.market is Market.SPOT:
             self._reactivate(job, pool, plan)
         self.store.apply(plan, fence=fence)
+        if job.started_at is None:  # its first launch: it waited since submission
+            metrics.first_launch(job.team, start - job.submitted_at)
         return 1
 
     def _replace(self, job: JobRecord, intent: Intent, fence: int, pools: dict[str, Pool],

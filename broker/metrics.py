@@ -7,12 +7,14 @@ Two kinds, by where the truth lives:
   with what the same GPUs would have cost on on-demand), preemptions and migrations per region,
   leader changes. Every replica computes them from the shared state, so any replica a scrape
   reaches serves the same numbers, and they survive broker restarts. The counters among them
-  only grow because the state they sum only grows (placement intervals, per-pool counts, the
-  fence).
+  only grow because the state they sum only grows: closed placement intervals (an open one is
+  a gauge until it closes, since it may close at a recorded end before the last scrape), the
+  per-pool counts and the fence. A series, once served, is served from then on (zero when
+  nothing is left in it), so dashboards and alerts see a zero rather than an absence.
 * **Observed in this process** (module-level instruments in ``EVENTS``): scheduling-round and
-  allocator-solve durations (the leader), provider errors by kind (the leader's actuator), and
-  checkpoint durations and sizes (the agents' reports this replica took). Sum them over
-  replicas in PromQL.
+  allocator-solve durations and the queue wait of each job's first launch (the leader),
+  provider errors by kind (the leader's actuator), and checkpoint durations and sizes (the
+  agents' reports this replica took). Sum them over replicas in PromQL.
 
 Names follow the Prometheus rules: one ``fleet_`` prefix, base units (``_seconds``, ``_bytes``,
 ``_usd``), counters end in ``_total``, and no label takes unbounded values (no job ids): labels
@@ -22,16 +24,18 @@ are teams, pools and their coordinates, states and error kinds.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from redis.exceptions import RedisError
 
 from broker.costs import interval_cost
 from broker.models import TERMINAL_STATES, JobState, Placement
@@ -39,6 +43,7 @@ from broker.store import MIGRATIONS_KEY, PREEMPTIONS_KEY, Store
 from policies.models import Pool
 from providers.base import CapacityError, QuotaError
 
+log = logging.getLogger(__name__)
 PREFIX = "fleet_"
 # No "<name>_created" companion series: Prometheus does not use them in the text format, and
 # each would double the broker's series.
@@ -59,6 +64,14 @@ PROVIDER_ERRORS = Counter(
     "fleet_provider_errors",
     "Provider calls that failed, by cloud and kind (capacity, quota, other)",
     ["cloud", "kind"], registry=EVENTS)
+QUEUE_WAIT_SECONDS = Histogram(
+    "fleet_queue_wait_seconds",
+    "Time from a job's submission to its first launch (its nodes up), by team, observed by "
+    "the leader when the job first runs",
+    ["team"],
+    buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600,
+             86400),
+    registry=EVENTS)
 CHECKPOINT_SECONDS = Histogram(
     "fleet_checkpoint_duration_seconds",
     "Time to write and commit one checkpoint, as the job's agent reported it",
@@ -114,6 +127,11 @@ def provider_error(cloud: str, exc: BaseException) -> None:
     PROVIDER_ERRORS.labels(cloud=cloud, kind=kind).inc()
 
 
+def first_launch(team: str, waited_s: float) -> None:
+    """Observe a job's wait from submission to its first launch (``fleet_queue_wait_seconds``)."""
+    QUEUE_WAIT_SECONDS.labels(team=team).observe(max(0.0, waited_s))
+
+
 class CheckpointReports:
     """Feeds the checkpoint histograms from agents' heartbeats, once per checkpoint written: a
     heartbeat repeats the newest committed checkpoint until the next one, so each job's last
@@ -145,7 +163,7 @@ class CheckpointReports:
 
 
 # Labels of the cost counters: team, cloud, region, market, accelerator.
-CostKey = tuple[str, str, str, str, str]
+CostKey = tuple[str, ...]
 Sums = dict[CostKey, list[float]]  # -> [GPU-seconds, cost USD, on-demand cost USD]
 
 
@@ -182,75 +200,136 @@ class StoreCollector(Collector):
         self._unsettled: set[str] = set()  # finished jobs with an interval left open
         self._finished_jobs: dict[tuple[str, str], int] = defaultdict(int)  # (state, team)
         self._finished_cost: Sums = defaultdict(_zero)
+        # counter family -> labels -> the value last served (``_monotonic``)
+        self._served: dict[str, dict[tuple[str, ...], float]] = defaultdict(dict)
 
     def describe(self) -> list[Metric]:
         return []  # no collect() at registration: that would read Redis
 
-    def collect(self) -> Iterator[Metric]:
+    def warm(self) -> None:
+        """Read every job now, as a fresh process's first scrape would, so that scrape reads
+        only what changed since (an API warms its collector before it serves)."""
         with self._lock:
-            active, sizes, pools, preempted, migrated, fence, leader = self._index(
-                args=[self.store.p, PREEMPTIONS_KEY, MIGRATIONS_KEY, len(ACTIVE), *ACTIVE,
-                      *FINISHED])
-            self._refresh(dict(zip(active[::2], active[1::2], strict=True)))
-            unsettled = self._finish(dict(zip(FINISHED, (int(x) for x in sizes), strict=True)))
-            jobs = dict(self._finished_jobs)
-            cost: Sums = {k: list(v) for k, v in self._finished_cost.items()}
-            entries = list(self._active.values())
+            self._read()
+
+    def _read(self) -> tuple[list[str], list[str], list[str], str, str,
+                             list[tuple[str, str, list[Placement]]]]:
+        """Bring the per-job view up to date; returns the index's pools, per-pool preemption
+        and migration counts, fence and leader, and the unsettled finished jobs."""
+        active, sizes, pools, preempted, migrated, fence, leader = self._index(
+            args=[self.store.p, PREEMPTIONS_KEY, MIGRATIONS_KEY, len(ACTIVE), *ACTIVE,
+                  *FINISHED])
+        self._refresh(dict(zip(active[::2], active[1::2], strict=True)))
+        unsettled = self._finish(dict(zip(FINISHED, (int(x) for x in sizes), strict=True)))
+        return pools, preempted, migrated, fence, leader, unsettled
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:  # the served values (``_monotonic``) change under it too
+            families = list(self._collect())
+        return iter(families)
+
+    def _collect(self) -> Iterator[Metric]:
+        pools, preempted, migrated, fence, leader, unsettled = self._read()
+        jobs = dict(self._finished_jobs)
+        closed: Sums = {k: list(v) for k, v in self._finished_cost.items()}
+        accruing: Sums = {}
         now = time.time()
         for state, team, ps in unsettled:
             jobs[state, team] = jobs.get((state, team), 0) + 1
-            _add(cost, team, ps)
+            _add(closed, team, [x for x in ps if x.end is not None])
+            _add(accruing, team, [x for x in ps if x.end is None])
         queue: dict[str, int] = defaultdict(int)
-        oldest: dict[str, float] = {}
+        oldest: dict[str, float] = defaultdict(float)
         held: dict[str, int] = defaultdict(int)
-        for e in entries:
+        for e in self._active.values():
             jobs[e.state, e.team] = jobs.get((e.state, e.team), 0) + 1
             if e.state in WAITING:
                 queue[e.team] += 1
-                oldest[e.team] = max(oldest.get(e.team, 0.0), now - e.since)
+                oldest[e.team] = max(oldest[e.team], now - e.since)
             elif e.pool is not None:
                 held[e.pool] += e.gpus
             for key, sums in e.closed.items():
-                _plus(cost.setdefault(key, _zero()), sums)
-            _add(cost, e.team, e.open)
+                _plus(closed.setdefault(key, _zero()), sums)
+            _add(accruing, e.team, e.open)
 
-        g = GaugeMetricFamily(f"{PREFIX}jobs", "Jobs in the store by state and team",
-                              labels=["state", "team"])
-        for (state, team), n in sorted(jobs.items()):
-            g.add_metric([state, team], n)
+        teams = sorted({team for _, team in jobs})
+        g = GaugeMetricFamily(f"{PREFIX}jobs", "Jobs in the store by state and team (0 for a "
+                              "state no job of a known team is in)", labels=["state", "team"])
+        for team in teams:
+            for state in JobState:
+                g.add_metric([state.value, team], jobs.get((state.value, team), 0))
         yield g
         q = GaugeMetricFamily(f"{PREFIX}queue_jobs", "Jobs waiting for GPUs (queued or "
                               "suspended) by team", labels=["team"])
         w = GaugeMetricFamily(f"{PREFIX}queue_oldest_wait_seconds", "How long the longest-"
                               "waiting job of a team has waited (since submission, or since "
-                              "its suspension)", labels=["team"])
-        for team in sorted(queue):
+                              "its suspension; 0 with none waiting)", labels=["team"])
+        for team in teams:
             q.add_metric([team], queue[team])
             w.add_metric([team], max(0.0, oldest[team]))
         yield q
         yield w
         yield from _pools(pools, held)
-        yield from _costs(cost)
+        yield from self._costs(closed, accruing)
         for name, doc, counts in (
                 ("preemptions", "Spot preemptions the broker handled, by region", preempted),
                 ("migrations", "Jobs moved out of a region to another pool, by source region",
                  migrated)):
-            per_region: dict[tuple[str, str], float] = defaultdict(float)
+            per_region: dict[tuple[str, ...], float] = defaultdict(float)
             for pool_id, n in zip(counts[::2], counts[1::2], strict=True):
                 cloud, region, _, _ = pool_labels(pool_id)
                 per_region[cloud, region] += float(n)
-            c = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["cloud", "region"])
-            for (cloud, region), n in sorted(per_region.items()):
-                c.add_metric([cloud, region], n)
-            yield c
-        c = CounterMetricFamily(f"{PREFIX}leader_changes", "Times a broker replica took the "
-                                "leader lease (the fencing token: it grows by one per holder)")
-        c.add_metric([], float(fence))
-        yield c
+            yield self._counter(name, doc, ["cloud", "region"], per_region)
+        yield self._counter("leader_changes", "Times a broker replica took the leader lease "
+                            "(the fencing token: it grows by one per holder)", [],
+                            {(): float(fence)})
         g = GaugeMetricFamily(f"{PREFIX}leader_lease_held", "1 while a broker replica holds "
                               "the leader lease")
         g.add_metric([], 1.0 if leader else 0.0)
         yield g
+
+    def _costs(self, closed: Sums, accruing: Sums) -> Iterator[Metric]:
+        """The cost counters (closed intervals) and, on the same series, the gauges of what is
+        still accruing: ``counter + gauge`` is the spend so far, as ``GET /v1/costs`` gives it."""
+        labels = ["team", "cloud", "region", "market", "accelerator"]
+        keys = closed.keys() | accruing.keys()
+        for k, (name, what) in enumerate((
+                ("gpu_seconds", "GPU-seconds jobs held"),
+                ("cost_usd", "What jobs cost"),
+                ("ondemand_cost_usd", "What the same GPU time would have cost on on-demand "
+                 "(the saving is this minus the cost)"))):
+            served = self._monotonic(name, {key: closed.get(key, _zero())[k] for key in keys})
+            c = CounterMetricFamily(
+                f"{PREFIX}{name}", f"{what} in placement intervals that closed, by team and "
+                "pool; an interval counts when it closes, at its recorded end (until then "
+                f"it is in {PREFIX}open_{name})", labels=labels)
+            g = GaugeMetricFamily(
+                f"{PREFIX}open_{name}", f"{what} so far in placement intervals still open "
+                f"(until now), by team and pool; each moves into {PREFIX}{name}_total when it "
+                "closes", labels=labels)
+            for key in sorted(served):
+                c.add_metric(list(key), served[key])
+                g.add_metric(list(key), accruing.get(key, _zero())[k])
+            yield c
+            yield g
+
+    def _counter(self, name: str, doc: str, labels: list[str],
+                 values: Mapping[tuple[str, ...], float]) -> CounterMetricFamily:
+        c = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=labels)
+        for key, value in sorted(self._monotonic(name, values).items()):
+            c.add_metric(list(key), value)
+        return c
+
+    def _monotonic(self, name: str, values: Mapping[tuple[str, ...], float],
+                   ) -> dict[tuple[str, ...], float]:
+        """Counter ``name``'s series to serve: each at least what it was last served, and every
+        series served before still there. What they sum only grows, but floating-point sums
+        taken in another order (a job moving from the active jobs into the finished sums) may
+        come out a rounding error lower, which Prometheus would read as a counter reset."""
+        served = self._served[name]
+        for key, value in values.items():
+            served[key] = max(served.get(key, value), value)
+        return dict(served)
 
     def _refresh(self, versions: dict[str, str]) -> None:
         """Keep ``_active`` to the active jobs at their current versions, reading a job's
@@ -346,32 +425,17 @@ def _pools(pools: list[str], held: dict[str, int]) -> Iterator[Metric]:
                               "(launching, running or stopping)", labels=labels)
     free = GaugeMetricFamily(f"{PREFIX}pool_gpus_free", "GPUs of a pool no job holds",
                              labels=labels)
-    price = GaugeMetricFamily(f"{PREFIX}pool_price_usd_per_gpu_hour", "A pool's price per "
-                              "GPU-hour now", labels=labels)
+    # per GPU-second, the base unit (the catalog's prices are per GPU-hour): multiply by 3600
+    price = GaugeMetricFamily(f"{PREFIX}pool_price_usd_per_gpu_second", "A pool's price per "
+                              "GPU-second now (times 3600: per GPU-hour)", labels=labels)
     for pool in sorted((Pool.model_validate_json(v) for v in pools), key=lambda x: x.id):
         values = [pool.id, pool.cloud, pool.region, pool.market.value, pool.accelerator.value]
         busy = held.get(pool.id, 0)
         cap.add_metric(values, pool.capacity)
         alloc.add_metric(values, busy)
         free.add_metric(values, max(0, pool.capacity - busy))
-        price.add_metric(values, pool.price_per_gpu_hour)
+        price.add_metric(values, pool.price_per_gpu_hour / 3600.0)
     yield from (cap, alloc, free, price)
-
-
-def _costs(cost: Sums) -> Iterator[Metric]:
-    labels = ["team", "cloud", "region", "market", "accelerator"]
-    families = (
-        CounterMetricFamily(f"{PREFIX}gpu_seconds", "GPU-seconds jobs held, by team and pool "
-                            "(divide by 3600 for GPU-hours)", labels=labels),
-        CounterMetricFamily(f"{PREFIX}cost_usd", "What jobs cost, by team and pool",
-                            labels=labels),
-        CounterMetricFamily(f"{PREFIX}ondemand_cost_usd", "What the same GPU time would have "
-                            "cost on on-demand (the saving is this minus fleet_cost_usd_total)",
-                            labels=labels))
-    for key in sorted(cost):
-        for family, value in zip(families, cost[key], strict=True):
-            family.add_metric(list(key), value)
-    yield from families
 
 
 class _Events(Collector):
@@ -382,8 +446,15 @@ class _Events(Collector):
 
 
 def registry(store: Store) -> CollectorRegistry:
-    """A registry for one API app: the store's metrics and this process's instruments."""
+    """A registry for one API app: the store's metrics and this process's instruments, the
+    store read once already (``StoreCollector.warm``: otherwise the first scrape reads every
+    job's record and intervals, 0.5 s with 10,000 jobs, where later ones read what changed)."""
+    collector = StoreCollector(store)
+    try:
+        collector.warm()
+    except RedisError as exc:  # an API starts without Redis (/readyz says so); scrapes warm it
+        log.warning("metrics not warmed, the first scrape reads every job: %s", exc)
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(StoreCollector(store))
+    reg.register(collector)
     reg.register(_Events())
     return reg

@@ -6,16 +6,19 @@ once."""
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 from broker import metrics
 from broker.auth import ApiConfig, ConfigError, Principal, Role
-from broker.models import JobState
-from policies.models import BatchRange, GpuRange, JobSpec, SpotPolicy
+from broker.models import JobState, Placement
+from broker.store import Plan, Store
+from policies.models import BatchRange, GpuRange, JobSpec, Market, SpotPolicy
 from providers.base import CapacityError, ProviderError, QuotaError
 from tests.api_server import TOKENS
 from tests.metrics_stack import ADMIN, METRICS_TOKEN, Running, Scrape, running_broker, wait_for
@@ -59,7 +62,11 @@ def test_metrics_match_the_store_and_the_api(running: Running) -> None:
     assert got.value("fleet_jobs", state="completed", team="vision") == 2
     wait_for(lambda: store.get_job(waiting.id) is not None)
     assert got.value("fleet_queue_jobs", team="vision") == 1
-    assert got.value("fleet_queue_jobs", team="ml") == 0
+    # nothing of ml's waits or runs: zeros, not absent series
+    for name, labels in (("fleet_queue_jobs", {}), ("fleet_queue_oldest_wait_seconds", {}),
+                         ("fleet_jobs", {"state": "running"}),
+                         ("fleet_jobs", {"state": "queued"})):
+        assert [s.value for s in got.samples(name, team="ml", **labels)] == [0], name
     assert 0 <= got.value("fleet_queue_oldest_wait_seconds", team="vision") < 30
     # pools: capacity as the API shows it; everything finished, so nothing allocated
     cap = httpx.get(f"{running.api.url}/v1/capacity", timeout=10,
@@ -80,6 +87,13 @@ def test_metrics_match_the_store_and_the_api(running: Running) -> None:
             team["gpu_hours"] * 3600, rel=1e-9)
     spot_s = got.value("fleet_gpu_seconds_total", team="ml", market="spot")
     assert spot_s > 0
+    assert got.value("fleet_open_gpu_seconds") == 0  # nothing runs
+    # each job's wait from submission to its first launch, once per job (not per attempt)
+    for team, launched in (("ml", 2), ("vision", 2)):
+        name = "fleet_queue_wait_seconds_count"
+        assert got.value(name, team=team) - before.value(name, team=team) == launched
+    assert 0 < got.value("fleet_queue_wait_seconds_sum") - \
+        before.value("fleet_queue_wait_seconds_sum") < 4 * 60
     # the reclaim: the jobs it hit were preempted in its region and moved out of it
     cloud, region = first.pool.split(":")[:2]
     jobs = [store.get_job(i) for i in ids]
@@ -111,8 +125,9 @@ def test_metric_names_follow_the_prometheus_rules(running: Running) -> None:
         assert "__" not in name and not name.startswith("fleet_fleet")
         if family.type == "counter":
             assert got.samples(name + "_total") or f"# TYPE {name}_total counter" in got.text
-        # base units only: no milliseconds, minutes, hours or bytes multiples in a name
-        assert not re.search(r"_(ms|milliseconds|minutes|hours|kb|mb|gb|dollars)(_|$)", name)
+        # base units only: no milliseconds, minutes, hours, days or bytes multiples in a name
+        assert not re.search(r"_(ms|milliseconds?|minutes?|min|hours?|h|days?|kb|mb|gb|"
+                             r"dollars)(_|$)", name), name
         for sample in family.samples:
             assert "job" not in sample.labels and "job_id" not in sample.labels
 
@@ -217,3 +232,77 @@ def test_pool_labels() -> None:
     assert metrics.pool_labels("aws:us-east-1/us-east-1a:spot:v100") == (
         "aws", "us-east-1", "spot", "v100")
     assert metrics.pool_labels("local:east:on-demand:t4") == ("local", "east", "on-demand", "t4")
+
+
+def _running_job(store: Store, start: float) -> str:
+    """A running job of team ml holding 2 spot GPUs at $3.60/GPU-hour since ``start``."""
+    job = store.submit(spec("open", "true", gpus=2), team="ml")
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, attempt=1, pool="aws:east:spot:v100", gpus=2)
+    store.apply(plan)
+    job = store.get_job(job.id)
+    assert job is not None
+    plan = Plan()
+    plan.change(job, JobState.RUNNING)
+    plan.open_placement(Placement(job_id=job.id, attempt=1, start=start,
+                                  pool="aws:east:spot:v100", cloud="aws", region="east",
+                                  market=Market.SPOT, gpus=2, price_per_gpu_hour=3.6))
+    store.apply(plan)
+    return job.id
+
+
+def test_cost_counters_only_grow_when_an_interval_closes_before_the_last_scrape(
+        store: Store) -> None:
+    """The reconciler closes an interval at its node's recorded end, which may be before the
+    last scrape: an open interval counted until that scrape would make the counter fall."""
+    start = time.time() - 100
+    job_id = _running_job(store, start)
+    scrape = metrics.registry(store)
+    first = Scrape(generate_latest(scrape).decode())
+    assert first.value("fleet_gpu_seconds_total") == 0  # still open: the gauge has it
+    assert first.value("fleet_open_gpu_seconds") == pytest.approx(200, abs=20)
+    assert first.value("fleet_open_cost_usd") == pytest.approx(0.2, abs=0.02)
+
+    job = store.get_job(job_id)
+    assert job is not None
+    plan = Plan()  # ended 50 s after it started: 50 s before the first scrape
+    plan.change(job, JobState.COMPLETED)
+    (interval,) = store.placements(job_id)
+    plan.close_placement(interval.model_copy(update={"end": start + 50}))
+    store.apply(plan)
+    second = Scrape(generate_latest(scrape).decode())
+    for name in ("fleet_gpu_seconds_total", "fleet_cost_usd_total",
+                 "fleet_ondemand_cost_usd_total"):
+        assert second.value(name) >= first.value(name), name
+    assert second.value("fleet_gpu_seconds_total") == pytest.approx(100)
+    assert second.value("fleet_cost_usd_total") == pytest.approx(0.1)
+    # the gauge's series stays, at 0, beside the counter's
+    assert [s.value for s in second.samples("fleet_open_gpu_seconds", team="ml")] == [0]
+
+
+def test_series_of_a_known_team_read_zero_once_its_jobs_are_done(store: Store) -> None:
+    job = store.submit(spec("gone", "true"), team="ml")
+    scrape = metrics.registry(store)
+    assert Scrape(generate_latest(scrape).decode()).value("fleet_queue_jobs", team="ml") == 1
+    plan = Plan()
+    plan.change(job, JobState.CANCELLED)
+    store.apply(plan)
+    got = Scrape(generate_latest(scrape).decode())
+    assert {s.labels["state"]: s.value for s in got.samples("fleet_jobs", team="ml")} == {
+        s.value: 1 if s is JobState.CANCELLED else 0 for s in JobState}
+    for name in ("fleet_queue_jobs", "fleet_queue_oldest_wait_seconds"):
+        assert [s.value for s in got.samples(name, team="ml")] == [0], name
+
+
+def test_the_first_scrape_reads_no_job_the_api_read_at_its_start(store: Store) -> None:
+    _running_job(store, time.time() - 10)
+    scrape = metrics.registry(store)
+
+    def reads() -> dict[str, int]:  # the commands that read a job's record and intervals
+        stats = store.r.info("commandstats")
+        return {k: stats.get(f"cmdstat_{k}", {}).get("calls", 0) for k in ("hmget", "lrange")}
+
+    before = reads()
+    got = Scrape(generate_latest(scrape).decode())
+    assert got.value("fleet_jobs", state="running", team="ml") == 1
+    assert reads() == before

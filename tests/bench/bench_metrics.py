@@ -6,8 +6,8 @@ A real redis-server (AOF everysec) on loopback holds 10,000 jobs of 8 teams over
 cancelled with one, 500 suspended with one, 1,000 running with one open interval, 2,000
 queued; pool preemption and migration counts as the reconciler and scheduler keep them. The API
 runs in its own process (uvicorn, as ``fleet up`` serves it) and an httpx client on loopback
-scrapes it with a metrics token: the first scrape (a fresh API process reads every job's
-record and intervals once), then ``SCRAPES`` more (only jobs whose record changed are read
+scrapes it with a metrics token: the first scrape (a fresh API process read every job's record
+and intervals once as it started), then ``SCRAPES`` more (only jobs whose record changed are read
 again). Writes ``examples/results/metrics.json`` with the machine's CPU count and its load
 average at the end (the timings are wall-clock and share the CPUs with whatever else runs), and
 the CPU time one scrape costs the API process and redis-server (from ``/proc`` and ``INFO cpu``

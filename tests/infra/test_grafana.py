@@ -72,7 +72,8 @@ def test_dashboard_queries_name_only_exposed_metrics(tmp_path: Path) -> None:
     # the panels the operators asked for are there
     for name in ("fleet_cost_usd_total", "fleet_ondemand_cost_usd_total",
                  "fleet_gpu_seconds_total", "fleet_preemptions_total", "fleet_migrations_total",
-                 "fleet_queue_jobs", "fleet_queue_oldest_wait_seconds",
+                 "fleet_open_cost_usd", "fleet_queue_jobs", "fleet_queue_oldest_wait_seconds",
+                 "fleet_queue_wait_seconds_bucket",
                  "fleet_scheduling_round_duration_seconds_bucket"):
         assert name in used, name
 
