@@ -228,7 +228,7 @@ def metrics(data: dict[str, Any]) -> str:
         f"{data['series']} series, {data['response_bytes']:,} bytes per scrape, "
         f"{data['cpus']} CPUs.\n",
         "| scrape | time |", "|---|---|",
-        f"| first (a fresh API process reads every job once) | {data['first_scrape_ms']:,.0f} ms |",
+        f"| first (the API read every job as it started) | {data['first_scrape_ms']:,.0f} ms |",
         f"| next {data['scrapes']}: median | {ms['median']:.1f} ms |",
         f"| p10 / p90 | {ms['p10']:.1f} / {ms['p90']:.1f} ms |",
         f"| min / max | {ms['min']:.1f} / {ms['max']:.1f} ms |",
