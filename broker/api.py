@@ -10,7 +10,8 @@ names each field.
 # No `from __future__ import annotations`: FastAPI resolves the local Annotated aliases.
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
 import redis
@@ -232,7 +233,14 @@ def build_app(store: Store, config: ApiConfig, *,
     is refused (none: nothing is refused for that reason). ``sealer`` seals the jobs' secrets
     (none: a job with secrets is refused); ``blobs`` keeps the packed workdirs and local file
     mounts (none: a job with them is refused)."""
-    app = FastAPI(title="FleetBroker", version=__version__,
+    scrape, warm_metrics = metrics.registry(store)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await run_in_threadpool(warm_metrics)  # before it serves: the first scrape is cheap
+        yield
+
+    app = FastAPI(title="FleetBroker", version=__version__, lifespan=lifespan,
                   description="Submit and follow elastic training jobs across clouds. Errors: "
                               "docs/api-errors.md.")
     app.router.route_class = _BoundedJsonRoute
@@ -346,8 +354,6 @@ def build_app(store: Store, config: ApiConfig, *,
         if not ready:
             return JSONResponse(_error_body(503, f"not ready: {reason}", []), status_code=503)
         return JSONResponse({"status": "ready", "version": __version__, "leader_fence": leader})
-
-    scrape = metrics.registry(store)
 
     @app.get("/metrics", tags=["meta"], response_class=Response,
              summary="Prometheus metrics (admin or metrics token)",

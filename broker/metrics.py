@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
@@ -445,16 +445,20 @@ class _Events(Collector):
         return EVENTS.collect()
 
 
-def registry(store: Store) -> CollectorRegistry:
-    """A registry for one API app: the store's metrics and this process's instruments, the
-    store read once already (``StoreCollector.warm``: otherwise the first scrape reads every
-    job's record and intervals, 0.5 s with 10,000 jobs, where later ones read what changed)."""
+def registry(store: Store) -> tuple[CollectorRegistry, Callable[[], None]]:
+    """A registry for one API app (the store's metrics and this process's instruments), and
+    the function that warms it, which the app calls as it starts: it reads every job's record
+    and intervals once (``StoreCollector.warm``), or else the first scrape does (0.5 s with
+    10,000 jobs, where later ones read what changed). Building the registry reads nothing."""
     collector = StoreCollector(store)
-    try:
-        collector.warm()
-    except RedisError as exc:  # an API starts without Redis (/readyz says so); scrapes warm it
-        log.warning("metrics not warmed, the first scrape reads every job: %s", exc)
     reg = CollectorRegistry(auto_describe=False)
     reg.register(collector)
     reg.register(_Events())
-    return reg
+
+    def warm() -> None:
+        try:
+            collector.warm()
+        except RedisError as exc:  # an API starts without Redis (/readyz says so)
+            log.warning("metrics not warmed, the first scrape reads every job: %s", exc)
+
+    return reg, warm

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
 from broker import metrics
+from broker.api import build_app
 from broker.auth import ApiConfig, ConfigError, Principal, Role
 from broker.models import JobState, Placement
 from broker.store import Plan, Store
@@ -257,7 +259,7 @@ def test_cost_counters_only_grow_when_an_interval_closes_before_the_last_scrape(
     last scrape: an open interval counted until that scrape would make the counter fall."""
     start = time.time() - 100
     job_id = _running_job(store, start)
-    scrape = metrics.registry(store)
+    scrape, _ = metrics.registry(store)
     first = Scrape(generate_latest(scrape).decode())
     assert first.value("fleet_gpu_seconds_total") == 0  # still open: the gauge has it
     assert first.value("fleet_open_gpu_seconds") == pytest.approx(200, abs=20)
@@ -282,7 +284,7 @@ def test_cost_counters_only_grow_when_an_interval_closes_before_the_last_scrape(
 
 def test_series_of_a_known_team_read_zero_once_its_jobs_are_done(store: Store) -> None:
     job = store.submit(spec("gone", "true"), team="ml")
-    scrape = metrics.registry(store)
+    scrape, _ = metrics.registry(store)
     assert Scrape(generate_latest(scrape).decode()).value("fleet_queue_jobs", team="ml") == 1
     plan = Plan()
     plan.change(job, JobState.CANCELLED)
@@ -296,13 +298,18 @@ def test_series_of_a_known_team_read_zero_once_its_jobs_are_done(store: Store) -
 
 def test_the_first_scrape_reads_no_job_the_api_read_at_its_start(store: Store) -> None:
     _running_job(store, time.time() - 10)
-    scrape = metrics.registry(store)
 
     def reads() -> dict[str, int]:  # the commands that read a job's record and intervals
         stats = store.r.info("commandstats")
         return {k: stats.get(f"cmdstat_{k}", {}).get("calls", 0) for k in ("hmget", "lrange")}
 
     before = reads()
-    got = Scrape(generate_latest(scrape).decode())
+    app = build_app(store, ApiConfig.from_mapping({"tokens": [{"admin": True,
+                                                               "token": ADMIN}]}))
+    assert reads() == before  # building the app reads nothing
+    with TestClient(app) as client:  # the app starts: it reads every job once
+        started = reads()
+        got = Scrape(client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text)
+    assert started != before
     assert got.value("fleet_jobs", state="running", team="ml") == 1
-    assert reads() == before
+    assert reads() == started  # and the first scrape reads nothing more
