@@ -1,4 +1,5 @@
-"""The AWS Terraform module validates and applies against a moto server on loopback."""
+"""The AWS Terraform module, through its example root, validates and applies against a moto
+server on loopback."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-MODULE = Path(__file__).resolve().parents[2] / "infra" / "terraform" / "aws"
+TERRAFORM = Path(__file__).resolve().parents[2] / "infra" / "terraform"
 PLUGIN_DIRS = [Path("/opt/tf-plugins"), Path.home() / ".terraform.d" / "plugins"]
 
 pytestmark = pytest.mark.skipif(shutil.which("terraform") is None,
@@ -66,9 +67,13 @@ def moto_url():
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory, moto_url: str) -> Path:
-    """A copy of the module, its AWS endpoints pointed at moto, initialised from local plugins."""
-    workdir = tmp_path_factory.mktemp("tf") / "aws"
-    shutil.copytree(MODULE, workdir, ignore=shutil.ignore_patterns(".terraform*", "*.tfstate*"))
+    """A copy of examples/aws and the module it calls (at the same relative path), the example's
+    provider pointed at moto by an override file, initialised from local plugins."""
+    root = tmp_path_factory.mktemp("tf")
+    ignore = shutil.ignore_patterns(".terraform*", "*.tfstate*")
+    for folder in ("modules/aws", "examples/aws"):
+        shutil.copytree(TERRAFORM / folder, root / folder, ignore=ignore)
+    workdir = root / "examples" / "aws"
     services = ["ec2", "iam", "ssm", "sts", "elasticache"]
     endpoints = "\n".join(f'    {s} = "{moto_url}"' for s in services)
     (workdir / "moto_override.tf").write_text(f"""
@@ -95,7 +100,7 @@ def test_module_applies_against_moto_and_tags_what_it_creates(workdir: Path,
     token = "t" * 40
 
     terraform(workdir, "apply", "-auto-approve", "-input=false", f"-var=ami_id={ami}",
-              f"-var=api_token={token}", "-var=api_allowed_cidrs=[\"127.0.0.1/32\"]")
+              f"-var=api_token={token}")
     outputs = json.loads(terraform(workdir, "output", "-json").stdout)
 
     instance_id = outputs["broker_instance_id"]["value"]

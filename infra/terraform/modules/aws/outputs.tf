@@ -4,7 +4,8 @@ output "broker_url" {
 }
 
 output "broker_instance_id" {
-  value = aws_instance.broker.id
+  description = "The broker host's EC2 instance id."
+  value       = aws_instance.broker.id
 }
 
 output "api_token_parameter" {
