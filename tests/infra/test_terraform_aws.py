@@ -99,8 +99,10 @@ def test_module_applies_against_moto_and_tags_what_it_creates(workdir: Path,
     ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     token = "t" * 40
 
+    # the host's own redis-server: moto has no ElastiCache parameter groups, so the managed
+    # path is planned (below), not applied
     terraform(workdir, "apply", "-auto-approve", "-input=false", f"-var=ami_id={ami}",
-              f"-var=api_token={token}")
+              f"-var=api_token={token}", "-var=managed_redis=false")
     outputs = json.loads(terraform(workdir, "output", "-json").stdout)
 
     instance_id = outputs["broker_instance_id"]["value"]
@@ -118,6 +120,28 @@ def test_module_applies_against_moto_and_tags_what_it_creates(workdir: Path,
     boot_script = base64.b64decode(attribute["UserData"]["Value"]).decode()
     assert "fleet up --host 0.0.0.0 --port 8080" in boot_script
     assert token not in boot_script  # read from SSM at boot, never baked into user data
+
+
+def test_managed_redis_plans_with_auth_token_and_its_own_key(workdir: Path,
+                                                            tmp_path: Path) -> None:
+    redis_token = "r" * 40
+    plan = tmp_path / "plan"
+    terraform(workdir, "plan", "-input=false", "-var=ami_id=ami-1", f"-var=api_token={'t' * 40}",
+              f"-var=redis_auth_token={redis_token}", f"-out={plan}")
+    shown = json.loads(terraform(workdir, "show", "-json", str(plan)).stdout)
+    planned = {r["address"]: r["values"]
+               for r in shown["planned_values"]["root_module"]["child_modules"][0]["resources"]}
+    group = planned["module.fleetbroker.aws_elasticache_replication_group.state[0]"]
+    assert group["auth_token"] == redis_token and group["transit_encryption_enabled"] is True
+    assert "module.fleetbroker.aws_kms_key.state[0]" in planned
+    assert planned["module.fleetbroker.aws_ssm_parameter.redis_url[0]"]["type"] == "SecureString"
+
+
+def test_managed_redis_without_auth_token_is_refused(workdir: Path) -> None:
+    proc = run_terraform(workdir, "plan", "-input=false", "-var=ami_id=ami-1",
+                         f"-var=api_token={'t' * 40}")
+    assert proc.returncode != 0
+    assert "managed_redis needs redis_auth_token" in " ".join((proc.stdout + proc.stderr).split())
 
 
 def test_short_api_token_is_refused_with_the_fix(workdir: Path) -> None:

@@ -92,7 +92,11 @@ def test_boot_script_gets_its_variables_and_no_secret(cloud: str) -> None:
     wanted = set(re.findall(r"(?<![$\\])\$\{([a-z_][a-z0-9_]*)\}", body)) | set(
         re.findall(r"%\{ if ([a-z_]+)", body))
     assert wanted == given, f"{cloud}: template wants {wanted}, gets {given}"
-    assert "var.api_token" not in args and "password" not in args.lower()
+    secrets = {n for n, spec in names(parse(folder)["variable"]).items() if spec.get("sensitive")}
+    assert secrets and not any(f"var.{n}" in args for n in secrets), f"{cloud}: a secret"
+    # nor a managed Redis' credential: each boot script reads the Redis URL from the secret store
+    for word in ("password", "auth_token", "auth_string", "access_key"):
+        assert word not in args.lower(), f"{cloud}: {word} handed to the boot script"
 
 
 @pytest.mark.parametrize("cloud", sorted(MODULES))

@@ -1,6 +1,7 @@
-# The broker on EC2 with its own redis-server:
-#   export TF_VAR_api_token=$(openssl rand -hex 32)
+# The broker on EC2 with ElastiCache:
+#   export TF_VAR_api_token=$(openssl rand -hex 32) TF_VAR_redis_auth_token=$(openssl rand -hex 32)
 #   terraform init && terraform apply -var ami_id=ami-...
+# (-var managed_redis=false: the host's own redis-server with AOF, no token needed)
 variable "region" {
   description = "AWS region of the control plane (the broker launches jobs in any region)."
   type        = string
@@ -18,6 +19,19 @@ variable "api_token" {
   sensitive   = true
 }
 
+variable "managed_redis" {
+  description = "ElastiCache (true) or the host's own redis-server with AOF (false)."
+  type        = bool
+  default     = true
+}
+
+variable "redis_auth_token" {
+  description = "ElastiCache AUTH token (16-128 characters), with managed_redis."
+  type        = string
+  default     = null
+  sensitive   = true
+}
+
 provider "aws" {
   region = var.region
 }
@@ -26,6 +40,8 @@ module "fleetbroker" {
   source            = "../../modules/aws"
   ami_id            = var.ami_id
   api_token         = var.api_token
+  managed_redis     = var.managed_redis
+  redis_auth_token  = var.redis_auth_token
   api_allowed_cidrs = ["203.0.113.0/24"]
 }
 

@@ -3,7 +3,6 @@ locals {
   tags = {
     "fleetbroker:deployment" = var.name
   }
-  redis_url = var.managed_redis ? "rediss://${aws_elasticache_replication_group.state[0].primary_endpoint_address}:6379/0" : ""
 }
 
 # The region comes from the caller's provider configuration; the host's aws CLI needs it to reach SSM.
@@ -30,7 +29,7 @@ resource "aws_instance" "broker" {
   user_data = templatefile("${path.module}/user_data.sh.tftpl", {
     region      = data.aws_region.current.name
     requirement = var.fleetbroker_version
-    redis_url   = local.redis_url
+    redis_param = var.managed_redis ? aws_ssm_parameter.redis_url[0].name : ""
     token_param = aws_ssm_parameter.api_token.name
   })
   metadata_options {

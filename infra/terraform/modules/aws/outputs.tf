@@ -13,7 +13,7 @@ output "api_token_parameter" {
   value       = aws_ssm_parameter.api_token.name
 }
 
-output "redis_url" {
-  description = "Empty when the broker host runs its own redis-server with AOF."
-  value       = local.redis_url
+output "redis_host" {
+  description = "ElastiCache's primary endpoint when managed_redis, else empty (the host's own redis-server); the URL with its AUTH token is in SSM (/<name>/redis-url)."
+  value       = var.managed_redis ? aws_elasticache_replication_group.state[0].primary_endpoint_address : ""
 }

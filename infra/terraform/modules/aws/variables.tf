@@ -43,6 +43,18 @@ variable "redis_node_type" {
   default     = "cache.t4g.small"
 }
 
+variable "redis_auth_token" {
+  description = "ElastiCache AUTH token, required with managed_redis, e.g. TF_VAR_redis_auth_token=$(openssl rand -hex 32)."
+  type        = string
+  default     = null
+  sensitive   = true
+  validation {
+    # ElastiCache takes 16-128 printable characters; URL-safe ones keep the Redis URL unescaped
+    condition     = var.redis_auth_token == null || can(regex("^[A-Za-z0-9_.~-]{16,128}$", var.redis_auth_token))
+    error_message = "redis_auth_token must be 16-128 letters, digits or _.~-; generate one with: openssl rand -hex 32."
+  }
+}
+
 variable "fleetbroker_version" {
   description = "pip requirement installed on the broker host."
   type        = string
