@@ -1,4 +1,5 @@
-"""The AWS Terraform module validates and applies against a moto server on loopback."""
+"""The AWS Terraform module, through its example root, validates and applies against a moto
+server on loopback."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-MODULE = Path(__file__).resolve().parents[2] / "infra" / "terraform" / "aws"
+TERRAFORM = Path(__file__).resolve().parents[2] / "infra" / "terraform"
 PLUGIN_DIRS = [Path("/opt/tf-plugins"), Path.home() / ".terraform.d" / "plugins"]
 
 pytestmark = pytest.mark.skipif(shutil.which("terraform") is None,
@@ -66,9 +67,13 @@ def moto_url():
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory, moto_url: str) -> Path:
-    """A copy of the module, its AWS endpoints pointed at moto, initialised from local plugins."""
-    workdir = tmp_path_factory.mktemp("tf") / "aws"
-    shutil.copytree(MODULE, workdir, ignore=shutil.ignore_patterns(".terraform*", "*.tfstate*"))
+    """A copy of examples/aws and the module it calls (at the same relative path), the example's
+    provider pointed at moto by an override file, initialised from local plugins."""
+    root = tmp_path_factory.mktemp("tf")
+    ignore = shutil.ignore_patterns(".terraform*", "*.tfstate*")
+    for folder in ("modules/aws", "examples/aws"):
+        shutil.copytree(TERRAFORM / folder, root / folder, ignore=ignore)
+    workdir = root / "examples" / "aws"
     services = ["ec2", "iam", "ssm", "sts", "elasticache"]
     endpoints = "\n".join(f'    {s} = "{moto_url}"' for s in services)
     (workdir / "moto_override.tf").write_text(f"""
@@ -94,8 +99,10 @@ def test_module_applies_against_moto_and_tags_what_it_creates(workdir: Path,
     ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     token = "t" * 40
 
+    # the host's own redis-server: moto has no ElastiCache parameter groups, so the managed
+    # path is planned (below), not applied
     terraform(workdir, "apply", "-auto-approve", "-input=false", f"-var=ami_id={ami}",
-              f"-var=api_token={token}", "-var=api_allowed_cidrs=[\"127.0.0.1/32\"]")
+              f"-var=api_token={token}", "-var=managed_redis=false")
     outputs = json.loads(terraform(workdir, "output", "-json").stdout)
 
     instance_id = outputs["broker_instance_id"]["value"]
@@ -113,6 +120,28 @@ def test_module_applies_against_moto_and_tags_what_it_creates(workdir: Path,
     boot_script = base64.b64decode(attribute["UserData"]["Value"]).decode()
     assert "fleet up --host 0.0.0.0 --port 8080" in boot_script
     assert token not in boot_script  # read from SSM at boot, never baked into user data
+
+
+def test_managed_redis_plans_with_auth_token_and_its_own_key(workdir: Path,
+                                                            tmp_path: Path) -> None:
+    redis_token = "r" * 40
+    plan = tmp_path / "plan"
+    terraform(workdir, "plan", "-input=false", "-var=ami_id=ami-1", f"-var=api_token={'t' * 40}",
+              f"-var=redis_auth_token={redis_token}", f"-out={plan}")
+    shown = json.loads(terraform(workdir, "show", "-json", str(plan)).stdout)
+    planned = {r["address"]: r["values"]
+               for r in shown["planned_values"]["root_module"]["child_modules"][0]["resources"]}
+    group = planned["module.fleetbroker.aws_elasticache_replication_group.state[0]"]
+    assert group["auth_token"] == redis_token and group["transit_encryption_enabled"] is True
+    assert "module.fleetbroker.aws_kms_key.state[0]" in planned
+    assert planned["module.fleetbroker.aws_ssm_parameter.redis_url[0]"]["type"] == "SecureString"
+
+
+def test_managed_redis_without_auth_token_is_refused(workdir: Path) -> None:
+    proc = run_terraform(workdir, "plan", "-input=false", "-var=ami_id=ami-1",
+                         f"-var=api_token={'t' * 40}")
+    assert proc.returncode != 0
+    assert "managed_redis needs redis_auth_token" in " ".join((proc.stdout + proc.stderr).split())
 
 
 def test_short_api_token_is_refused_with_the_fix(workdir: Path) -> None:

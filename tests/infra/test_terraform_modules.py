@@ -1,11 +1,11 @@
-"""The GCP and Azure Terraform modules and their examples, checked statically (no provider binary
-for them is on these machines, so ``terraform validate`` cannot run): ``terraform fmt -check``,
-parsing with python-hcl2, every ``var.X`` declared with a type and a description, every output
-described, every template's variables given by its ``templatefile`` call, no secret handed to a
-boot script, each example passing every input its module requires, and ``checkov`` (on these
-and on the AWS module) with no failed check and a reason on every skipped one (checkov lives
-in its own venv, ``make setup``'s ``.venv/checkov``: its pins would downgrade the broker's own
-dependencies)."""
+"""The Terraform modules (AWS, GCP, Azure) and their examples, checked statically (no provider
+binary for GCP or Azure is on these machines, so ``terraform validate`` cannot run for them; the
+AWS one is applied in test_terraform_aws.py): ``terraform fmt -check``, parsing with python-hcl2,
+every ``var.X`` declared with a type and a description, every output described, every template's
+variables given by its ``templatefile`` call, no secret handed to a boot script, no provider
+block in a module, each example passing every input its module requires, and ``checkov`` with no
+failed check and a reason on every skipped one (checkov lives in its own venv, ``make setup``'s
+``.venv/checkov``: its pins would downgrade the broker's own dependencies)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TERRAFORM = ROOT / "infra" / "terraform"
 CHECKOV = shutil.which("checkov") or next(
     (str(p) for p in [ROOT / ".venv" / "checkov" / "bin" / "checkov"] if p.exists()), None)
-MODULES = {"gcp": {"google_compute_instance", "google_secret_manager_secret",
+MODULES = {"aws": {"aws_instance", "aws_ssm_parameter", "aws_elasticache_replication_group"},
+           "gcp": {"google_compute_instance", "google_secret_manager_secret",
                    "google_redis_instance"},
            "azure": {"azurerm_linux_virtual_machine", "azurerm_key_vault",
                      "azurerm_redis_cache"}}
@@ -75,6 +76,8 @@ def test_module_is_complete_and_consistent(cloud: str) -> None:
     assert used <= set(variables), f"{cloud}: undeclared {used - set(variables)}"
     assert set(variables) <= used, f"{cloud}: unused {set(variables) - used}"
     assert variables["api_token"].get("sensitive") is True
+    # a module that configures its provider cannot be used with the caller's (region, account)
+    assert "provider" not in blocks, f"{cloud}: provider block in the module"
 
 
 @pytest.mark.parametrize("cloud", sorted(MODULES))
@@ -89,7 +92,11 @@ def test_boot_script_gets_its_variables_and_no_secret(cloud: str) -> None:
     wanted = set(re.findall(r"(?<![$\\])\$\{([a-z_][a-z0-9_]*)\}", body)) | set(
         re.findall(r"%\{ if ([a-z_]+)", body))
     assert wanted == given, f"{cloud}: template wants {wanted}, gets {given}"
-    assert "var.api_token" not in args and "password" not in args.lower()
+    secrets = {n for n, spec in names(parse(folder)["variable"]).items() if spec.get("sensitive")}
+    assert secrets and not any(f"var.{n}" in args for n in secrets), f"{cloud}: a secret"
+    # nor a managed Redis' credential: each boot script reads the Redis URL from the secret store
+    for word in ("password", "auth_token", "auth_string", "access_key"):
+        assert word not in args.lower(), f"{cloud}: {word} handed to the boot script"
 
 
 @pytest.mark.parametrize("cloud", sorted(MODULES))
@@ -103,13 +110,24 @@ def test_example_uses_the_module_with_its_required_inputs(cloud: str) -> None:
     assert passed <= set(module_vars), f"example passes unknown {passed - set(module_vars)}"
 
 
+EXAMPLES = sorted(p.name for p in (TERRAFORM / "examples").iterdir() if p.is_dir())
+
+
 @pytest.mark.skipif(CHECKOV is None, reason="checkov is not installed (make setup puts it in "
                     ".venv/checkov)")
-@pytest.mark.parametrize("folder", ["modules/gcp", "modules/azure", "aws"])
-def test_checkov_finds_nothing_unexplained(folder: str) -> None:
+@pytest.mark.parametrize("folder, var_file", [
+    *[(f"modules/{cloud}", f"managed_redis = {on}") for cloud in sorted(MODULES)
+      for on in ("false", "true")],  # a resource with count = 0 is not scanned: both paths
+    *[(f"examples/{name}", None) for name in EXAMPLES]])
+def test_checkov_finds_nothing_unexplained(folder: str, var_file: str | None,
+                                           tmp_path: Path) -> None:
     assert CHECKOV is not None
-    r = subprocess.run([CHECKOV, "-d", str(TERRAFORM / folder), "--framework",
-                        "terraform", "-o", "json"], capture_output=True, text=True, timeout=600)
+    args = [CHECKOV, "-d", str(TERRAFORM / folder), "--framework", "terraform", "--skip-download",
+            "-o", "json"]
+    if var_file is not None:
+        (tmp_path / "scan.tfvars").write_text(var_file + "\n")
+        args += ["--var-file", str(tmp_path / "scan.tfvars")]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600)
     report = json.loads(r.stdout)
     results = report["results"]
     failed = [(c["check_id"], c["resource"]) for c in results["failed_checks"]]
@@ -117,3 +135,7 @@ def test_checkov_finds_nothing_unexplained(folder: str) -> None:
     assert report["summary"]["passed"] > 0
     for check in results["skipped_checks"]:  # every skip says why, in the module's source
         assert (check["check_result"].get("suppress_comment") or "").strip(), check["check_id"]
+
+
+def test_every_module_has_an_example() -> None:
+    assert sorted(MODULES) == EXAMPLES

@@ -14,6 +14,8 @@ variable "api_token" {
 
 provider "azurerm" {
   features {}
+  # the AOF storage account takes no shared key, so the provider reaches it with Entra ID
+  storage_use_azuread = true
 }
 
 module "fleetbroker" {

@@ -40,9 +40,18 @@ data "aws_iam_policy_document" "broker" {
     }
   }
   statement {
-    sid       = "ReadToken"
+    sid       = "ReadSecrets"
     actions   = ["ssm:GetParameter"]
-    resources = [aws_ssm_parameter.api_token.arn]
+    resources = concat([aws_ssm_parameter.api_token.arn], aws_ssm_parameter.redis_url[*].arn)
+  }
+  # the Redis URL's parameter is encrypted under the deployment's own key (redis.tf)
+  dynamic "statement" {
+    for_each = aws_kms_key.state[*].arn
+    content {
+      sid       = "DecryptRedisUrl"
+      actions   = ["kms:Decrypt"]
+      resources = [statement.value]
+    }
   }
 }
 

@@ -8,12 +8,6 @@ variable "name" {
   }
 }
 
-variable "region" {
-  description = "AWS region of the control plane (the broker launches jobs in any region)."
-  type        = string
-  default     = "us-east-1"
-}
-
 variable "ami_id" {
   description = "AMI for the broker host (Debian 12 or Ubuntu 22.04+ with python3.11)."
   type        = string
@@ -26,8 +20,9 @@ variable "instance_type" {
 }
 
 variable "vpc_cidr" {
-  type    = string
-  default = "10.42.0.0/16"
+  description = "The broker's VPC; its two subnets are the first two /24s."
+  type        = string
+  default     = "10.42.0.0/16"
 }
 
 variable "api_allowed_cidrs" {
@@ -43,8 +38,21 @@ variable "managed_redis" {
 }
 
 variable "redis_node_type" {
-  type    = string
-  default = "cache.t4g.small"
+  description = "ElastiCache node type of each of the two nodes, when managed_redis."
+  type        = string
+  default     = "cache.t4g.small"
+}
+
+variable "redis_auth_token" {
+  description = "ElastiCache AUTH token, required with managed_redis, e.g. TF_VAR_redis_auth_token=$(openssl rand -hex 32)."
+  type        = string
+  default     = null
+  sensitive   = true
+  validation {
+    # ElastiCache takes 16-128 printable characters; URL-safe ones keep the Redis URL unescaped
+    condition     = var.redis_auth_token == null || can(regex("^[A-Za-z0-9_.~-]{16,128}$", var.redis_auth_token))
+    error_message = "redis_auth_token must be 16-128 letters, digits or _.~-; generate one with: openssl rand -hex 32."
+  }
 }
 
 variable "fleetbroker_version" {

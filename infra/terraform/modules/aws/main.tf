@@ -3,12 +3,10 @@ locals {
   tags = {
     "fleetbroker:deployment" = var.name
   }
-  redis_url = var.managed_redis ? "rediss://${aws_elasticache_replication_group.state[0].primary_endpoint_address}:6379/0" : ""
 }
 
-provider "aws" {
-  region = var.region
-}
+# The region comes from the caller's provider configuration; the host's aws CLI needs it to reach SSM.
+data "aws_region" "current" {}
 
 # The admin token lives in SSM (encrypted); the host reads it at boot, it never enters user data.
 resource "aws_ssm_parameter" "api_token" {
@@ -29,10 +27,9 @@ resource "aws_instance" "broker" {
   iam_instance_profile   = aws_iam_instance_profile.broker.name
   ebs_optimized          = true
   user_data = templatefile("${path.module}/user_data.sh.tftpl", {
-    name        = var.name
-    region      = var.region
+    region      = data.aws_region.current.name
     requirement = var.fleetbroker_version
-    redis_url   = local.redis_url
+    redis_param = var.managed_redis ? aws_ssm_parameter.redis_url[0].name : ""
     token_param = aws_ssm_parameter.api_token.name
   })
   metadata_options {
