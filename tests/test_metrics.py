@@ -5,6 +5,7 @@ once."""
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Iterator
@@ -20,8 +21,9 @@ from broker.api import build_app
 from broker.auth import ApiConfig, ConfigError, Principal, Role
 from broker.models import JobState, Placement
 from broker.store import Plan, Store
-from policies.models import BatchRange, GpuRange, JobSpec, Market, SpotPolicy
+from policies.models import Market, SpotPolicy
 from providers.base import CapacityError, ProviderError, QuotaError
+from tests import builders
 from tests.api_server import TOKENS
 from tests.metrics_stack import ADMIN, METRICS_TOKEN, Running, Scrape, running_broker, wait_for
 
@@ -29,9 +31,7 @@ from tests.metrics_stack import ADMIN, METRICS_TOKEN, Running, Scrape, running_b
 LOOP = "trap 'exit 75' TERM; echo ready; i=0; while [ $i -lt {n} ]; do sleep 0.1; i=$((i+1)); done"
 
 
-def spec(name: str, run: str, gpus: int = 1, **kw: object) -> JobSpec:
-    return JobSpec(name=name, run=run, gpus=GpuRange(min=gpus, max=gpus),
-                   batch_size=BatchRange(min=8, max=64), work_samples=100, **kw)
+spec = functools.partial(builders.spec, batch=(8, 64), samples=100)
 
 
 @pytest.fixture
@@ -45,9 +45,9 @@ def test_metrics_match_the_store_and_the_api(running: Running) -> None:
     before = Scrape(httpx.get(f"{running.api.url}/metrics", timeout=10, headers={
         "Authorization": f"Bearer {ADMIN}"}).text)  # the admin token scrapes too
     # a job in a spot region that gets reclaimed: preempted there, resumed elsewhere
-    mover = store.submit(spec("mover", LOOP.format(n=30), spot=SpotPolicy.PREFERRED),
+    mover = store.submit(spec("mover", run=LOOP.format(n=30), spot=SpotPolicy.PREFERRED),
                          team="ml")
-    quick = [store.submit(spec(f"q{i}", "sleep 0.3"), team=t).id
+    quick = [store.submit(spec(f"q{i}", run="sleep 0.3"), team=t).id
              for i, t in enumerate(["ml", "vision", "vision"])]
     wait_for(lambda: "ready" in store.read_logs(mover.id)[0])
     first = store.get_job(mover.id)
@@ -56,7 +56,7 @@ def test_metrics_match_the_store_and_the_api(running: Running) -> None:
     ids = [mover.id, *quick]
     wait_for(lambda: all(store.get_job(i).state is JobState.COMPLETED  # type: ignore[union-attr]
                          for i in ids), timeout=60)
-    waiting = store.submit(spec("waits", "true", gpus=64), team="vision")
+    waiting = store.submit(spec("waits", run="true", gpus=64), team="vision")
 
     got = running.scrape()
     # jobs by state and team, and the queue
@@ -170,7 +170,7 @@ def test_metrics_tokens_from_config_and_env() -> None:
 
 def test_a_reported_checkpoint_is_observed_once(running: Running) -> None:
     store = running.broker.store
-    job = store.submit(spec("ck", LOOP.format(n=100)), team="ml")
+    job = store.submit(spec("ck", run=LOOP.format(n=100)), team="ml")
     wait_for(lambda: (j := store.get_job(job.id)) is not None and j.state is JobState.RUNNING)
     before = running.scrape()
     beat = {"job_id": job.id, "attempt": 1, "step": 9, "checkpoint_step": 8,
@@ -238,7 +238,7 @@ def test_pool_labels() -> None:
 
 def _running_job(store: Store, start: float) -> str:
     """A running job of team ml holding 2 spot GPUs at $3.60/GPU-hour since ``start``."""
-    job = store.submit(spec("open", "true", gpus=2), team="ml")
+    job = store.submit(spec("open", run="true", gpus=2), team="ml")
     plan = Plan()
     plan.change(job, JobState.LAUNCHING, attempt=1, pool="aws:east:spot:v100", gpus=2)
     store.apply(plan)
@@ -283,7 +283,7 @@ def test_cost_counters_only_grow_when_an_interval_closes_before_the_last_scrape(
 
 
 def test_series_of_a_known_team_read_zero_once_its_jobs_are_done(store: Store) -> None:
-    job = store.submit(spec("gone", "true"), team="ml")
+    job = store.submit(spec("gone", run="true"), team="ml")
     scrape, _ = metrics.registry(store)
     assert Scrape(generate_latest(scrape).decode()).value("fleet_queue_jobs", team="ml") == 1
     plan = Plan()

@@ -5,6 +5,7 @@ refused at submission with the field and the fix. Real redis-server, real uvicor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from broker.cli import app
 from broker.models import JobState
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.store import Store
-from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
+from policies.models import Accelerator, Market, Pool
 from providers.local.provider import LocalRegion
+from tests import builders
 from tests.api_server import TOKENS, ApiServer, api_config
 
 EAST = Pool(cloud="aws", region="us-east-1", accelerator=Accelerator.T4, market=Market.SPOT,
@@ -30,9 +32,8 @@ L4 = Pool(cloud="gcp", region="us-central1", accelerator=Accelerator.L4,
 FLEET = [EAST, WEST, L4]
 
 
-def spec(name: str, gmin: int = 1, gmax: int = 4, **kw: object) -> JobSpec:
-    return JobSpec(name=name, run="true", gpus=GpuRange(min=gmin, max=gmax),
-                   batch_size=BatchRange(min=32, max=512), work_samples=1000, team="ml", **kw)
+spec = functools.partial(builders.spec, run="true", gpus=(1, 4), batch=(32, 512), samples=1000,
+                         team="ml")
 
 
 @pytest.fixture
@@ -56,11 +57,11 @@ def test_every_waiting_job_carries_a_reason_the_api_and_cli_show(
         store: Store, server: ApiServer) -> None:
     store.set_pools([EAST, WEST])  # the L4 pool is gone for now (a reclaim, an outage)
     fence = store.acquire_lease("t", ttl_s=30)
-    first = store.submit(spec("first", 4, 4), team="ml")
-    second = store.submit(spec("second", 4, 4), team="ml")
-    third = store.submit(spec("third", 4, 4), team="ml")
+    first = store.submit(spec("first", gpus=(4, 4)), team="ml")
+    second = store.submit(spec("second", gpus=(4, 4)), team="ml")
+    third = store.submit(spec("third", gpus=(4, 4)), team="ml")
     l4 = store.submit(spec("l4", accelerators=[Accelerator.L4]), team="ml")
-    huge = store.submit(spec("huge", 6, 8), team="ml")
+    huge = store.submit(spec("huge", gpus=(6, 8)), team="ml")
     fresh = store.submit(spec("fresh"), team="ml")
     Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
     store.submit(spec("late"), team="ml")  # submitted after the round: not yet seen
@@ -156,9 +157,9 @@ def test_the_fleet_ceiling_is_what_the_fleet_file_declares() -> None:
     ceiling = FleetProvider(None, {}, {"aws": config}).ceiling()
     assert sorted((p.id, p.capacity) for p in ceiling) == [
         ("aws:us-east-1:spot:A100", 16), ("aws:us-west-2:spot:A100", 16)]
-    fits = spec("fits", 16, 16, accelerators=[Accelerator.A100])
+    fits = spec("fits", gpus=(16, 16), accelerators=[Accelerator.A100])
     assert never_runs(fits, ceiling) == []
-    big = spec("big", 32, 32, accelerators=[Accelerator.A100])
+    big = spec("big", gpus=(32, 32), accelerators=[Accelerator.A100])
     [problem] = never_runs(big, ceiling)
     assert problem.field == "gpus.min" and "holds 16" in problem.message
 
@@ -220,11 +221,11 @@ def test_the_preview_keeps_a_fixed_node_count_off_the_pools_split() -> None:
     not one 4-GPU launch the pool's sizes would make of them."""
     from broker.preview import placement_preview
 
-    one_node = spec("one", 2, 2, nodes=1)
+    one_node = spec("one", gpus=(2, 2), nodes=1)
     assert placement_preview(one_node, [SPOT_NODES], {}) == []
     wide = LocalRegion(region="wide", market=Market.SPOT, price_per_gpu_hour=0.4, gpus=8,
                        nodes=2).pool()  # 2 nodes of 4: sizes 1-4 per node
-    [row] = placement_preview(spec("two", 4, 4, nodes=2), [wide], {})
+    [row] = placement_preview(spec("two", gpus=(4, 4), nodes=2), [wide], {})
     assert (row["nodes"], row["gpus_per_node"], row["fits_now"]) == (2, 2, True)
 
 
@@ -236,9 +237,9 @@ def test_the_round_names_the_real_cause_where_submission_could_not_know(
     fence = store.acquire_lease("t", ttl_s=30)
     sizes = EAST.model_copy(update={"gpu_prices": {1: 0.2, 4: 0.2}})
     store.set_pools([sizes])
-    never = store.submit(spec("never", 1, 1, spot="never"), team="ml")
-    store.submit(spec("three", 3, 3, nodes=1), team="ml")
-    store.submit(spec("eight", 8, 8, nodes=1), team="ml")
+    never = store.submit(spec("never", gpus=(1, 1), spot="never"), team="ml")
+    store.submit(spec("three", gpus=(3, 3), nodes=1), team="ml")
+    store.submit(spec("eight", gpus=(8, 8), nodes=1), team="ml")
     Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
     got = {j.name: j for j in store.list_jobs()}
     assert all(j.state is JobState.QUEUED for j in got.values())
