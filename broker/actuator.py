@@ -32,7 +32,8 @@ from policies.migration import (
     refusal_key,
     refused_zones,
 )
-from policies.models import CLOUD_STORES, FileMount, JobSpec, Market, Pool
+from policies.models import FileMount, JobSpec, Market, Pool
+from providers import registry
 from providers.base import (
     CapacityError,
     LaunchRequest,
@@ -144,10 +145,12 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
 def _placed_mount(mount: FileMount, cloud: str) -> dict[str, Any]:
     """A mount as the agent gets it: a named bucket with no ``store`` lands on the store of the
     cloud the job is placed on, as SkyPilot's does; only here is that cloud known. On a cloud
-    with no store (local) it stays unset and the agent fails the launch naming the fix."""
+    with no store (local: ``Cloud.object_store``) it stays unset and the agent fails the launch
+    naming the fix."""
     out = mount.model_dump(mode="json")
     if mount.name and not mount.store:
-        out["store"] = CLOUD_STORES.get(cloud)
+        home = registry.clouds().get(cloud)
+        out["store"] = home.object_store if home else None
     return out
 
 

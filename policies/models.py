@@ -306,9 +306,6 @@ REMOTE_SCHEMES = ("s3://", "gs://", "az://", "https://")
 
 # SkyPilot's ``store`` names and the bucket URL scheme of each.
 STORE_SCHEMES = {"s3": "s3", "gcs": "gs", "azure": "az"}
-# The store a named bucket lands on when the task names none: the cloud the job is placed on
-# (SkyPilot's default); a cloud missing here (local) has no object store of its own.
-CLOUD_STORES = {"aws": "s3", "gcp": "gcs", "azure": "azure"}
 
 
 class FileMount(BaseModel):

@@ -29,10 +29,6 @@ RANK_ENV = Env.NODE_RANK
 # would make retried launches after an upgrade look new).
 REQUEST_NAMESPACE = uuid.UUID("6f1c2b8e-3f4a-5d6e-8a9b-0c1d2e3f4a5b")
 
-# Where a node of a multi-node AWS launch reads its ``ami-launch-index`` (IMDSv2, ``rank_step``);
-# the request's env or the machine may point elsewhere, as with the notice URLs (``agent_env``).
-AWS_METADATA_URL = (Env.METADATA_AWS_URL, "http://169.254.169.254")
-
 
 # What a start script pip-installs when the image lacks the agent (see ``agent_install_spec``):
 # fleetbroker's base install, the agent and runtime without the control plane's packages.
@@ -210,40 +206,19 @@ def env_function(request: LaunchRequest, cloud: str, rank: int | None = None) ->
     return f"fleet_job_env() {{\n{exports}}}\n"
 
 
-# A node of a multi-node AWS launch: one RunInstances, so one user data for all its instances;
-# each adds its ``ami-launch-index`` (0..nodes-1, from IMDSv2) to the launch's first rank. An
-# unreadable index fails the script: the exit trap reports the failure (rank unknown: 0).
-AWS_RANK_STEP = shell(r"""fleet_launch_index() {
-  local base="$fleet_metadata" imds index
-  local tries=(-fsS -m 5 --retry 5 --retry-delay 1 --retry-connrefused)
-  imds=$(curl "${tries[@]}" -X PUT -H 'X-aws-ec2-metadata-token-ttl-seconds: 300' \
-      "$base/latest/api/token") &&
-    index=$(curl "${tries[@]}" -H "X-aws-ec2-metadata-token: $imds" \
-      "$base/latest/meta-data/ami-launch-index") &&
-    case "$index" in ''|*[!0-9]*) false ;; esac || {
-      echo "fleet: cannot read this instance's ami-launch-index from $base (IMDSv2): its node" \
-        "rank is unknown; the instance must allow metadata access (HttpEndpoint enabled)" >&2
-      return 1
-    }
-  echo "$index"
-}
-if [ -z "${@NODE_RANK:-}" ]; then
-  fleet_index=$(fleet_launch_index)
-  export @NODE_RANK=$((@FIRST_RANK + fleet_index))
-fi
-""")
 
 
 def rank_step(request: LaunchRequest, cloud: str, rank: int | None) -> str:
     """Shell lines, run after ``fleet_job_env``, that set FLEET_NODE_RANK where the script does
-    not carry it: a node of a multi-node launch that shares one script (AWS)."""
+    not carry it: a node of a multi-node launch that shares one script (``Cloud.rank_step``:
+    AWS)."""
     if rank is not None or request.nodes == 1:
         return ""
-    if cloud != "aws":
+    home = registry.clouds().get(cloud)
+    if home is None or (step := home.rank_step()) is None:
         raise ValueError(f"{cloud}: a start script for a {request.nodes}-node launch needs each "
                          "node's rank (pass rank=bootstrap.node_rank(request, index))")
-    variable, url = AWS_METADATA_URL
-    return f"fleet_metadata=${{{variable}:-{url}}}\n{AWS_RANK_STEP}"
+    return step
 
 
 # The exit trap. A failure the agent may not have reported itself (the install failed, the agent

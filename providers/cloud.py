@@ -53,6 +53,9 @@ class Cloud(abc.ABC):
     # Whether the broker buys capacity from it (a fleet file's ``clouds:``) rather than running
     # it itself (the local cloud, the fleet file's ``regions:``).
     rented: ClassVar[bool] = True
+    # Its object store, as SkyPilot's ``store`` names it (``s3``, ``gcs``, ``azure``): where a
+    # task's named bucket with no ``store`` lands when the job is placed here; None: it has none.
+    object_store: ClassVar[str | None] = None
 
     def __repr__(self) -> str:
         return f"<cloud {self.name}>"
@@ -69,6 +72,13 @@ class Cloud(abc.ABC):
     def has_region_shape(self, region: str) -> bool:
         """Whether ``region`` looks like one of this cloud's (never true without a shape)."""
         return self.region_shape is not None and bool(self.region_shape.match(region))
+
+    # --- start scripts -----------------------------------------------------------------------
+
+    def rank_step(self) -> str | None:
+        """Shell lines that set FLEET_NODE_RANK on a node of a multi-node launch whose nodes
+        share one start script; None where each node is started with its own (its rank in it)."""
+        return None
 
     # --- tags --------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from broker.spec import SpecError, parse_spec_text
-from policies.models import Accelerator, Market
+from policies.models import STORE_SCHEMES, Accelerator, Market
 from providers import bootstrap, catalog, registry
 from providers.base import LaunchRequest, NotConfiguredError
 from providers.fleet import FleetFile
@@ -54,6 +54,7 @@ def test_every_cloud_lives_in_its_own_folder() -> None:
     for home, (name, cloud) in zip(registry.HOMES, registry.clouds().items(), strict=True):
         assert home == f"providers.{name}" and (ROOT / "providers" / name / "__init__.py").exists()
         assert cloud.region_problem(cloud.region_example) is None
+        assert cloud.object_store in (None, *STORE_SCHEMES)  # a store a task's bucket may name
 
 
 ACME = '''

@@ -22,6 +22,7 @@ class Aws(Cloud):
     aliases = ("amazon", "ec2")
     region_shape = re.compile(r"^[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-\d+$")  # us-gov-west-1
     region_example = "us-east-1"
+    object_store = "s3"
     notice = (Env.NOTICE_AWS_URL,
               "http://169.254.169.254/latest/meta-data/spot/instance-action")
     not_configured = (
@@ -73,6 +74,12 @@ class Aws(Cloud):
         from providers.aws.refresh import offers_now
 
         return offers_now()
+
+    def rank_step(self) -> str:
+        """One RunInstances makes every node of a launch, with one user data."""
+        from providers.aws.start import rank_step
+
+        return rank_step()
 
     def provider(self, **options: Any) -> Provider:
         from providers.aws.provider import AwsProvider

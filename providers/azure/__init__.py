@@ -21,6 +21,7 @@ class Azure(Cloud):
     aliases = ("microsoft", "az")
     region_shape = re.compile(r"^[a-z]*(east|west|north|south|central)[a-z]*\d?$")  # eastus2
     region_example = "eastus"
+    object_store = "azure"
     notice = (Env.NOTICE_AZURE_URL,
               "http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01")
     not_configured = (

@@ -19,6 +19,7 @@ class Gcp(Cloud):
     aliases = ("google", "gce")
     region_shape = re.compile(r"^[a-z]+-[a-z]+\d+$")  # europe-west4
     region_example = "europe-west4"
+    object_store = "gcs"
     notice = (Env.NOTICE_GCP_URL,
               "http://metadata.google.internal/computeMetadata/v1/instance/preempted")
     not_configured = (
