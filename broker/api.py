@@ -15,11 +15,12 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
 import redis
-from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request, Security
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from starlette.datastructures import Headers
@@ -217,6 +218,21 @@ class LaunchBody(BaseModel):
     secrets: dict[str, SecretStr] = Field(default_factory=dict, max_length=256)
 
 
+# Every token goes in the Authorization header. Each auth dependency below names the roles it
+# lets through as this scheme's "scopes", so the OpenAPI document says who may call each
+# operation (OpenAPI 3.1: role names for a non-OAuth scheme); an operation without it is public.
+BEARER = HTTPBearer(auto_error=False, scheme_name="bearer",
+                    description="a team's, the admin's, an agent's (or a job attempt's) or a "
+                                "metrics token (docs/security.md)")
+
+
+def Documented(*roles: Role) -> Any:
+    """A dependency parameter that documents ``roles`` as the operation's security; the
+    dependency it is on still checks them (auto_error off: it never answers by itself)."""
+    return Annotated[HTTPAuthorizationCredentials | None,
+                     Security(BEARER, scopes=[r.value for r in roles])]
+
+
 def resize_owed(job: JobRecord | None, attempt: int, world_size: int) -> int | None:
     """The workers a running attempt's node owes since the broker resized it in place
     (``transitions.resized_in_place``), while rank 0 still reports another world size."""
@@ -265,25 +281,29 @@ def build_app(store: Store, config: ApiConfig, *,
             raise unauthenticated(authorization)
         return who
 
-    async def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def user(who: Annotated[Principal, Depends(principal)],
+                   _: Documented(Role.ADMIN, Role.TEAM)) -> Principal:
         if who.role is Role.AGENT:
             raise Forbidden("an agent token may only post heartbeats and rendezvous visits")
         if who.role is Role.METRICS:
             raise Forbidden("a metrics token may only read /metrics")
         return who
 
-    async def scraper(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def scraper(who: Annotated[Principal, Depends(principal)],
+                      _: Documented(Role.ADMIN, Role.METRICS)) -> Principal:
         if who.role not in (Role.ADMIN, Role.METRICS):
             raise Forbidden("/metrics needs the admin token or a metrics token "
                             f"({BrokerEnv.METRICS_TOKEN}, or api.tokens: {{metrics: true, ...}})")
         return who
 
-    async def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def admin(who: Annotated[Principal, Depends(principal)],
+                    _: Documented(Role.ADMIN)) -> Principal:
         if who.role is not Role.ADMIN:
             raise Forbidden("this needs an admin token")
         return who
 
-    async def reporter(authorization: Annotated[str | None, Header()] = None,
+    async def reporter(_: Documented(Role.ADMIN, Role.AGENT),
+                       authorization: Annotated[str | None, Header()] = None,
                        ) -> tuple[str, Principal | None]:
         """An agent endpoint's caller: the fleet's agent or admin token (operators), or what may
         be an attempt token (checked against the body's job and attempt by ``for_attempt``),
