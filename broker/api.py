@@ -107,7 +107,8 @@ _ERROR_WHY = {
     403: "the token's role or team may not do this",
     404: "no such job, team or region visible to this token",
     409: "the job is not in a state that allows this",
-    413: "the request body is over the broker's limit (api.max_body_bytes)",
+    413: "the request body is over the broker's limit (api.max_body_bytes), or an upload "
+         "over the team's quota of kept packs (api.blob_quota_bytes)",
     415: "the body's content type is not a job spec",
     422: "invalid input: one problem per field, with the limit or the fix",
     503: "the broker's state store (Redis) is unavailable",
@@ -412,7 +413,7 @@ def build_app(store: Store, config: ApiConfig, *,
         team = _submit_team(spec, who)
         if spec.team != team:
             spec = spec.model_copy(update={"team": team})
-        _check_files(spec, blobs)
+        _check_files(spec, team, blobs)
         sealed = None
         if parsed.secrets:
             if sealer is None:
@@ -433,14 +434,22 @@ def build_app(store: Store, config: ApiConfig, *,
                   "application/octet-stream": {"schema": {"type": "string", "format": "binary",
                                                           "minLength": 18}}}}})
     async def put_blob(request: Request, who: User) -> dict[str, Any]:
-        """Body: the tar.gz ``fleet launch`` packs; returns its ``ref`` for the spec."""
+        """Body: the tar.gz ``fleet launch`` packs; returns its ``ref`` for the spec. It counts
+        towards the team's quota of kept packs (``api.blob_quota_bytes``)."""
         if blobs is None:
             raise InvalidInput("this broker keeps no files; launch without workdir and local "
                            "file_mounts, or start it with a state dir (fleet up)")
-        data = await request.body()
-        if data[:2] != b"\x1f\x8b":
-            raise InvalidInput("the body is not gzip data; send what `fleet launch` packs")
-        return {"ref": await run_in_threadpool(blobs.put, data), "bytes": len(data)}
+        upload = await run_in_threadpool(blobs.upload, who.team)
+        try:
+            # chunk by chunk to disk: a 100 MB pack never sits in memory (BodyLimit still
+            # stops the stream at the per-request limit)
+            async for chunk in request.stream():
+                if chunk:
+                    await run_in_threadpool(upload.write, chunk)
+            ref = await run_in_threadpool(upload.commit)
+        finally:
+            await run_in_threadpool(upload.abort)
+        return {"ref": ref, "bytes": upload.size}
 
     @app.get("/v1/agent/blobs/{digest}", tags=["agent"], responses=_READ,
              response_class=FileResponse,
@@ -455,7 +464,7 @@ def build_app(store: Store, config: ApiConfig, *,
         if job is None or ref not in {job.spec.workdir, *(m.source for m in
                                                           job.spec.file_mounts)}:
             raise NotFound(f"job {job_id!r} has no file {ref}")
-        path = blobs.path(digest) if blobs is not None else None
+        path = blobs.path(digest, job.team) if blobs is not None else None
         if path is None:
             raise NotFound(f"{ref} is not kept here; launch the job again")
         return FileResponse(path, media_type="application/gzip")
@@ -645,7 +654,7 @@ def readiness(store: Store) -> tuple[bool, str, int | None]:
     return True, "", leader[0]
 
 
-def _check_files(spec: JobSpec, blobs: BlobStore | None) -> None:
+def _check_files(spec: JobSpec, team: str, blobs: BlobStore | None) -> None:
     """A submitted spec's workdir and file mounts: packed and kept here, or remote."""
     problems = []
     for field, source in [("workdir", spec.workdir),
@@ -658,7 +667,7 @@ def _check_files(spec: JobSpec, blobs: BlobStore | None) -> None:
                 "a local path the broker cannot read: submit with `fleet launch`, which packs "
                 "it and uploads it (POST /v1/blobs), and give the ref it returns")))
         elif source.startswith(BLOB_PREFIX) and (
-                blobs is None or blobs.path(source.removeprefix(BLOB_PREFIX)) is None):
+                blobs is None or blobs.path(source.removeprefix(BLOB_PREFIX), team) is None):
             problems.append(Problem(field=field, value=source, message=(
                 "not kept by this broker; upload it first (POST /v1/blobs)")))
     if problems:
