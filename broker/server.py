@@ -46,6 +46,13 @@ from providers.local.provider import write_private
 
 log = logging.getLogger(__name__)
 
+# What `fleet up` says once at start when its local jobs run as its own user (docs/security.md).
+JOBS_AS_BROKER_USER = (
+    "local jobs run as the broker's own user: a job can read %s (tokens.json with the admin "
+    "token and agent key, the Redis password) and act as the admin; run `fleet up` as root so "
+    "local jobs run as an unprivileged user (FLEET_JOB_USER, default nobody), or run untrusted "
+    "teams' jobs on cloud nodes (docs/security.md)")
+
 # How often a replica looks for packs to delete: a listing of the active jobs, so not every
 # round; what an operator tunes is how long an unneeded pack stays (blob_retention_s).
 BLOB_SWEEP_S = 60.0
@@ -614,6 +621,9 @@ class Stack:
         except Exception:
             self.stop()  # no embedded redis-server left behind
             raise
+        local = self.broker.provider.local
+        if local is not None and local.job_user is None:
+            log.warning(JOBS_AS_BROKER_USER, state)
         app = build_app(self.broker.store, api_config, ceiling=self.broker.provider.ceiling,
                         sealer=Sealer.load(state), blobs=blobs)
         self._server = uvicorn.Server(uvicorn.Config(
