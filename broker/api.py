@@ -15,11 +15,12 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
 import redis
-from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request, Security
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from starlette.datastructures import Headers
@@ -106,7 +107,8 @@ _ERROR_WHY = {
     403: "the token's role or team may not do this",
     404: "no such job, team or region visible to this token",
     409: "the job is not in a state that allows this",
-    413: "the request body is over the broker's limit (api.max_body_bytes)",
+    413: "the request body is over the broker's limit (api.max_body_bytes), or an upload "
+         "over the team's quota of kept packs (api.blob_quota_bytes)",
     415: "the body's content type is not a job spec",
     422: "invalid input: one problem per field, with the limit or the fix",
     503: "the broker's state store (Redis) is unavailable",
@@ -217,6 +219,21 @@ class LaunchBody(BaseModel):
     secrets: dict[str, SecretStr] = Field(default_factory=dict, max_length=256)
 
 
+# Every token goes in the Authorization header. Each auth dependency below names the roles it
+# lets through as this scheme's "scopes", so the OpenAPI document says who may call each
+# operation (OpenAPI 3.1: role names for a non-OAuth scheme); an operation without it is public.
+BEARER = HTTPBearer(auto_error=False, scheme_name="bearer",
+                    description="a team's, the admin's, an agent's (or a job attempt's) or a "
+                                "metrics token (docs/security.md)")
+
+
+def Documented(*roles: Role) -> Any:
+    """A dependency parameter that documents ``roles`` as the operation's security; the
+    dependency it is on still checks them (auto_error off: it never answers by itself)."""
+    return Annotated[HTTPAuthorizationCredentials | None,
+                     Security(BEARER, scopes=[r.value for r in roles])]
+
+
 def resize_owed(job: JobRecord | None, attempt: int, world_size: int) -> int | None:
     """The workers a running attempt's node owes since the broker resized it in place
     (``transitions.resized_in_place``), while rank 0 still reports another world size."""
@@ -265,25 +282,29 @@ def build_app(store: Store, config: ApiConfig, *,
             raise unauthenticated(authorization)
         return who
 
-    async def user(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def user(who: Annotated[Principal, Depends(principal)],
+                   _: Documented(Role.ADMIN, Role.TEAM)) -> Principal:
         if who.role is Role.AGENT:
             raise Forbidden("an agent token may only post heartbeats and rendezvous visits")
         if who.role is Role.METRICS:
             raise Forbidden("a metrics token may only read /metrics")
         return who
 
-    async def scraper(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def scraper(who: Annotated[Principal, Depends(principal)],
+                      _: Documented(Role.ADMIN, Role.METRICS)) -> Principal:
         if who.role not in (Role.ADMIN, Role.METRICS):
             raise Forbidden("/metrics needs the admin token or a metrics token "
                             f"({BrokerEnv.METRICS_TOKEN}, or api.tokens: {{metrics: true, ...}})")
         return who
 
-    async def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def admin(who: Annotated[Principal, Depends(principal)],
+                    _: Documented(Role.ADMIN)) -> Principal:
         if who.role is not Role.ADMIN:
             raise Forbidden("this needs an admin token")
         return who
 
-    async def reporter(authorization: Annotated[str | None, Header()] = None,
+    async def reporter(_: Documented(Role.ADMIN, Role.AGENT),
+                       authorization: Annotated[str | None, Header()] = None,
                        ) -> tuple[str, Principal | None]:
         """An agent endpoint's caller: the fleet's agent or admin token (operators), or what may
         be an attempt token (checked against the body's job and attempt by ``for_attempt``),
@@ -392,7 +413,7 @@ def build_app(store: Store, config: ApiConfig, *,
         team = _submit_team(spec, who)
         if spec.team != team:
             spec = spec.model_copy(update={"team": team})
-        _check_files(spec, blobs)
+        _check_files(spec, team, blobs)
         sealed = None
         if parsed.secrets:
             if sealer is None:
@@ -413,14 +434,22 @@ def build_app(store: Store, config: ApiConfig, *,
                   "application/octet-stream": {"schema": {"type": "string", "format": "binary",
                                                           "minLength": 18}}}}})
     async def put_blob(request: Request, who: User) -> dict[str, Any]:
-        """Body: the tar.gz ``fleet launch`` packs; returns its ``ref`` for the spec."""
+        """Body: the tar.gz ``fleet launch`` packs; returns its ``ref`` for the spec. It counts
+        towards the team's quota of kept packs (``api.blob_quota_bytes``)."""
         if blobs is None:
             raise InvalidInput("this broker keeps no files; launch without workdir and local "
                            "file_mounts, or start it with a state dir (fleet up)")
-        data = await request.body()
-        if data[:2] != b"\x1f\x8b":
-            raise InvalidInput("the body is not gzip data; send what `fleet launch` packs")
-        return {"ref": await run_in_threadpool(blobs.put, data), "bytes": len(data)}
+        upload = await run_in_threadpool(blobs.upload, who.team)
+        try:
+            # chunk by chunk to disk: a 100 MB pack never sits in memory (BodyLimit still
+            # stops the stream at the per-request limit)
+            async for chunk in request.stream():
+                if chunk:
+                    await run_in_threadpool(upload.write, chunk)
+            ref = await run_in_threadpool(upload.commit)
+        finally:
+            await run_in_threadpool(upload.abort)
+        return {"ref": ref, "bytes": upload.size}
 
     @app.get("/v1/agent/blobs/{digest}", tags=["agent"], responses=_READ,
              response_class=FileResponse,
@@ -435,7 +464,7 @@ def build_app(store: Store, config: ApiConfig, *,
         if job is None or ref not in {job.spec.workdir, *(m.source for m in
                                                           job.spec.file_mounts)}:
             raise NotFound(f"job {job_id!r} has no file {ref}")
-        path = blobs.path(digest) if blobs is not None else None
+        path = blobs.path(digest, job.team) if blobs is not None else None
         if path is None:
             raise NotFound(f"{ref} is not kept here; launch the job again")
         return FileResponse(path, media_type="application/gzip")
@@ -625,7 +654,7 @@ def readiness(store: Store) -> tuple[bool, str, int | None]:
     return True, "", leader[0]
 
 
-def _check_files(spec: JobSpec, blobs: BlobStore | None) -> None:
+def _check_files(spec: JobSpec, team: str, blobs: BlobStore | None) -> None:
     """A submitted spec's workdir and file mounts: packed and kept here, or remote."""
     problems = []
     for field, source in [("workdir", spec.workdir),
@@ -638,7 +667,7 @@ def _check_files(spec: JobSpec, blobs: BlobStore | None) -> None:
                 "a local path the broker cannot read: submit with `fleet launch`, which packs "
                 "it and uploads it (POST /v1/blobs), and give the ref it returns")))
         elif source.startswith(BLOB_PREFIX) and (
-                blobs is None or blobs.path(source.removeprefix(BLOB_PREFIX)) is None):
+                blobs is None or blobs.path(source.removeprefix(BLOB_PREFIX), team) is None):
             problems.append(Problem(field=field, value=source, message=(
                 "not kept by this broker; upload it first (POST /v1/blobs)")))
     if problems:

@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from broker.errors import InvalidInput
+from broker.files import DEFAULT_BLOB_QUOTA_BYTES
 from broker.protocol import BrokerEnv
 from broker.spec import MAX_SPEC_BYTES
 from policies.models import check_name
@@ -98,6 +99,11 @@ class ApiConfig(BaseModel):
     max_body_bytes: int = Field(default=MAX_SPEC_BYTES + 4096, ge=1024, le=16 * 1024 * 1024,
                                 description="the largest request body the API reads")
     max_list: int = Field(default=10_000, ge=1, description="most jobs one listing returns")
+    blob_quota_bytes: int = Field(default=DEFAULT_BLOB_QUOTA_BYTES, ge=1,
+                                  description="the most bytes of packed workdirs and file "
+                                  "mounts (POST /v1/blobs) one team keeps in the state dir; an "
+                                  "upload past it is a 413 (broker.blob_retention_s says when "
+                                  "unneeded packs are deleted)")
     # The key attempt tokens are made with (the broker's agent key); set at start, never in a file.
     attempt_key: SecretStr | None = Field(default=None, exclude=True)
 

@@ -37,7 +37,7 @@ from broker.spec import Problem, preview
 # its Redis and its fleet file are ``fleet up``'s flags; its identity and tokens are its own).
 BROKER_KEYS = ("tick_s", "lease_ttl_s", "lease_stall_s", "heartbeat_interval_s",
                "blocklist_decay_s", "refusal_decay_s", "quick_reclaim_s", "final_report_wait_s",
-               "launch_deadline_s", "rendezvous_margin_s", "confirm_durable")
+               "launch_deadline_s", "rendezvous_margin_s", "confirm_durable", "blob_retention_s")
 
 BrokerSection = create_model(  # type: ignore[call-overload]
     "BrokerSection",
@@ -62,7 +62,7 @@ class BrokerSettings(BaseSettings):
     broker: BrokerSection = Field(default_factory=BrokerSection)  # type: ignore[valid-type]
     api: dict[str, Any] = Field(
         default_factory=dict, description="tokens ({team|admin|agent, token|token_sha256}), "
-        "max_body_bytes, max_list (docs/security.md)")
+        "max_body_bytes, max_list, blob_quota_bytes (docs/security.md)")
 
     @field_validator("api")
     @classmethod

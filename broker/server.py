@@ -40,10 +40,22 @@ from broker.scheduler import Scheduler, SchedulerConfig
 from broker.sealed import Sealer
 from broker.store import Conflict, Plan, StaleFence, Store
 from policies.migration import DEFAULT_DECAY_S, DEFAULT_REFUSAL_DECAY_S
+from policies.models import BLOB_PREFIX
 from providers.fleet import FleetProvider, build_fleet_provider
 from providers.local.provider import write_private
 
 log = logging.getLogger(__name__)
+
+# What `fleet up` says once at start when its local jobs run as its own user (docs/security.md).
+JOBS_AS_BROKER_USER = (
+    "local jobs run as the broker's own user: a job can read %s (tokens.json with the admin "
+    "token and agent key, the Redis password) and act as the admin; run `fleet up` as root so "
+    "local jobs run as an unprivileged user (FLEET_JOB_USER, default nobody), or run untrusted "
+    "teams' jobs on cloud nodes (docs/security.md)")
+
+# How often a replica looks for packs to delete: a listing of the active jobs, so not every
+# round; what an operator tunes is how long an unneeded pack stays (blob_retention_s).
+BLOB_SWEEP_S = 60.0
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_FLEET = REPO / "examples" / "fleets" / "local.yaml"
@@ -96,6 +108,11 @@ class BrokerConfig(BaseModel):
         description="how much longer than launch_deadline_s a multi-node job's agents wait at "
         "the rendezvous for a round's group (a stand-in's launch and boot), so that the broker, "
         "not a survivor, decides a stand-in is not coming")
+    blob_retention_s: float = Field(default=3600.0, gt=0, description="a packed workdir or "
+                                    "file mount (POST /v1/blobs) that no queued or running job "
+                                    "references is deleted this long after its upload: the "
+                                    "time a client has between uploading a pack and submitting "
+                                    "its job")
 
 
 # The embedded server's users (redis.io/docs/latest/operate/oss_and_stack/management/security/acl).
@@ -311,10 +328,12 @@ class Broker:
     """The leader loop over a store and a provider."""
 
     def __init__(self, config: BrokerConfig, store: Store, provider: FleetProvider,
-                 skipped: dict[str, str] | None = None) -> None:
+                 skipped: dict[str, str] | None = None, blobs: BlobStore | None = None) -> None:
         self.config = config
         self.store = store
         self.provider = provider
+        self.blobs = blobs  # this replica's packs (each replica keeps what it was sent)
+        self._swept = -math.inf  # when this replica last deleted the packs no job needs
         self.skipped = skipped or {}  # declared clouds without credentials -> why
         secrets.register(config.agent_token)  # never in a stored reason
         self.scheduler = Scheduler(store, config.scheduler, priors=provider.interruption_priors,
@@ -350,6 +369,7 @@ class Broker:
     def step(self) -> bool:
         """One pass of the loop; returns whether this process is the leader."""
         self._announce()
+        self._sweep_blobs()
         self.fence = self.store.acquire_lease(self.config.owner, self.config.lease_ttl_s)
         if not self.fence:
             return False
@@ -378,6 +398,22 @@ class Broker:
             return
         self._announced = now
         self.store.announce_broker(url, ttl_s=3 * self.config.lease_ttl_s)
+
+    def _sweep_blobs(self) -> None:
+        """Delete this replica's packs that no job still waiting or running references, once
+        ``blob_retention_s`` old (every replica: each keeps the packs it was sent). A finished
+        job's packs go with it; a relaunch of a waiting job still finds its own."""
+        now = time.monotonic()
+        if self.blobs is None or now < self._swept + BLOB_SWEEP_S:
+            return
+        self._swept = now
+        active = self.store.list_jobs(states=[s for s in JobState if not s.terminal])
+        keep = {source.removeprefix(BLOB_PREFIX) for job in active
+                for source in (job.spec.workdir, *(m.source for m in job.spec.file_mounts))
+                if source and source.startswith(BLOB_PREFIX)}
+        removed = self.blobs.collect(keep, self.config.blob_retention_s)
+        if removed:
+            log.info("deleted %d packed file(s) no active job references", removed)
 
     def _locate_checkpoints(self) -> None:
         """Name the region of a waiting job's checkpoint bucket where its spec does not
@@ -494,16 +530,18 @@ def register_url_password(url: str) -> None:
         secrets.register(urllib.parse.unquote(urllib.parse.urlsplit(url).password or ""))
 
 
-def build_broker(config: BrokerConfig, *, redis_url: str | None = None) -> Broker:
+def build_broker(config: BrokerConfig, *, redis_url: str | None = None,
+                 blobs: BlobStore | None = None) -> Broker:
     """A broker over ``redis_url`` (or ``config.redis_url``) with the fleet file's providers:
-    its local pretend regions and the declared clouds that have credentials."""
+    its local pretend regions and the declared clouds that have credentials; it deletes the
+    packs of ``blobs`` no active job needs."""
     url = redis_url or config.redis_url
     if url is None:
         raise InvalidInput("build_broker needs a redis URL; run_server starts an embedded one")
     provider, skipped = build_fleet_provider(config.fleet, config.state_dir, REPO,
                                              reason=secrets.reason)
     return Broker(config, Store.from_url(url, confirm_durable=config.confirm_durable),
-                  provider, skipped)
+                  provider, skipped, blobs)
 
 
 def drain(provider: FleetProvider) -> None:
@@ -577,13 +615,17 @@ class Stack:
                       .with_attempt_key(self.tokens["agent"]))
         config = self.config.model_copy(update={
             "redis_url": url, "broker_url": self.url, "agent_token": self.tokens["agent"]})
+        blobs = BlobStore(state / "blobs", api_config.blob_quota_bytes)
         try:
-            self.broker = build_broker(config)
+            self.broker = build_broker(config, blobs=blobs)
         except Exception:
             self.stop()  # no embedded redis-server left behind
             raise
+        local = self.broker.provider.local
+        if local is not None and local.job_user is None:
+            log.warning(JOBS_AS_BROKER_USER, state)
         app = build_app(self.broker.store, api_config, ceiling=self.broker.provider.ceiling,
-                        sealer=Sealer.load(state), blobs=BlobStore(state / "blobs"))
+                        sealer=Sealer.load(state), blobs=blobs)
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=self.host, port=self.port, log_level="warning", access_log=False,
             lifespan="off", log_config=None))  # its records go to broker.logs' handler

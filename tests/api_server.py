@@ -13,12 +13,14 @@ from fastapi import FastAPI
 
 from broker.api import build_app
 from broker.auth import ApiConfig, hash_token
+from broker.files import BlobStore
 from broker.store import Store
 from tests.redis_server import RedisServer, free_port
 
-# Test tokens: an admin, two teams (one configured by hash) and the agents'.
+# Test tokens: an admin, two teams (one configured by hash), the agents' and a scraper's.
 TOKENS = {"admin": "admin-token-0123456789", "ml": "ml-team-token-0123456789",
-          "vision": "vision-token-0123456789", "agent": "agent-token-0123456789"}
+          "vision": "vision-token-0123456789", "agent": "agent-token-0123456789",
+          "metrics": "metrics-token-0123456789"}
 
 
 def api_config() -> ApiConfig:
@@ -27,18 +29,20 @@ def api_config() -> ApiConfig:
         {"team": "ml", "token": TOKENS["ml"]},
         {"team": "vision", "token_sha256": hash_token(TOKENS["vision"])},
         {"agent": True, "token": TOKENS["agent"]},
+        {"metrics": True, "token": TOKENS["metrics"]},
     ], "max_body_bytes": 64 * 1024}).with_attempt_key(TOKENS["agent"])
 
 
 @contextmanager
 def api_stack(tmp: Path) -> Iterator[tuple[ApiServer, Store]]:
-    """A redis-server and the API over it on loopback, both stopped on exit."""
+    """A redis-server and the API over it on loopback (keeping packs under ``tmp/blobs``),
+    both stopped on exit."""
     redis = RedisServer(tmp / "redis")
     redis.start()
     srv = None
     try:
         store = Store.from_url(redis.url)
-        srv = ApiServer(build_app(store, api_config())).start()
+        srv = ApiServer(build_app(store, api_config(), blobs=BlobStore(tmp / "blobs"))).start()
         yield srv, store
     finally:
         if srv is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,20 +117,93 @@ def test_teams_see_only_their_jobs_admin_sees_all(server: ApiServer, store: Stor
         assert {e["job_id"] for e in c.get("/v1/events").json()["events"]} == {mine, theirs}
 
 
-@pytest.mark.parametrize(("method", "path"), [
-    ("GET", "/v1/jobs"), ("POST", "/v1/jobs"), ("GET", "/v1/jobs/x-1"),
-    ("POST", "/v1/jobs/x-1/cancel"), ("GET", "/v1/jobs/x-1/logs"), ("GET", "/v1/capacity"),
-    ("GET", "/v1/events"), ("POST", "/v1/agent/heartbeat"), ("POST", "/v1/agent/rendezvous"),
-    ("POST", "/v1/chaos/preempt"), ("POST", "/v1/chaos/node"),
-])
-def test_unauthenticated_is_401(server: ApiServer, store: Store, method: str,
-                                path: str) -> None:
-    for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"},
-                    {"Authorization": f"Basic {TOKENS['admin']}"}):
-        r = httpx.request(method, server.url + path, headers=headers, content=SPEC)
-        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        assert "Authorization: Bearer" in r.json()["error"]["message"]
-    assert store.list_jobs() == []
+# Who may call each operation: the roles of the tokens it takes (none: no token needed). An
+# operation the app documents without an entry here fails the matrix test.
+PUBLIC: frozenset[str] = frozenset()
+USERS = frozenset({"admin", "team"})
+AGENTS = frozenset({"admin", "agent"})
+ALLOWED = {
+    ("GET", "/healthz"): PUBLIC, ("GET", "/readyz"): PUBLIC,
+    ("GET", "/metrics"): frozenset({"admin", "metrics"}),
+    ("POST", "/v1/jobs"): USERS, ("GET", "/v1/jobs"): USERS, ("POST", "/v1/jobs/preview"): USERS,
+    ("GET", "/v1/jobs/{job_id}"): USERS, ("POST", "/v1/jobs/{job_id}/cancel"): USERS,
+    ("GET", "/v1/jobs/{job_id}/logs"): USERS, ("POST", "/v1/blobs"): USERS,
+    ("GET", "/v1/capacity"): USERS, ("GET", "/v1/costs"): USERS, ("GET", "/v1/events"): USERS,
+    ("GET", "/v1/costs/series"): USERS, ("GET", "/v1/recoveries"): USERS,
+    ("GET", "/v1/prices"): USERS,
+    ("GET", "/v1/agent/blobs/{digest}"): AGENTS, ("POST", "/v1/agent/heartbeat"): AGENTS,
+    ("POST", "/v1/agent/rendezvous"): AGENTS,
+    ("POST", "/v1/chaos/preempt"): frozenset({"admin"}),
+    ("POST", "/v1/chaos/node"): frozenset({"admin"}),
+}
+ROLE = {"admin": "admin", "ml": "team", "vision": "team", "agent": "agent", "metrics": "metrics"}
+PACK = gzip.compress(b"print('hi')\n")
+
+
+def _request(method: str, path: str, op: dict, job_id: str, digest: str) -> dict:
+    """The operation's request for team ml's running job: path and required query parameters
+    filled, and a body it takes (so an allowed caller gets a 2xx)."""
+    values = {"job_id": job_id, "digest": digest, "attempt": 1}
+    query = {p["name"]: values[p["name"]] for p in op.get("parameters", [])
+             if p["in"] == "query" and p.get("required")}
+    url = path.format(**values)
+    bodies: dict[tuple[str, str], dict] = {
+        ("POST", "/v1/jobs"): {"content": SPEC, "headers": {"Content-Type": "application/yaml"}},
+        ("POST", "/v1/jobs/preview"): {"content": SPEC,
+                                       "headers": {"Content-Type": "application/yaml"}},
+        ("POST", "/v1/blobs"): {"content": PACK},
+        ("POST", "/v1/agent/heartbeat"): {"json": {"job_id": job_id, "attempt": 1}},
+        ("POST", "/v1/agent/rendezvous"): {"json": {"job_id": job_id, "attempt": 1, "round": 0,
+                                                    "node_rank": 0, "addr": "10.0.0.5:29500"}},
+        ("POST", "/v1/chaos/preempt"): {"json": {"region": "east"}},
+        ("POST", "/v1/chaos/node"): {"json": {"job_id": job_id}},
+    }
+    return {"method": method, "url": url, "params": query, **bodies.get((method, path), {})}
+
+
+def test_authorization_matrix(server: ApiServer, store: Store) -> None:
+    """Every operation of the app's own OpenAPI document, called by no token, a wrong one, the
+    admin's token sent as Basic, both teams, the agent, the scraper and the admin, over team
+    ml's running job: 401 without a valid bearer token, 403 for a role it does not take, 404
+    for the other team's job, a 2xx for the rest, never a 5xx; and the document names the roles
+    of each (its security) as this table does."""
+    ops = {(m.upper(), path): op for path, item in build_app(store, api_config()).openapi()[
+        "paths"].items() for m, op in item.items()}
+    assert set(ops) == set(ALLOWED), "each operation needs its entry in ALLOWED"
+    tokens = {None: None, "wrong": "Bearer wrong-token-0123456789",
+              "basic": f"Basic {TOKENS['admin']}",
+              **{who: f"Bearer {TOKENS[who]}" for who in ROLE}}
+    for (method, path), op in ops.items():
+        allowed = ALLOWED[(method, path)]
+        documented = set(op["security"][0]["bearer"]) if "security" in op else set()
+        assert documented == allowed, (method, path)
+        store.r.flushdb()
+        store.set_pools(POOLS)
+        store.acquire_lease("matrix", 60)  # /readyz: a leader holds the lease
+        with client(server, "ml") as c:
+            ref = c.post("/v1/blobs", content=PACK).json()["ref"]
+        job_id = submit(server, "ml", SPEC + f"workdir: {ref}\n").json()["job"]["id"]
+        change(store, job_id, JobState.LAUNCHING, attempt=1, gpus=1)
+        change(store, job_id, JobState.RUNNING)
+        request = _request(method, path, op, job_id, ref.removeprefix("blob:sha256:"))
+        own_job = "job_id" in path or "job_id" in request["params"]
+        for who, header in tokens.items():
+            headers = {**request.get("headers", {}), **({"Authorization": header} if header
+                                                        else {})}
+            r = httpx.request(**{**request, "url": server.url + request["url"],
+                                 "headers": headers}, timeout=10)
+            where = (method, path, who, r.status_code, r.text[:200])
+            assert r.status_code < 500, where
+            if not allowed:
+                assert r.status_code == 200, where
+            elif who not in ROLE:
+                assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", where
+            elif ROLE[who] not in allowed:
+                assert r.status_code == 403, where
+            elif who == "vision" and own_job:
+                assert r.status_code == 404 and job_id in r.text, where
+            else:
+                assert 200 <= r.status_code < 300, where
 
 
 def test_roles(server: ApiServer, store: Store) -> None:

@@ -4,6 +4,7 @@ redis-server on PATH it prints the install hint and exits 2."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -12,8 +13,10 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
+from broker.server import BrokerConfig, Stack
 from tests.redis_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,3 +100,17 @@ def test_fleet_up_without_redis_server_gives_the_install_hint(tmp_path: Path) ->
     err = " ".join(got.stderr.split())  # the console wraps long lines
     assert "redis-server not found" in err and "apt-get install redis-server" in err
     assert "Traceback" not in got.stderr
+
+
+def test_fleet_up_warns_once_when_local_jobs_run_as_its_user(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """FLEET_JOB_USER=root (as a broker that is not root): its jobs can read its state."""
+    monkeypatch.setenv("FLEET_JOB_USER", "root")
+    stack = Stack(BrokerConfig(state_dir=tmp_path / "state"), port=0)
+    with caplog.at_level(logging.WARNING, logger="broker.server"):
+        stack.start()
+        stack.stop()
+    said = [r.getMessage() for r in caplog.records if "broker's own user" in r.getMessage()]
+    assert len(said) == 1, said
+    assert str(tmp_path / "state") in said[0] and "tokens.json" in said[0]
+    assert "run `fleet up` as root" in said[0] and "cloud nodes" in said[0]
