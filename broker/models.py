@@ -139,6 +139,13 @@ class JobRecord(BaseModel):
     # plain script, which a move, resize or preemption restarts from the beginning; None: not
     # known yet (no heartbeat has said).
     resumable: bool | None = None
+    # Does a resize on its node keep its workers' processes (its agent saw the runtime's own
+    # loop re-form the group in place)? False or None (not known yet): the resize costs a
+    # checkpoint and restart, and the scheduler prices it so.
+    resize_in_place: bool | None = None
+    # Must its global batch divide evenly over its workers (a framework integration that
+    # averages equal micro-batches refuses any other)? The choice table then offers only such.
+    even_batch: bool | None = None
     failures: int = 0
     rescales: int = 0
     migrations: int = 0

@@ -162,7 +162,8 @@ _LAUNCH_KEY_FIELD = Field(
 # What a heartbeat takes from the runtime's progress file, when the file has it (a field the
 # node does not know is left out: the broker keeps what it has).
 PROGRESS_FIELDS = ("step", "samples_done", "samples_per_sec", "world_size", "global_batch_size",
-                   "checkpoint_step", "checkpoint_bytes", "checkpoint_seconds", "grad_noise_scale")
+                   "checkpoint_step", "checkpoint_bytes", "checkpoint_seconds", "grad_noise_scale",
+                   "even_batch")
 
 
 class Heartbeat(BaseModel):
@@ -200,6 +201,18 @@ class Heartbeat(BaseModel):
         "runtime or a supported framework with checkpoints on (true: a move resumes where it "
         f"stopped), or ran {Env.PROGRESS_GRACE} seconds without (false: a plain script, which a "
         "move, resize or preemption restarts from the beginning); absent: not known yet")
+    resize_in_place: bool | None = Field(
+        default=None, description="whether a resize on the job's node keeps its workers' "
+        "processes (true: one node, one worker per GPU, and the runtime's own loop over a DDP "
+        "or plain model re-forms the group in place; false: the agent checkpoints and restarts "
+        "the workers at the new size, as for a framework integration, an FSDP model or a "
+        "plain script); absent: not known yet, which the scheduler prices as a restart")
+    even_batch: bool | None = Field(
+        default=None, description="whether the job needs a global batch that divides evenly "
+        "over its workers (true for the Hugging Face and Lightning integrations, which average "
+        "equal micro-batches: the scheduler then offers only such batches); false or absent: "
+        "any batch of at least one sample per worker (the runtime's own loop weighs uneven "
+        "shares)")
     accelerator: Accelerator | None = Field(
         default=None, description=f"the node's accelerator type ({Env.ACCELERATOR}): the "
         "throughput measured is kept per type")

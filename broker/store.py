@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 _PROGRESS_FIELDS = (
     "samples_done", "samples_per_sec", "measured_gpus", "measured_batch_size", "checkpoint_step",
-    "checkpoint_bytes", "grad_noise_scale", "resumable",
+    "checkpoint_bytes", "grad_noise_scale", "resumable", "resize_in_place", "even_batch",
 )
 ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
 BLOCKLIST_KEY = "blocklist"  # the reclaimed spot locations (policies.migration.Blocklist JSON)
@@ -420,6 +420,7 @@ class Store:
                          global_batch_size: int | None = None,
                          checkpoint_step: int | None = None, checkpoint_bytes: int | None = None,
                          grad_noise_scale: float | None = None, resumable: bool | None = None,
+                         resize_in_place: bool | None = None, even_batch: bool | None = None,
                          accelerator: Accelerator | None = None,
                          exit_code: int | None = None, notice: str | None = None,
                          error: str | None = None, **_: Any) -> Directive:
@@ -436,13 +437,19 @@ class Store:
         node's ``accelerator`` (the scheduler's job model is fitted to it), with the gradient
         noise scale the runtime measured, and whether a move resumes the job (``resumable``:
         the agent tells it from the runtime's progress file; a plain script restarts from the
-        beginning), kept across attempts: the script does not change."""
+        beginning), kept across attempts: the script does not change. So are what the runtime
+        reports of its loop: whether a resize on the node keeps the workers' processes
+        (``resize_in_place``: the scheduler prices the resize by it) and whether the global
+        batch must divide evenly over the workers (``even_batch``: the choice table offers only
+        such batches)."""
         progress = _progress_values(samples_done, samples_per_sec, world_size,
                                     global_batch_size, checkpoint_step, checkpoint_bytes)
         if grad_noise_scale is not None:
             progress["grad_noise_scale"] = float(grad_noise_scale)
-        if resumable is not None:
-            progress["resumable"] = bool(resumable)
+        for name, flag in (("resumable", resumable), ("resize_in_place", resize_in_place),
+                           ("even_batch", even_batch)):
+            if flag is not None:
+                progress[name] = bool(flag)
         if samples_per_sec and world_size and global_batch_size and accelerator is not None:
             key = measurement_key(accelerator, int(world_size), int(global_batch_size))
             progress[f"m:{key}"] = float(samples_per_sec)

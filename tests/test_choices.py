@@ -1,5 +1,6 @@
-"""The live round's type choice (``policies.choices.assign_types``) against a joint MILP, and the
-spot baselines' choice tables (``broker.sim.baselines``)."""
+"""The live round's type choice (``policies.choices.assign_types``) against a joint MILP, its
+choice table for a job that needs an even batch split, and the spot baselines' choice tables
+(``broker.sim.baselines``)."""
 
 import math
 import random
@@ -22,7 +23,7 @@ from broker.sim.engine import Assignment, SimState
 from broker.sim.workload import WorkloadJob
 from policies.choices import TypeCapacity, assign_types, placement_for
 from policies.elastic_dp import Choice, JobChoices, allocate
-from policies.models import Accelerator
+from policies.models import Accelerator, BatchMode, BatchRange, GpuRange, JobSpec
 from providers.measurements import load_application
 
 T4 = TypeCapacity(Accelerator.T4, 16, 4)
@@ -65,6 +66,32 @@ def test_a_baseline_job_keeps_its_type_while_it_runs() -> None:
     new = BaselineAllocator(fleet, {Accelerator.T4: 4, Accelerator.A100: 8}, False,
                             ChoiceTables()).schedule([job])["c"]
     assert new is not None and new.accelerator is Accelerator.T4
+
+
+def _integration_job(mode: BatchMode, even: bool | None) -> JobRecord:
+    spec = JobSpec(name="hf", run="true", accelerators=[Accelerator.T4],
+                   gpus=GpuRange(min=1, max=8), batch_mode=mode, work_samples=10**7,
+                   batch_size=BatchRange(min=32, max=512, default=64))
+    return JobRecord(id="hf", spec=spec, team="t", even_batch=even)
+
+
+@pytest.mark.parametrize("mode", [BatchMode.FIXED, BatchMode.ELASTIC])
+def test_a_job_that_needs_an_even_split_gets_only_batches_its_gpu_count_divides(
+        mode: BatchMode) -> None:
+    """A Hugging Face or Lightning job (its agent reported even_batch) refuses a global batch
+    its world size does not divide. Fixed at 64, it is offered no 3, 5, 6 or 7 GPUs; elastic,
+    each count's batch is a multiple of it in the job's range (3 GPUs: one of 63, 126, 255,
+    510, the powers of two rounded down). A job without the constraint is offered 3 GPUs at a
+    batch 3 does not divide: every candidate there is a power of two."""
+    plain = {c.gpus: c.batch_size for c in job_choices(_integration_job(mode, None),
+                                                       Policy.ELASTIC, 8)}
+    even = {c.gpus: c.batch_size for c in job_choices(_integration_job(mode, True),
+                                                      Policy.ELASTIC, 8)}
+    assert plain[3] % 3 and all(b % g == 0 for g, b in even.items()), even
+    if mode is BatchMode.FIXED:
+        assert even == {1: 64, 2: 64, 4: 64, 8: 64} and plain[3] == 64
+    else:
+        assert set(even) == set(plain) == set(range(1, 9)) and even[3] in (63, 126, 255, 510)
 
 
 FLEET = {Accelerator.T4: 8, Accelerator.RTX2080TI: 8, Accelerator.A100: 8}

@@ -15,7 +15,15 @@ from broker.scheduler import Admission, Marks, SchedulerConfig, placement_reques
 from broker.scheduler.round import paused_gc
 from broker.store import Snapshot
 from policies.elastic_dp import Choice
-from policies.models import Accelerator, BatchRange, GpuRange, JobSpec, Market, Pool
+from policies.models import (
+    Accelerator,
+    BatchMode,
+    BatchRange,
+    GpuRange,
+    JobSpec,
+    Market,
+    Pool,
+)
 
 NOW = 1_000_000.0
 
@@ -149,6 +157,27 @@ def test_a_plain_script_stays_where_a_resumable_job_would_move() -> None:
         moved[resumable] = [(_intent(i)["kind"], _intent(i)["pool"]) for i in
                             res.plan.intents_add]
     assert moved == {True: [("migrate", cheap.id)], False: []}
+
+
+def test_only_a_job_that_resizes_in_place_is_priced_at_the_in_place_cost() -> None:
+    """A job runs on 4 of its one node's 8 GPUs at a fixed batch; the others are idle. With a
+    restart worth a third of the plan's horizon (restart_s 600 of 1800), the grow to 8 is a
+    smaller gain than that (at most 2 ** 0.25): a job whose agent said its workers re-form in
+    place grows on its node (it costs resize_in_place_s), one whose agent said they restart (a
+    framework integration, FSDP), or that has not said yet, keeps its 4 GPUs."""
+    node = pool("aws", Accelerator.T4, 8)
+    spec = job("a", [Accelerator.T4]).spec.model_copy(update={
+        "batch_size": BatchRange(min=32, max=512, default=512), "batch_mode": BatchMode.FIXED})
+    config = SchedulerConfig(restart_s=600.0)
+    assert config.resize_in_place_s < 1  # the measured figure, not the restart
+    grown = {}
+    for in_place in (True, False, None):
+        running = job("a", [Accelerator.T4], state=JobState.RUNNING, at=node, gpus=4).model_copy(
+            update={"spec": spec, "samples_done": 5120, "resize_in_place": in_place})
+        res = plan_round(Snapshot([running], [node], []), 1, config, NOW)
+        grown[in_place] = [(_intent(i)["kind"], _intent(i)["gpus"]) for i in
+                           res.plan.intents_add]
+    assert grown == {True: [("resize-in-place", "8")], False: [], None: []}
 
 
 def test_a_round_holds_the_collector_off_and_gives_it_back() -> None:

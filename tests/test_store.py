@@ -233,9 +233,11 @@ def test_a_record_reads_back_with_its_progress_over_its_doc() -> None:
                     samples_done=5)
     got = _decode_job(_doc(rec), "running", "7", ["samples_done", "42", "m:T4/2/64", "12.5",
                                                    "grad_noise_scale", "2.5", "resumable",
-                                                   "true", "exit:1:0:0", "0"])
+                                                   "true", "resize_in_place", "false",
+                                                   "even_batch", "true", "exit:1:0:0", "0"])
     assert got == rec.model_copy(update={
         "state": JobState.RUNNING, "version": 7, "samples_done": 42,
-        "measured": {"T4/2/64": 12.5}, "grad_noise_scale": 2.5, "resumable": True})
+        "measured": {"T4/2/64": 12.5}, "grad_noise_scale": 2.5, "resumable": True,
+        "resize_in_place": False, "even_batch": True})
     nan = _decode_job(_doc(rec), "running", "7", ["samples_per_sec", "NaN"])
     assert nan.samples_per_sec is not None and math.isnan(nan.samples_per_sec)

@@ -405,12 +405,7 @@ class Agent:
         if not progress and n < c.nproc and young:
             return  # no progress yet: a shrink waits for it
         self.resize_to = None
-        why = ("a multi-node job" if self.nnodes > 1 else
-               "one process per node" if c.per_node else
-               "the workers cannot resize in place (not the runtime's own loop, or a sharded "
-               "model)" if
-               progress.get("resize_generation") is None and (progress or n < c.nproc) else
-               None)
+        why = self.not_in_place(progress, grow=n > c.nproc)
         if why is None:
             began = time.monotonic()
             why = self._resize_in_place(n)
@@ -422,6 +417,20 @@ class Agent:
                 return
         log(f"resize to {n} workers: {why}; restarting them from a checkpoint")
         c.nproc, self._restart = n, True
+
+    def not_in_place(self, progress: dict[str, Any], grow: bool = False) -> str | None:
+        """Why a resize cannot keep the workers' processes, or None where it can: one node, one
+        worker per GPU, and workers that run the runtime's own loop (rank 0's ``progress``
+        has ``resize_generation``; before any progress, a grow tries: the new worker says
+        whether it runs the runtime by getting ready in time)."""
+        if self.nnodes > 1:
+            return "a multi-node job"
+        if self.config.per_node:
+            return "one process per node"
+        if progress.get("resize_generation") is None and (progress or not grow):
+            return ("the workers cannot resize in place (not the runtime's own loop, or a "
+                    "sharded model)")
+        return None
 
     def _resize_in_place(self, n: int) -> str | None:
         """Grow: start the new workers, wait until they are past their imports, then order
@@ -614,6 +623,8 @@ class Agent:
         resumable = self.resumable(p, ended=exit_code is not None)
         if resumable is not None:
             body["resumable"] = resumable
+        if p:  # the broker prices a resize of this job by it (SchedulerConfig.resize_in_place_s)
+            body["resize_in_place"] = self.not_in_place(p) is None
         if c.accelerator and "samples_per_sec" in p:
             body["accelerator"] = c.accelerator
         if self.notice:

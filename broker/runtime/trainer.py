@@ -97,7 +97,9 @@ class Trainer:
 
     A framework that runs its own loop (``broker.runtime.integrations.hf``) takes its data from
     :meth:`batches` and calls :meth:`step_done`, :meth:`boundary` after each optimizer step and
-    :meth:`finish` at the end, as iterating the trainer does.
+    :meth:`finish` at the end, as iterating the trainer does. Such a framework that averages
+    equal micro-batches passes ``even_batch=True``: the progress file then says the job needs a
+    global batch that divides by the world size, and the broker offers only such batches.
 
     ``model`` is a DDP model, a model sharded with FSDP2's ``fully_shard`` (the optimizer built
     on its DTensor parameters), or a plain module.
@@ -126,9 +128,11 @@ class Trainer:
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         assignment: Assignment | None = None,
+        even_batch: bool = False,
     ) -> None:
         a = assignment or Assignment.from_env()
         self.assignment = a
+        self.even_batch = even_batch
         self.model, self.optimizer, self.dataset, self.scheduler = (
             model,
             optimizer,
@@ -753,6 +757,8 @@ class Trainer:
             # the in-place resizes done; None: this loop cannot resize in place (a framework
             # drives it, or the model is sharded), and the agent restarts its workers instead
             "resize_generation": self.generation if self._in_place else None,
+            # the framework driving this loop refuses a batch that does not split evenly
+            "even_batch": self.even_batch,
         }
         tmp = Path(f"{path}.tmp")
         tmp.write_text(json.dumps(record))

@@ -206,13 +206,17 @@ def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity:
                     continue
                 # Leaving the current config costs a restart; a size the job reaches in place
                 # on its node costs only the in-place resize, so it is favoured by the rest.
+                # Only a job whose agent said its workers re-form in place is priced so: the
+                # others (a framework integration, FSDP, not known yet) checkpoint and restart
+                # their workers on such a resize, a restart's loss.
                 restart = restart_s(job, config, now)
                 bonus = 1.0 + restart / config.restart_horizon_s
                 near = 1.0 + max(0.0, restart - config.resize_in_place_s) / \
                     config.restart_horizon_s
                 opts = [Choice(c.gpus, c.batch_size, c.value * bonus) if c in cur else
                         Choice(c.gpus, c.batch_size, c.value * near)
-                        if resizes_in_place(job, pool, c.gpus, c.batch_size) else c
+                        if job.resize_in_place and
+                        resizes_in_place(job, pool, c.gpus, c.batch_size) else c
                         for c in opts]
             out.append(JobChoices(job.id, opts))
         return out

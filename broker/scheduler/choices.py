@@ -120,7 +120,9 @@ def job_choices(job: JobRecord, policy: Policy, max_gpus: int,
                 exponent: float = 1.0) -> list[Choice]:
     """Each GPU count's best batch size on ``accelerator`` and its value: the speed-up over
     ``base`` samples/s (default: the job's best on one GPU of that type) to the power
-    ``exponent`` (``SchedulerConfig.speedup_exponent``), weighted by priority."""
+    ``exponent`` (``SchedulerConfig.speedup_exponent``), weighted by priority. A job whose
+    agent reported ``even_batch`` (a framework integration that refuses a global batch the
+    world size does not divide) is offered only batches that count divides."""
     spec = job.spec
     fixed = policy is not Policy.ELASTIC or spec.batch_mode.value == "fixed"
     lo, hi = spec.gpus.min, min(spec.gpus.max, max_gpus)
@@ -128,10 +130,11 @@ def job_choices(job: JobRecord, policy: Policy, max_gpus: int,
         hi = min(hi, lo)
     accelerator = accelerator or job_accelerator(job)
     memo = _memo(job)
-    key = (lo, hi, fixed, accelerator, base, exponent)
+    even = job.even_batch is True
+    key = (lo, hi, fixed, even, accelerator, base, exponent)
     if (table := memo.tables.get(key)) is None:
         b = spec.batch_size
-        table = memo.tables[key] = _choice_table(lo, hi, b.min, b.max, b.initial, fixed,
+        table = memo.tables[key] = _choice_table(lo, hi, b.min, b.max, b.initial, fixed, even,
                                                  spec.priority, memo.model, accelerator, base,
                                                  exponent)
     return list(table)
@@ -147,10 +150,17 @@ def one_gpu_rate(job: JobRecord, accelerator: Accelerator, fixed: bool = False) 
     return rate
 
 
-def _batches(bmin: int, bmax: int, binit: int, fixed: bool, gpus: int) -> list[int]:
+def _batches(bmin: int, bmax: int, binit: int, fixed: bool, gpus: int,
+             even: bool = False) -> list[int]:
+    """The global batches worth trying on ``gpus`` GPUs, each at least one sample per GPU;
+    ``even``: only multiples of ``gpus`` (each candidate rounded down to one, those left in
+    the job's range), as an integration that averages equal micro-batches runs no other."""
     if fixed:
-        return [binit] if binit >= gpus else []
-    return batch_candidates(bmin, bmax, gpus)
+        return [binit] if binit >= gpus and not (even and binit % gpus) else []
+    out = batch_candidates(bmin, bmax, gpus)
+    if even:
+        out = sorted({y for x in out if (y := x - x % gpus) >= bmin})
+    return out
 
 
 @functools.lru_cache(maxsize=65_536)
@@ -162,7 +172,7 @@ def _one_gpu(model: JobModel, accelerator: Accelerator, bmin: int, bmax: int, bi
 
 @functools.lru_cache(maxsize=65_536)
 def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, fixed: bool,
-                  priority: int, model: JobModel, accelerator: Accelerator,
+                  even: bool, priority: int, model: JobModel, accelerator: Accelerator,
                   base: float | None, exponent: float) -> tuple[Choice, ...]:
     """Choices depend only on these numbers; jobs of the same shape share one table."""
     base = base or _one_gpu(model, accelerator, bmin, bmax, binit, fixed)
@@ -171,7 +181,7 @@ def _choice_table(lo: int, hi: int, bmin: int, bmax: int, binit: int, fixed: boo
     weight = 2.0 ** (priority / 25.0)
     out = []
     for g in range(lo, hi + 1):
-        options = _batches(bmin, bmax, binit, fixed, g)
+        options = _batches(bmin, bmax, binit, fixed, g, even)
         if not options:
             continue
         rates = {x: model.rate(accelerator, g, x) for x in options}

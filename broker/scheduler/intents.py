@@ -77,10 +77,13 @@ def diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None, 
 
 
 def resizes_in_place(job: JobRecord, pool: Pool | None, gpus: int, batch: int | None) -> bool:
-    """Can the running ``job`` go to ``gpus`` GPUs in ``pool`` without a restart? Where its one
+    """Can the running ``job`` go to ``gpus`` GPUs in ``pool`` without a relaunch? Where its one
     node stays: the job's pool, one that sells any count on one node (a local region), the
-    same batch, and a job that runs the runtime (it reported progress), whose workers re-form
-    their group in place (docs/runtime.md). Anything else checkpoints and relaunches."""
+    same batch, and a job that runs the runtime or an integration (it reported progress). Its
+    agent then re-forms the group in place where the workers can (``JobRecord.
+    resize_in_place``; only then does the allocator price the resize at ``resize_in_place_s``)
+    and else restarts them from a checkpoint on the node (docs/runtime.md). Anything else
+    checkpoints and relaunches."""
     return (pool is not None and pool.id == job.pool and pool.gpu_prices is None
             and job.nodes == 1 and pool.shape(gpus) == (1, gpus) and batch == job.batch_size
             and job.samples_done > 0)

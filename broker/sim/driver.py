@@ -325,10 +325,12 @@ class LiveRoundDriver(SpotRounds):
         app, m0 = job.state.app, job.state.app.init_batch_size
         rate = goodput(job.state, a, job.state.epoch, self.rates) * m0
         key = measurement_key(accel, a.gpus, a.batch_size)
+        # resize_in_place: the simulated jobs run the runtime's own loop (``_resize_in_place``)
         self._put(rec, samples_done=self._samples(job), samples_per_sec=rate,
                   measured_gpus=a.gpus, measured_batch_size=a.batch_size,
                   measured={**rec.measured, key: rate},
-                  grad_noise_scale=app.efficiency.noise_scale(a.batch_size, job.state.epoch))
+                  grad_noise_scale=app.efficiency.noise_scale(a.batch_size, job.state.epoch),
+                  resize_in_place=True)
 
     def _gone(self, job: SpotJob) -> bool:
         return super()._gone(job) or self.records[job.state.id].state.terminal

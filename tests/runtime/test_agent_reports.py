@@ -3,7 +3,9 @@
 its workers' progress file tells (none: a plain script, which restarts from the beginning);
 and the final report, with the exit
 code, is tried again while the broker drops connections or answers that it cannot take it now
-(503, as the API does while Redis is away; 429), until it answers otherwise."""
+(503, as the API does while Redis is away; 429), until it answers otherwise. It also says how
+the job's loop takes a resize: in place or by a restart, and whether its batch must split
+evenly."""
 
 from __future__ import annotations
 
@@ -73,6 +75,27 @@ def test_the_broker_learns_from_the_progress_file_whether_a_move_resumes_the_job
         assert done.returncode == 0, done.stderr
         got = store.get_job(job.id)
         assert got is not None and got.resumable is resumable and got.samples_done == 32
+
+
+@pytest.mark.parametrize(("extra", "in_place", "even"), [
+    (", 'resize_generation': 0", True, None),  # the runtime's own loop over a DDP model
+    (", 'resize_generation': None, 'even_batch': True", False, True),  # an HF or Lightning job
+])
+def test_the_broker_learns_how_the_jobs_loop_takes_a_resize(
+        tmp_path: Path, extra: str, in_place: bool, even: bool | None) -> None:
+    """The heartbeat says whether a resize on the node keeps the workers' processes (rank 0's
+    progress has a resize generation: one node, one worker per GPU) and passes on whether the
+    global batch must divide over the workers; the job's record keeps both, which the
+    scheduler prices resizes and offers batches by."""
+    with api_stack(tmp_path) as (server, store):
+        job = running_job(store, nodes=1)
+        assert (job.resize_in_place, job.even_batch) == (None, None)  # not known: a restart
+        done = run_agent(tmp_path, server.url, REPORTS % extra, job_id=job.id, attempt=1,
+                         agent_token=attempt_token(TOKENS["agent"], job.id, 1))
+        assert done.returncode == 0, done.stderr
+        got = store.get_job(job.id)
+        assert got is not None and got.samples_done == 32
+        assert (got.resize_in_place, got.even_batch) == (in_place, even)
 
 
 class Flaky(BaseHTTPRequestHandler):

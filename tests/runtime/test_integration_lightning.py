@@ -84,6 +84,8 @@ def test_a_stopped_lightning_job_resumes_at_another_size_exactly(
     assert report["finished"] and report["step"] == STEPS and report["world_size"] == after
     assert report["samples_done"] == STEPS * BATCH and report["samples_per_sec"] > 0
     assert report["checkpoint_step"] == STEPS
+    # what the agent reports from it: a resize restarts the workers, the batch splits evenly
+    assert report["resize_generation"] is None and report["even_batch"] is True
 
 
 # ---- in one process: what the integration sets up, and what it leaves alone -------------------

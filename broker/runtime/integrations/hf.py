@@ -67,6 +67,7 @@ class FleetCallback(TrainerCallback):
             seed=args.data_seed if args.data_seed is not None else args.seed,
             num_workers=args.dataloader_num_workers,
             collate_fn=self.source.collate_fn,
+            even_batch=True,  # the Trainer's equal micro-batches: a W that does not divide B fails
         )
         # The Trainer counts from here: its logged loss averages and its report cover this run.
         state.global_step = t._globalstep_last_logged = t._initial_global_step = self.runtime.step

@@ -109,6 +109,7 @@ def take_over(trainer: Any, loader: Any) -> tuple[Runtime, _Loader] | None:
         seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # seed_everything's
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
+        even_batch=True,  # Lightning's equal micro-batches: a W that does not divide B fails
     )
     trainer.accumulate_grad_batches = accumulate
     loop = trainer.fit_loop.epoch_loop
