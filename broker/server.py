@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 JOBS_AS_BROKER_USER = (
     "local jobs run as the broker's own user: a job can read %s (tokens.json with the admin "
     "token and agent key, the Redis password) and act as the admin; run `fleet up` as root so "
-    "local jobs run as an unprivileged user (FLEET_JOB_USER, default nobody), or run untrusted "
-    "teams' jobs on cloud nodes (docs/security.md)")
+    f"local jobs run as an unprivileged user ({BrokerEnv.JOB_USER}, default nobody), or run "
+    "untrusted teams' jobs on cloud nodes (docs/security.md)")
 
 # How often a replica looks for packs to delete: a listing of the active jobs, so not every
 # round; what an operator tunes is how long an unneeded pack stays (blob_retention_s).
