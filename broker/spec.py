@@ -32,6 +32,7 @@ from policies.models import (
     MountMode,
     SpotPolicy,
     UnknownAccelerator,
+    check_image,
     check_name,
 )
 from providers import registry
@@ -365,12 +366,12 @@ def _name_from_stem(stem: str) -> str | None:
 _FLEET_KEYS = {
     "name", "run", "setup", "envs", "accelerators", "gpus", "batch_size", "batch_mode", "work",
     "work_samples", "spot", "regions", "checkpoint", "priority", "team", "deadline", "deadline_s",
-    "model", "nodes", "run_per_node", "secret_envs", "workdir", "file_mounts",
+    "model", "nodes", "run_per_node", "secret_envs", "workdir", "file_mounts", "container_image",
 }
 # nodes, run_per_node and secret_envs are what a SkyPilot task becomes (the canonical JSON has
 # them): they do not make a document the project's own format.
 _FLEET_ONLY = _FLEET_KEYS - {"name", "run", "setup", "envs", "nodes", "run_per_node",
-                             "secret_envs", "workdir", "file_mounts"}
+                             "secret_envs", "workdir", "file_mounts", "container_image"}
 _SKY_KEYS = {
     "name", "run", "setup", "envs", "num_nodes", "resources", "workdir", "file_mounts", "secrets",
     "service", "config", "event_callback", "inputs", "outputs", "volumes",
@@ -1026,6 +1027,8 @@ def _parse_fleet(doc: Mapping[str, Any], launch: LaunchEnv) -> ParsedSpec:
         out["nodes"] = _int(p, "nodes", doc["nodes"])
     if "run_per_node" in doc:
         out["run_per_node"] = doc["run_per_node"]  # the model names a value that is no bool
+    if doc.get("container_image") is not None:
+        out["container_image"] = _parse_image(p, "container_image", doc["container_image"])
     deadline_key = "deadline" if "deadline" in doc else "deadline_s"
     if doc.get(deadline_key) is not None:
         secs = parse_duration(doc[deadline_key])
@@ -1139,6 +1142,7 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
     allow: list[str] = []
     spot_flags: list[bool] = []
     per_alt: set[frozenset[Accelerator]] = set()
+    images: dict[str, str | None] = {}  # where -> the container image it names (None: none)
     kept = 0
     for i, alt in enumerate(alternatives):
         where = "resources" if len(alternatives) == 1 and not (
@@ -1165,13 +1169,19 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
         spot_flags.append(use_spot is True)
         for key in sorted(set(alt) & set(_SKY_NOTED_RESOURCES)):
             warnings.append(f"{where}.{key}: {_SKY_NOTED_RESOURCES[key]}")
-        _sky_image(p, where, alt.get("image_id"), warnings)
+        images[where] = _sky_image(p, where, alt.get("image_id"), warnings)
 
     if alternatives and not kept:
         p.add(f"resources.{'ordered' if 'ordered' in resources else 'any_of'}",
               resources.get("any_of", resources.get("ordered")),
               f"every alternative names a cloud FleetBroker does not have; add one on "
               f"{', '.join(registry.names())}")
+    if len(set(images.values())) > 1:  # one job runs in one image wherever it lands
+        p.add(f"{next(iter(images))}.image_id", ", ".join(str(i) for i in images.values()),
+              "the alternatives name different container images (or some none); give every "
+              "alternative the same image_id: docker:<image>, or put it once under resources")
+    elif image := next(iter(images.values()), None):
+        out["container_image"] = image
     _sky_cpu_only(p, resources, alternatives, accelerators)
     if accelerators:
         out["accelerators"] = accelerators
@@ -1261,19 +1271,32 @@ def _sky_cloud(alt: Mapping[str, Any]) -> str | None:
     return None if cloud == "*" else cloud
 
 
-def _sky_image(p: _Problems, where: str, image: Any, warnings: list[str]) -> None:
-    """A container image is what the task's commands run in: it cannot be dropped. A cloud's
-    machine image (an AMI, a GCP image) is replaced by the fleet's node image, with a note."""
+def _sky_image(p: _Problems, where: str, image: Any, warnings: list[str]) -> str | None:
+    """A container image (``docker:<image>``) is what the task's setup and run execute in, as on
+    SkyPilot: it becomes ``container_image``, returned. A cloud's machine image (an AMI, a GCP
+    image) is replaced by the fleet's node image, with a note (None)."""
     if image is None:
-        return
-    images = image.values() if isinstance(image, Mapping) else [image]
-    if any(isinstance(i, str) and i.strip().lower().startswith("docker:") for i in images):
-        p.add(f"{where}.image_id", image, "a container image is not supported: FleetBroker "
-              "runs the task on the fleet's node image; install what it needs in setup "
-              "(like pip install -r requirements.txt) and remove image_id")
-    else:
+        return None
+    images = list(image.values()) if isinstance(image, Mapping) else [image]
+    docker = [i for i in images if isinstance(i, str) and i.strip().lower().startswith("docker:")]
+    if not docker:
         warnings.append(f"{where}.image_id: not used; every node boots the fleet's own image "
                         "(install what the task needs in setup)")
+        return None
+    refs = {i.strip()[len("docker:"):].strip() for i in docker}
+    if len(docker) != len(images) or len(refs) > 1:  # a per-region mapping of images
+        p.add(f"{where}.image_id", image, "give one container image for every region: "
+              "image_id: docker:<image>")
+        return None
+    return _parse_image(p, f"{where}.image_id", refs.pop(), prefix="docker:")
+
+
+def _parse_image(p: _Problems, field: str, value: Any, prefix: str = "") -> str | None:
+    try:
+        return check_image(value) if isinstance(value, str) else check_image(str(value))
+    except ValueError as exc:
+        p.add(field, f"{prefix}{value}", str(exc))
+        return None
 
 
 def _sky_cpu_only(p: _Problems, resources: Mapping[str, Any],

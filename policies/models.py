@@ -210,6 +210,26 @@ def check_name(value: str, field: str = "name") -> str:
     return value
 
 
+# A container image reference as docker reads it: [registry[:port]/]path[:tag][@sha256:digest],
+# the path's parts lowercase. Nothing else (no spaces, quotes, `$`, `;`) can be one, so an image
+# never carries shell syntax, even where a start script writes it into a command line.
+_IMAGE_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+IMAGE_REF = re.compile(rf"(?:[A-Za-z0-9.-]+(?::[0-9]{{1,5}})?/)?{_IMAGE_PART}(?:/{_IMAGE_PART})*"
+                       r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[a-f0-9]{64})?",
+                       re.ASCII)
+MAX_IMAGE_CHARS = 512
+
+
+def check_image(value: str) -> str:
+    """A container image reference (``winglian/axolotl:main-py3.10``, ``nvcr.io/nvidia/pytorch:
+    24.01-py3``, ``repo@sha256:...``); ValueError naming the shape otherwise."""
+    if len(value) > MAX_IMAGE_CHARS or not IMAGE_REF.fullmatch(value):
+        raise ValueError(f"{value[:80]!r} is not a container image reference: write "
+                         "[registry/]name[:tag][@sha256:digest], like "
+                         "winglian/axolotl:main-py3.10 (lowercase name, no spaces or quotes)")
+    return value
+
+
 class GpuRange(BaseModel):
     """GPU counts the job accepts; ``default`` is the size it asks for (a deadline's pace is
     judged at it; none: ``max``)."""
@@ -370,17 +390,29 @@ class JobSpec(BaseModel):
     secret_envs: list[str] = Field(default_factory=list, max_length=256,
                                description="names of secret environment variables: their values "
                                "travel beside the spec, encrypted at rest, never shown")
+    # SkyPilot's ``image_id: docker:<image>``: every node's setup and run execute in this image
+    # (broker.runtime.container); only pools whose nodes can run containers take the job.
+    container_image: str | None = Field(default=None, description="a docker image reference: "
+                                        "setup and run execute in it on every node")
 
     @model_validator(mode="after")
     def _gpus_split_over_nodes(self) -> JobSpec:
         if self.nodes is not None and (self.gpus.min % self.nodes or self.gpus.max % self.nodes):
             raise ValueError(f"gpus ({self.gpus.min}..{self.gpus.max}) must split evenly over "
                              f"nodes ({self.nodes}); give a multiple of nodes")
+        if self.container_image is not None and not self.run_per_node:
+            raise ValueError("container_image runs setup and run once per node inside the "
+                             "image; set run_per_node: true (as a SkyPilot task has it)")
         clash = set(self.secret_envs) & set(self.envs)
         if clash:
             raise ValueError(f"{sorted(clash)[0]} is both in envs and secret_envs; keep it in "
                              "one")
         return self
+
+    @field_validator("container_image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        return None if v is None else check_image(v)
 
     @field_validator("name", "team")
     @classmethod

@@ -1,7 +1,7 @@
 """Real SkyPilot task YAMLs (tests/data/skypilot_tasks, see its SOURCE.md) through
 ``fleet launch --dryrun``: each is accepted with the facts SkyPilot gives it (nodes,
 accelerators, envs, mounts), or refused naming the field and the fix (issue 15). The count
-accepted (8 of 13) is printed and asserted, so the number in the issue is checkable."""
+accepted (9 of 13) is printed and asserted, so the number in the issue is checkable."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ ACCEPTED: dict[str, tuple[int, list[str], int, list[str], list[str], list[dict[s
                           [_copy("~/.ssh/id_rsa", "~/.ssh/sky-key")]),
     "04-gpt2-train.yaml": (1, ["A100"], 8, [], [],
                            [_copy("~/.cache/huggingface", "gs://gpt2-data-skypilot")]),
+    # image_id: docker:... is the container its setup and run execute in (container_image)
+    "05-axolotl-spot.yaml": (1, ["A100"], 1, ["BUCKET"], ["HF_TOKEN"],
+                             [_bucket("/sky-notebook", "axolotl-out")]),
     # the bucket's name comes from the task's own env, as SkyPilot fills it in
     "06-llama31-lora.yaml": (1, ["A100"], 8, ["CHECKPOINT_BUCKET_NAME", "DATASET", "MODEL_SIZE"],
                              ["HF_TOKEN"], [_copy("/configs", "./configs"),
@@ -49,7 +52,6 @@ ACCEPTED: dict[str, tuple[int, list[str], int, list[str], list[str], list[dict[s
 }
 # file: (field, words of the fix)
 REFUSED = {
-    "05-axolotl-spot.yaml": ("resources.image_id", "install what it needs in setup"),
     "09-falcon-train.yaml": ("file_mounts./results.name", "write your bucket's name"),
     "10-timm.yaml": ("resources.candidates", "did you mean 'any_of'"),
     # no accelerators: CPU-only in SkyPilot's meaning, and no pool here offers CPU capacity
@@ -57,6 +59,8 @@ REFUSED = {
     "12-file-mounts.yaml": ("resources.cpus", "name the GPU it may use"),
     SERVICE: ("service", "SkyServe services are not jobs"),
 }
+# file: the container image its setup and run execute in (none for the others)
+IMAGES = {"05-axolotl-spot.yaml": "winglian/axolotl:main-py3.10-cu118-2.0.1"}
 # A local path a task names that lives on the user's machine, not in the corpus.
 USERS_OWN = {"~/.ssh/sky-key"}
 
@@ -85,6 +89,7 @@ def test_an_accepted_task_keeps_skypilots_meaning(name: str,
     assert (job["nodes"], job["accelerators"], job["gpus"]["min"], job["gpus"]["max"]) == (
         nodes, accelerators, gpus, gpus)
     assert (job["env_names"], job["secret_names"], job["mounts"]) == (envs, secrets, mounts)
+    assert job["container_image"] == IMAGES.get(name)
     # the local paths it names exist here and pack, as `fleet launch` packs them
     for local in [job["workdir"], *(m["source"] for m in mounts)]:
         if local and local not in USERS_OWN and "://" not in local:

@@ -38,9 +38,36 @@ def test_meaningless_resource_fields_are_accepted_with_a_note(key: str, value: o
     assert [w for w in parsed.warnings if w.startswith(f"resources.{key}:") and note in w]
 
 
-def test_a_container_image_is_refused_with_the_fix() -> None:
-    found = _problems("run: x\nresources: {accelerators: T4, image_id: 'docker:pytorch/x'}")
-    assert any(p.startswith("resources.image_id") and "setup" in p for p in found), found
+def test_a_container_image_becomes_the_jobs_container() -> None:
+    parsed = parse_spec_text("run: x\nresources: {accelerators: T4, image_id: "
+                             "'docker:nvcr.io/nvidia/pytorch:24.01-py3'}")
+    assert parsed.spec.container_image == "nvcr.io/nvidia/pytorch:24.01-py3"
+    assert parsed.spec.run_per_node and not [w for w in parsed.warnings if "image_id" in w]
+    # the canonical JSON keeps it, and stays the project's own format
+    again = parse_spec_text(parsed.spec.model_dump_json())
+    assert again.spec == parsed.spec
+
+
+def test_any_of_alternatives_share_one_container_image() -> None:
+    same = parse_spec_text("run: x\nresources:\n  image_id: docker:repo/img:1\n  any_of:\n"
+                           "    - {accelerators: T4:1}\n    - {accelerators: V100:1}\n")
+    assert same.spec.container_image == "repo/img:1"
+    found = _problems("run: x\nresources:\n  any_of:\n"
+                      "    - {accelerators: T4:1, image_id: 'docker:repo/a'}\n"
+                      "    - {accelerators: V100:1}\n")
+    assert any(p.startswith("resources.any_of[0].image_id") and "same image_id" in p
+               for p in found), found
+
+
+@pytest.mark.parametrize("image", ["repo/x; rm -rf /", "repo/x $(id)", "Repo/Upper", "-rm",
+                                   "repo/x:`id`", "repo'x", ""])
+def test_an_image_that_is_no_image_reference_is_refused(image: str) -> None:
+    found = _problems(f"run: x\nresources: {{accelerators: T4, image_id: \"docker:{image}\"}}")
+    assert any(p.startswith("resources.image_id") and "container image reference" in p
+               for p in found), found
+    with pytest.raises(SpecError):  # the own format checks it the same way
+        parse_spec_text(json.dumps({"name": "a", "run": "x", "batch_size": 1, "work_samples": 1,
+                                    "run_per_node": True, "container_image": image}))
 
 
 def test_any_of_drops_alternatives_on_clouds_it_does_not_have() -> None:

@@ -172,6 +172,7 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
            "batch_mode": s.batch_mode.value, "spot": s.spot.value,
            "regions": s.regions.model_dump(), "env_names": sorted(s.envs),
            "secret_names": sorted(s.secret_envs), "nodes": s.nodes, "workdir": s.workdir,
+           "container_image": s.container_image,
            "mounts": [m.model_dump(mode="json") for m in s.file_mounts],
            "checkpoint": s.checkpoint.model_dump(), "notes": parsed.warnings,
            "restart": restart_notice(None)}
@@ -195,6 +196,9 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
         lines.append(f"nodes {s.nodes} (setup and run once per node)")
     if s.workdir:
         lines.append(f"workdir {s.workdir} (packed at launch)")
+    if s.container_image:
+        lines.append(f"container {s.container_image} (setup and run execute in it; only "
+                     "pools whose nodes run containers take it)")
     lines += [f"mount {m.path} <- {_mount_source(m)} ({m.mode.value})" for m in s.file_mounts]
     for line in lines:  # user text (region patterns, URIs) is never read as markup
         console.print(line, highlight=False, markup=False)
@@ -272,7 +276,8 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
         f"{s['gpus']['max']}  batch {s['batch_size']['min']}-{s['batch_size']['max']} "
         f"({s['batch_mode']})  spot {s['spot']}  priority {s['priority']}",
         # names only: a secret's value is never shown, an env's may be long
-        f"envs {', '.join(s['envs']) or '-'}  secrets {', '.join(s['secret_envs']) or '-'}",
+        f"envs {', '.join(s['envs']) or '-'}  secrets {', '.join(s['secret_envs']) or '-'}"
+        + (f"  container {s['container_image']}" if s.get("container_image") else ""),
         f"assigned {j['gpus']} GPUs, batch {j['batch_size'] or '-'}, pool {_where(j)}, "
         f"attempt {j['attempt']}"
         + (f", {j['nodes']} nodes (rendezvous round {j['round']})" if j.get("nodes", 1) > 1
