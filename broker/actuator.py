@@ -127,6 +127,9 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     if spec.workdir or spec.file_mounts:  # the agent places them before setup (runtime.files)
         env[FILES_ENV] = json.dumps({"workdir": spec.workdir, "mounts": [
             _placed_mount(m, pool.cloud) for m in spec.file_mounts]})
+    if spec.container_image:  # the agent runs setup and run in it (broker.runtime.container)
+        env[Env.CONTAINER_IMAGE] = spec.container_image
+        env[Env.CONTAINER_ENV] = ",".join(sorted({*spec.envs, *(secret_env or {})}))
     if spec.run_per_node:
         env.update(skyenv.task_env(job, pool, nodes=nodes, gpus_per_node=per_node,
                                    zone=zone or pool.zone))

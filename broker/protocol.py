@@ -48,6 +48,10 @@ class Env:
     WORKDIR = "FLEET_WORKDIR"
     FILES = "FLEET_FILES"  # the workdir and file mounts the agent places before setup
     FILES_ROOT = "FLEET_FILES_ROOT"  # where ~ and relative node paths point (default: $HOME)
+    # a job's container (JobSpec.container_image): the image its per-node process runs in, and
+    # the job's own env names (comma-separated) passed into it (broker.runtime.container)
+    CONTAINER_IMAGE = "FLEET_CONTAINER_IMAGE"
+    CONTAINER_ENV = "FLEET_CONTAINER_ENV"
     # where it runs (providers' start scripts)
     CLOUD = "FLEET_CLOUD"
     REGION = "FLEET_REGION"

@@ -12,6 +12,7 @@ import contextlib
 import http.client
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -43,10 +44,11 @@ from broker.protocol import (
     RESIZE,
     Env,
 )
-from broker.runtime import failure, integrations
+from broker.runtime import container, failure, integrations
 from broker.runtime.assignment import AssignmentError, env_float, env_int
-from broker.runtime.files import FilesError, files_of, files_root, place
+from broker.runtime.files import FilesError, files_of, files_root, node_path, place
 from broker.runtime.notices import pollers
+from policies.models import check_image
 
 # How long the final report is tried (FLEET_REPORT_TIMEOUT), with exponential backoff from
 # FINAL_REPORT_FIRST_WAIT_S up to FLEET_REPORT_MAX_WAIT between tries, jittered: every broker
@@ -276,6 +278,11 @@ class Agent:
         self.resize_timeout = env_float(env, Env.RESIZE_TIMEOUT, 60.0) or 60.0
         self._restart = False
         self._started_at = time.monotonic()  # when this round's workers started
+        # The job's container image (FLEET_CONTAINER_IMAGE): its workers run inside it, each
+        # under a container name of its own (by the docker client's pid), which a stop targets.
+        self.image = env.get(Env.CONTAINER_IMAGE, "").strip() or None
+        self.containers: dict[int, str] = {}
+        self._helpers: list[subprocess.Popen[bytes]] = []  # docker stop / kill in flight
 
     # ---- workers ----------------------------------------------------------------------------
     def worker_env(self, local_rank: int) -> dict[str, str]:
@@ -361,9 +368,17 @@ class Agent:
                pumps: list[threading.Thread]) -> subprocess.Popen[bytes]:
         """Start one worker (its environment plus ``extra``); its output pumps join ``pumps``."""
         rank = self.config.node_rank * self.config.nproc + local_rank
+        env = {**self.worker_env(local_rank), **extra}
+        argv, name = self.command, None
+        if self.image:  # the docker client runs it in the image; env passes by name only
+            name = container.container_name(self.config.job_id, self.config.attempt, rank,
+                                            secrets.token_hex(4))
+            argv = container.run_argv(self.image, name, self.command, env,
+                                      volumes=self._volumes(), cwd=self.cwd,
+                                      gpus=container.node_has_gpus())
         proc = subprocess.Popen(
-            self.command,
-            env={**self.worker_env(local_rank), **extra},
+            argv,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
@@ -376,13 +391,71 @@ class Agent:
             t = threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True)
             t.start()
             pumps.append(t)
+        if name:
+            self.containers[proc.pid] = name
         return proc
+
+    def _volumes(self) -> list[Path]:
+        """What the container sees at the host's paths: the agent's folder (progress and error
+        files), the node's home for the job's files, the workdir, each file mount, and a local
+        checkpoint folder."""
+        root = files_root(self.env)
+        out = [self.workdir, root, *([self.cwd] if self.cwd else [])]
+        for mount in (files_of(self.env) or {}).get("mounts", []):
+            out.append(node_path(mount["path"], root))
+        checkpoint = urllib.parse.urlsplit(self.env.get(Env.CHECKPOINT_URI, ""))
+        if checkpoint.scheme in ("", "file") and checkpoint.path.startswith("/"):
+            Path(checkpoint.path).mkdir(parents=True, exist_ok=True)
+            out.append(Path(checkpoint.path))
+        return [p for p in out if p.exists()]
 
     def signal_workers(self, sig: int) -> None:
         for proc in self.procs:
             if proc.poll() is None:
+                if proc.pid in self.containers:
+                    self._signal_container(proc, sig)
+                    continue
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, sig)
+
+    def _signal_container(self, proc: subprocess.Popen[bytes], sig: int) -> None:
+        """A signal to a container worker goes to the container, not to its docker client
+        (which does not forward it, and whose end would leave the container running): SIGTERM
+        is ``docker stop`` with the grace period (its SIGKILL follows on its own), SIGKILL is
+        ``docker kill`` and then the client's end, any other signal ``docker kill --signal``."""
+        name = self.containers[proc.pid]
+        if sig == signal.SIGKILL:
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                subprocess.run(container.signal_argv(name, "KILL"), timeout=30,
+                               stdin=subprocess.DEVNULL, capture_output=True, check=False)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            return
+        argv = container.stop_argv(name, self.config.grace_period) if sig == signal.SIGTERM \
+            else container.signal_argv(name, signal.Signals(sig).name.removeprefix("SIG"))
+        with contextlib.suppress(OSError):  # it blocks up to the grace period: not waited on
+            self._helpers.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                                  stdout=subprocess.DEVNULL,
+                                                  stderr=subprocess.DEVNULL))
+
+    def check_container(self) -> int | None:
+        """A job with a container image never runs on the host: None when this node can run
+        it, else the exit code, the cause (no Docker, or an image that is no reference) left
+        for the final report."""
+        if self.image is None:
+            return None
+        try:
+            check_image(self.image)
+            why = container.unusable()
+        except ValueError as exc:
+            why = f"{Env.CONTAINER_IMAGE}: {exc}"
+        if why is None:
+            return None
+        text = f"the job runs in the container image {self.image[:200]!r}, and this node " \
+               f"cannot run it: {why}"
+        log(text)
+        failure.report(text, {failure.ERROR_ENV: str(self.workdir / "error")})
+        return EXIT_FAILED
 
     # ---- resizes ------------------------------------------------------------------------------
     def request_resize(self, nproc: int) -> None:
@@ -818,10 +891,15 @@ class Agent:
             )
         for w in watchers:
             w.start()
-        code = self.place_files()
+        code = self.check_container()
+        if code is None:
+            code = self.place_files()
         if code is None:
             code = self._rounds()
         self._done.set()
+        for helper in self._helpers:  # a docker stop still waiting out its grace period
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                helper.wait(timeout=max(self.config.grace_period, 1.0) + 10)
         self.state = {EXIT_FINISHED: "finished", EXIT_STOPPED: "stopped"}.get(code, "failed")
         if c.broker_url:
             self.final_report(code)
