@@ -39,6 +39,7 @@ class Unmet(IntEnum):
     REGION = 2
     MARKET = 3  # spot: never, and the pool is spot
     NODE = 4  # a fixed node count whose share of GPUs the pool sells on no node
+    CONTAINER = 5  # a container image, and the pool's nodes cannot run containers
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +53,14 @@ class Needs:
     deny: tuple[str, ...]
     on_demand: bool  # spot: never
     per_node: int | None  # GPUs on each node of a job of a fixed node count (JobSpec.nodes)
+    container: bool = False  # runs in a container image (JobSpec.container_image)
 
     @classmethod
     def of(cls, spec: JobSpec) -> Needs:
         return cls(frozenset(spec.accelerators), tuple(spec.regions.allow),
                    tuple(spec.regions.deny), must_not_preempt(spec.spot),
-                   spec.gpus.min // spec.nodes if spec.nodes else None)
+                   spec.gpus.min // spec.nodes if spec.nodes else None,
+                   spec.container_image is not None)
 
     def unmet(self, pool: Pool) -> Unmet | None:
         """The first need ``pool`` fails, or None: the job may use it."""
@@ -72,6 +75,9 @@ class Needs:
         if self.per_node is not None and pool.gpu_prices is not None and \
                 self.per_node not in pool.gpu_prices:
             return Unmet.NODE
+        # never on the host instead: the job's commands need the image's software
+        if self.container and not pool.containers:
+            return Unmet.CONTAINER
         return None
 
 
@@ -107,6 +113,14 @@ def no_usable_pool(spec: JobSpec, pools: Sequence[Pool], *, skypilot: bool = Fal
             field="resources.use_spot" if skypilot else "spot", value="never",
             message=f"spot: never, and no on-demand {accels} pool in its regions: allow spot "
             "(use_spot: true / spot: allowed) or add on-demand capacity")
+    if cause is Unmet.CONTAINER:
+        where = ", ".join(sorted({f"{p.cloud}:{p.region}" for p in near}))
+        return cause, Problem(
+            field="resources.image_id" if skypilot else "container_image",
+            value=spec.container_image, message=(
+                f"runs in a container image, and the {accels} pools in its regions ({where}) "
+                "cannot run containers (no usable Docker on their machine): install Docker on "
+                "the local fleet's machine, or run on a cloud pool"))
     sizes = sorted({g for p in near for g in p.gpu_prices or ()})
     per_node, total = needs.per_node, spec.gpus.min
     field = "resources.accelerators" if skypilot else "nodes"

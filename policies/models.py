@@ -137,6 +137,10 @@ class Pool(BaseModel):
     # AWS V100 spot is $0.52/GPU-h on 1 GPU, $0.34 on 8). None: any count that fits, at
     # price_per_gpu_hour (the cheapest size's price where sizes are known).
     gpu_prices: dict[int, float] | None = None
+    # Can its nodes run a job's container image (JobSpec.container_image)? Cloud nodes boot GPU
+    # images with Docker and the NVIDIA container toolkit; a local fleet only where its machine
+    # has a working Docker.
+    containers: bool = True
 
     @field_validator("cloud", "region")
     @classmethod

@@ -233,7 +233,8 @@ class FleetProvider(Provider):
         """The pools the fleet file declares at their most: every local region unreclaimed,
         every cloud's (region, accelerator, market) at its ``max_gpus``, priced or not. A job
         that none of them can host never runs on this fleet (``broker.waiting.never_runs``)."""
-        local = [r.pool() for r in self.local.fleet.regions] if self.local else []
+        local = [r.pool(containers=self.local.containers) for r in self.local.fleet.regions] \
+            if self.local else []
         return local + [
             Pool(cloud=name, region=region, accelerator=acc, market=market, nodes=1,
                  gpus_per_node=config.max_gpus)

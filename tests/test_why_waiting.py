@@ -18,7 +18,7 @@ from broker.cli import app
 from broker.models import JobState
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.store import Store
-from policies.models import Accelerator, Market, Pool
+from policies.models import Accelerator, JobSpec, Market, Pool
 from providers.local.provider import LocalRegion
 from tests import builders
 from tests.api_server import TOKENS, ApiServer, api_config
@@ -250,3 +250,43 @@ def test_the_round_names_the_real_cause_where_submission_could_not_know(
         "unschedulable: needs 8 GPUs on one node; the largest T4 node in its regions has 4: "
         "ask num_nodes (nodes): 2 of T4:4, or fewer GPUs")
     assert [e.type for e in store.events(job_id=never.id)].count("unschedulable") == 1
+
+
+NO_DOCKER = "install Docker on the local fleet's machine, or run on a cloud pool"
+
+
+def test_a_container_job_waits_off_pools_that_cannot_run_containers(store: Store) -> None:
+    """A job with a container image never lands where its nodes have no usable Docker (it
+    would run on the host without the image's software): the round marks it with the fix, and
+    the submission check and the preview, sharing ``Needs``, say the same."""
+    from broker.preview import placement_preview
+    from broker.waiting import Needs, Unmet, never_runs
+
+    local = LocalRegion(region="here", price_per_gpu_hour=0.1, gpus=2).pool(containers=False)
+    job = JobSpec.model_validate({**spec("boxed", gpus=(1, 1)).model_dump(),
+                                  "container_image": "repo/img:1", "run_per_node": True,
+                                  "nodes": 1, "regions": {"allow": ["local:*"], "deny": []}})
+    assert Needs.of(job).unmet(local) is Unmet.CONTAINER
+    assert Needs.of(job).unmet(local.model_copy(update={"containers": True})) is None
+    refused = never_runs(job, [local], skypilot=True)
+    assert [p.field for p in refused] == ["resources.image_id"] and NO_DOCKER in \
+        refused[0].message
+    assert placement_preview(job, [local], {}) == []
+    fence = store.acquire_lease("t", ttl_s=30)
+    store.set_pools([local])
+    boxed = store.submit(job, team="ml")
+    Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
+    got = store.get_job(boxed.id)
+    assert got is not None and got.state is JobState.QUEUED and got.reason is not None
+    assert got.reason.startswith("unschedulable: runs in a container image") and \
+        NO_DOCKER in got.reason
+
+
+def test_the_local_provider_tells_whether_its_machine_runs_containers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from providers.local.provider import LocalFleet, LocalProvider
+
+    fleet_file = LocalFleet(regions=[LocalRegion(region="here", price_per_gpu_hour=0.1, gpus=1)])
+    monkeypatch.setenv("PATH", str(tmp_path))  # no docker on PATH
+    provider = LocalProvider(fleet_file, tmp_path / "state")
+    assert [p.containers for p in provider.pools()] == [False]

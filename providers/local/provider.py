@@ -9,7 +9,9 @@ of the whole group after the grace period.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -27,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker.errors import InvalidInput
 from broker.protocol import BrokerEnv, Env
+from broker.runtime import container
 from policies.models import Accelerator, Market, Offer, Pool
 from providers.base import (
     CapacityError,
@@ -38,6 +41,8 @@ from providers.base import (
     ProviderError,
 )
 from providers.local.job_user import hand_over, job_user
+
+log = logging.getLogger(__name__)
 
 
 class LocalRegion(BaseModel):
@@ -58,7 +63,7 @@ class LocalRegion(BaseModel):
             raise ValueError(f"gpus ({self.gpus}) must split evenly over nodes ({self.nodes})")
         return self
 
-    def pool(self, reclaimed: bool = False) -> Pool:
+    def pool(self, reclaimed: bool = False, containers: bool = False) -> Pool:
         """The region as a pool; one of several nodes sells any count up to a node, and more
         only as a gang of whole nodes (a multi-node job, one process group per node)."""
         per_node = self.gpus // self.nodes
@@ -67,7 +72,7 @@ class LocalRegion(BaseModel):
         return Pool(cloud=self.cloud, region=self.region, accelerator=self.accelerator,
                     market=self.market, nodes=0 if reclaimed else self.nodes,
                     gpus_per_node=per_node, price_per_gpu_hour=self.price_per_gpu_hour,
-                    gpu_prices=sizes)
+                    gpu_prices=sizes, containers=containers)
 
 
 # What a job inherits from the broker's environment (everything else it gets from the launch
@@ -293,9 +298,18 @@ class LocalProvider(Provider):
             raise InvalidInput(f"node {node_id!r} is not a spot node of this fleet")
         self._signal_stop(node_id, reason="spot-reclaim")
 
+    @functools.cached_property
+    def containers(self) -> bool:
+        """Can this machine run a job's container image (a working ``docker``)? Asked once: a
+        job with an image is never run on the host instead (``broker.waiting.Needs``)."""
+        why = container.unusable()
+        if why is not None:
+            log.info("local fleet: jobs with a container image cannot run here: %s", why)
+        return why is None
+
     def pools(self) -> list[Pool]:
         reclaimed = self._reclaimed()
-        return [r.pool(r.region in reclaimed) for r in self.fleet.regions]
+        return [r.pool(r.region in reclaimed, self.containers) for r in self.fleet.regions]
 
     def offers(self) -> list[Offer]:
         return [Offer(cloud=r.cloud, region=r.region, instance_type=f"local-{r.gpus}x",
