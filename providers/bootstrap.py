@@ -291,19 +291,41 @@ def shutdown_line(request: LaunchRequest, command: str | None = None) -> str:
             f"fleet_shutdown=${{{SHUTDOWN_ENV}-$fleet_shutdown}}\n")
 
 
+def container_step(request: LaunchRequest) -> str:
+    """For a job with a container image: make sure the node's Docker answers (the clouds' GPU
+    images ship it with the NVIDIA container toolkit, its daemon may still be starting), else
+    fail the attempt naming the cause (the exit trap reports it): the job never runs on the
+    host instead. Nothing for other jobs."""
+    if not request.env.get(Env.CONTAINER_IMAGE):
+        return ""
+    return (
+        "if ! docker info >/dev/null 2>&1; then\n"
+        "  systemctl start docker >/dev/null 2>&1 || true\n"
+        "  for _ in $(seq 30); do docker info >/dev/null 2>&1 && break; sleep 2; done\n"
+        "fi\n"
+        "if ! docker info >/dev/null 2>&1; then\n"
+        "  echo 'fleet: the job runs in a container image and this node has no usable Docker "
+        "(docker info fails): boot an image with Docker and the NVIDIA container toolkit' >&2\n"
+        "  exit 1\n"
+        "fi\n"
+    )
+
+
 def agent_script(request: LaunchRequest, cloud: str, agent_install: str,
                  shutdown_command: str | None = None, rank: int | None = None) -> str:
     """A shell start script (user data / startup-script / custom data): install the agent from
     ``agent_install`` where the image lacks it, with the image's own environment; then export
     the job's, with the node's rank (``rank``: this VM's, where each node has its own script;
     see ``agent_env`` and ``rank_step``), and run the agent (``run_agent``); on exit report a
-    failure and power the VM off (``EXIT_TRAP``)."""
+    failure and power the VM off (``EXIT_TRAP``). A job with a container image first needs a
+    working Docker (``container_step``)."""
     return (
         "#!/bin/bash\nset -euo pipefail\n"
         f"{shutdown_line(request, shutdown_command)}"
         f"{env_function(request, cloud, rank)}"
         f"{EXIT_TRAP}"
         f"{install_step(agent_install)}"
+        f"{container_step(request)}"
         "fleet_job_env\n"
         f"{rank_step(request, cloud, rank)}"
         f"{run_agent(request)}"

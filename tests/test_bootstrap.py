@@ -399,3 +399,29 @@ def test_an_unreadable_launch_index_fails_the_script_before_the_agent(
     assert "cannot read this instance's ami-launch-index from " + url in done.stderr
     assert not [c for c in calls if c.startswith("-m broker.runtime.agent")]
     assert calls[-1] == "shutdown -h now"
+
+
+def test_a_container_job_needs_a_working_docker_on_the_node(tmp_path: Path) -> None:
+    """The start script of a job with a container image fails the attempt, naming the cause,
+    where the node's ``docker info`` fails (a stand-in docker that always fails, and no
+    systemctl); other jobs' scripts have no such step."""
+    from broker.protocol import Env
+
+    plain = request()
+    boxed = plain.model_copy(update={"env": {**plain.env, Env.CONTAINER_IMAGE: "repo/img:1"}})
+    assert bootstrap.container_step(plain) == "" and "docker info" not in \
+        bootstrap.agent_script(plain, "aws", "fleetbroker")
+    step = bootstrap.container_step(boxed)
+    assert step in bootstrap.agent_script(boxed, "aws", "fleetbroker")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "docker").chmod(0o755)
+    for tool in ("seq", "sleep"):
+        (bin_dir / tool).symlink_to(subprocess.run(["sh", "-c", f"command -v {tool}"],
+                                                   capture_output=True, text=True,
+                                                   check=True).stdout.strip())
+    fast = step.replace("sleep 2", "sleep 0")
+    done = subprocess.run(["/bin/bash", "-c", fast], env={"PATH": str(bin_dir)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "no usable Docker" in done.stderr
