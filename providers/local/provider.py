@@ -29,7 +29,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker.errors import InvalidInput
 from broker.protocol import BrokerEnv, Env
-from broker.runtime import container
 from policies.models import Accelerator, Market, Offer, Pool
 from providers.base import (
     CapacityError,
@@ -302,10 +301,19 @@ class LocalProvider(Provider):
     def containers(self) -> bool:
         """Can this machine run a job's container image (a working ``docker``)? Asked once: a
         job with an image is never run on the host instead (``broker.waiting.Needs``)."""
-        why = container.unusable()
-        if why is not None:
-            log.info("local fleet: jobs with a container image cannot run here: %s", why)
-        return why is None
+        # The same test the node's agent makes before it starts such a job
+        # (broker.runtime.container.unusable); providers do not import the job-side runtime.
+        exe = shutil.which("docker")
+        try:
+            works = exe is not None and subprocess.run(
+                [exe, "info", "--format", "{{.ServerVersion}}"], capture_output=True,
+                timeout=20, stdin=subprocess.DEVNULL, check=False).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            works = False
+        if not works:
+            log.info("local fleet: no working docker (docker info fails or no docker on PATH): "
+                     "jobs with a container image cannot run here")
+        return works
 
     def pools(self) -> list[Pool]:
         reclaimed = self._reclaimed()
