@@ -23,12 +23,14 @@ collective).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -554,7 +556,7 @@ class Trainer:
             )
             self._checkpoint(sync=True)
             self._write_progress(force=True)
-            raise SystemExit(EXIT_STOPPED)
+            self._exit_stopped()
         if generation > self.generation:
             self._resize(generation)
             return True
@@ -610,8 +612,7 @@ class Trainer:
         if self.rank >= world:
             log.info("rank %d: leaving the group (resize %d -> %d) at step %d",
                      self.rank, old_world, world, self.step)
-            self._restore_signals()
-            raise SystemExit(EXIT_STOPPED)
+            self._exit_stopped()
         # What the script reads of its world after this point is the new one.
         os.environ.update({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
                            "MASTER_ADDR": host, "MASTER_PORT": str(port)})
@@ -769,6 +770,15 @@ class Trainer:
         """Checkpoint at the next step boundary (what SIGUSR1 does)."""
         self._ckpt_request.set()
 
+    def _exit_stopped(self) -> None:
+        """Exit 75 through the script (its ``finally`` blocks and exit handlers run), without
+        finalizing the interpreter when this process is in a group: see
+        :func:`_leave_without_finalizing`."""
+        self._restore_signals()
+        if self.world_size > 1:
+            atexit.register(_leave_without_finalizing, EXIT_STOPPED)
+        raise SystemExit(EXIT_STOPPED)
+
     def _restore_signals(self) -> None:
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
@@ -785,6 +795,19 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _leave_without_finalizing(code: int) -> None:
+    """Registered by a stop, so the first exit handler to run: run the others, flush, and
+    leave. Gloo's worker threads drop a finished collective's tensors a moment after it
+    completes; one that does so while the interpreter finalizes takes the GIL of a dying
+    interpreter and aborts the process (SIGABRT), which would turn a committed stop into a
+    failed attempt. Nothing is left to release: the checkpoint and progress are on disk."""
+    atexit.unregister(_leave_without_finalizing)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def elastic(
