@@ -1,6 +1,6 @@
 """The live round's type choice (``policies.choices.assign_types``) against a joint MILP, its
-choice table for a job that needs an even batch split, and the spot baselines' choice tables
-(``broker.sim.baselines``)."""
+choice table for a job that needs an even batch split, the round's one answer per job shape,
+and the spot baselines' choice tables (``broker.sim.baselines``)."""
 
 import math
 import random
@@ -161,3 +161,47 @@ def test_type_choice_is_close_to_the_joint_milp_on_small_fleets() -> None:
     print(f"type choice + per-type DP / joint MILP: mean {np.mean(ratios):.3f}, "
           f"min {min(ratios):.3f}")
     assert np.mean(ratios) >= 0.9
+
+
+def test_jobs_alike_share_one_answer_and_only_jobs_alike() -> None:
+    """The round answers each job shape once (``type_choices``' ``alike``): over jobs that
+    differ in one field at a time (model, progress, GPU range, batch range and mode, priority,
+    accepted types, even split, what their agent measured), every answer equals the one
+    computed for that job alone."""
+    from broker.scheduler.choices import UsablePools, offered_types, type_choices
+    from broker.scheduler.config import SchedulerConfig
+    from policies.models import Market, Pool
+
+    pools = [Pool(cloud="aws", region="r1", accelerator=Accelerator.T4, market=Market.SPOT,
+                  nodes=4, gpus_per_node=4, price_per_gpu_hour=0.3),
+             Pool(cloud="gcp", region="r2", accelerator=Accelerator.A100,
+                  market=Market.ON_DEMAND, nodes=2, gpus_per_node=8, price_per_gpu_hour=3.0)]
+    usable = UsablePools(pools, {pools[0].id: 6, pools[1].id: 16})
+    rng = random.Random(7)
+    jobs = []
+    for i in range(200):
+        mode = rng.choice([BatchMode.FIXED, BatchMode.ELASTIC])
+        spec = JobSpec(name=f"j{i}", run="true", work_samples=10**6, batch_mode=mode,
+                       model=rng.choice([None, "cifar10", "bert"]),
+                       priority=rng.choice([0, 50]),
+                       accelerators=rng.choice([[Accelerator.T4], [Accelerator.A100],
+                                                [Accelerator.A100, Accelerator.T4]]),
+                       gpus=GpuRange(min=rng.choice([1, 2]), max=rng.choice([2, 8, 16])),
+                       batch_size=BatchRange(min=32, max=rng.choice([256, 1024]),
+                                             default=rng.choice([32, 64])))
+        measured = rng.random() < 0.3
+        fields = dict(spec=spec, team="t", even_batch=rng.choice([None, True]),
+                      samples_done=rng.choice([0, 400_000]),
+                      measured_gpus=2 if measured else None,
+                      measured_batch_size=64 if measured else None,
+                      samples_per_sec=rng.uniform(100, 900) if measured else None)
+        jobs += [JobRecord(id=f"j{i}", **fields), JobRecord(id=f"twin{i}", **fields)]
+    for config in (SchedulerConfig(), SchedulerConfig(policy=Policy.FIXED_BATCH)):
+        alike: dict = {}
+        asked = 0
+        for job in jobs:
+            for accel in offered_types(job, usable):
+                alone = type_choices(job, accel, usable, config)
+                assert type_choices(job, accel, usable, config, alike) == alone, job.id
+                asked += 1
+        assert len(alike) <= asked / 2  # each twin's answer was its sibling's

@@ -243,19 +243,32 @@ def offered_types(job: JobRecord, usable: UsablePools) -> list[Accelerator]:
 
 
 def type_choices(job: JobRecord, accel: Accelerator, usable: UsablePools,
-                 config: SchedulerConfig) -> list[Choice]:
+                 config: SchedulerConfig,
+                 alike: dict[tuple, tuple[Choice, ...]] | None = None) -> list[Choice]:
     """The job's choices on ``accel``: GPU counts one of its pools of that type can host (its
     room this round, ``UsablePools.room``, a running job's own GPUs counted free) and launch (a
     cloud's instance sizes: an 8-GPU instance type does not make 2 GPUs launchable), each valued
     as the speed-up over one GPU of the slowest type the job accepts, so values compare across
     types. Where no pool has room for any size, the sizes its pools hold at all (placement then
-    says why the job waits)."""
-    top, roomy, held = usable.sizes(job.spec, accel)
+    says why the job waits). ``alike`` (one round's) holds the answer for jobs of the same
+    shape: a round asks for thousands of jobs, most of them alike, and one new record each."""
+    spec = job.spec
+    top, roomy, held = usable.sizes(spec, accel)
     if not top:
         return []
-    fixed = config.policy is not Policy.ELASTIC or job.spec.batch_mode.value == "fixed"
-    base = min((x for a in job.spec.accelerators if (x := one_gpu_rate(job, a, fixed)) > 0),
+    memo = _memo(job)
+    fixed = config.policy is not Policy.ELASTIC or spec.batch_mode.value == "fixed"
+    b = spec.batch_size
+    # everything the answer depends on; the pools' sizes are the same objects for jobs alike
+    key = (memo.model, accel, tuple(spec.accelerators), spec.gpus.min, spec.gpus.max, b.min,
+           b.max, b.initial, spec.priority, fixed, job.even_batch is True, top, roomy, held)
+    if alike is not None and (hit := alike.get(key)) is not None:
+        return list(hit)
+    base = min((x for a in spec.accelerators if (x := one_gpu_rate(job, a, fixed)) > 0),
                default=None)
     opts = job_choices(job, config.policy, top, accel, base, config.speedup_exponent)
     # no room anywhere now: sizes a pool holds at all, so placement can say why it waits
-    return [c for c in opts if c.gpus in roomy] or [c for c in opts if c.gpus in held]
+    out = tuple(c for c in opts if c.gpus in roomy) or tuple(c for c in opts if c.gpus in held)
+    if alike is not None:
+        alike[key] = out
+    return list(out)

@@ -88,7 +88,8 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
     # Running jobs first so the allocator's tie-break favours keeping them.
     jobs.sort(key=lambda j: (j.state is not JobState.RUNNING, -j.spec.priority, j.submitted_at,
                              j.id))
-    choices = {(j.id, a): type_choices(j, a, usable, config)
+    alike: dict[tuple, tuple[Choice, ...]] = {}
+    choices = {(j.id, a): type_choices(j, a, usable, config, alike)
                for j in jobs for a in offered[j.id]}
     by_accel: dict[Accelerator, list[JobRecord]] = defaultdict(list)
     types = choose_types(jobs, offered, choices, pools_of, room)
