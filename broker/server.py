@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,17 +137,21 @@ class EmbeddedRedis:
     directories. One process at a time runs the server of a data directory: ``start`` takes
     ``data_dir/lock`` (flock, held until ``stop``) and stops a server an earlier process left
     running on the directory (a ``kill -9``'d ``fleet up``), and the server gets SIGTERM when
-    the thread that started it dies (Linux), so it does not outlive its broker."""
+    the thread that started it dies (Linux), so it does not outlive its broker. ``config``:
+    more lines of redis.conf for the server (the fault suite asks for keyspace
+    notifications)."""
 
     user = "fleet-broker"
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None,
+                 config: Sequence[str] = ()) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(REDIS_HINT)
         self.binary = binary
         self.dir = data_dir
         self.port = port or free_port()
+        self.config = tuple(config)
         self.proc: subprocess.Popen[bytes] | None = None
         self.password: str | None = None
         self._lock: int | None = None
@@ -196,7 +200,8 @@ class EmbeddedRedis:
         assert self.proc.stdin is not None
         # the config on stdin: the password is in no command line (/proc/PID/cmdline is public)
         acl = ACL_BROKER.format(user=self.user, password=self.password)
-        self.proc.stdin.write(f"{ACL_DEFAULT}\n{acl}\n".encode())
+        self.proc.stdin.write("".join(f"{line}\n" for line in (
+            ACL_DEFAULT, acl, *self.config)).encode())
         self.proc.stdin.close()
         client = redis.Redis(port=self.port, username=self.user, password=self.password,
                              socket_connect_timeout=0.2)

@@ -74,8 +74,12 @@ def env(redis_server: RedisServer, tmp_path: Path) -> Iterator[dict[str, Path]]:
     marks.mkdir()
     paths = {"fleet": fleet, "marks": marks, "state": tmp_path / "state"}
     yield paths
-    # Leave nothing running: stop every node process group the brokers started.
-    for pid_file in (tmp_path / "state" / "provider" / "nodes").glob("*/pid.json"):
+    stop_nodes(paths["state"])
+
+
+def stop_nodes(state: Path) -> None:
+    """Leave nothing running: stop every node process group the brokers started."""
+    for pid_file in (state / "provider" / "nodes").glob("*/pid.json"):
         pid = int(pid_file.read_text().split('"pid": ')[1].split(",")[0])
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)

@@ -1,0 +1,112 @@
+"""Broker ``kill -9`` at points Redis itself announces: keyspace notifications tell the test the
+moment a submission lands or the scheduler writes a launch intent to the outbox, and the broker
+dies right then, before or while its actuator acts on it. A fresh broker takes over each time;
+every job completes, none runs twice at once, and no node is spawned twice for one attempt."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from broker.store import Store
+from tests.chaos.conftest import Tally, duplicate_launches
+from tests.redis_server import RedisServer
+from tests.test_crash_safety import (
+    FLEET,
+    BrokerProc,
+    all_terminal,
+    check_invariants,
+    stop_nodes,
+    submit_jobs,
+    wait_for,
+)
+
+KILLS = 4
+
+
+class KillAt:
+    """Kills and restarts ``broker`` on the first ``KILLS`` keyspace events that match
+    ``point``: ``submit`` (a job record created) or ``launch`` (a launch intent in the outbox,
+    each intent once)."""
+
+    def __init__(self, store: Store, broker: BrokerProc, point: str) -> None:
+        self.store, self.broker, self.point = store, broker, point
+        self.kills = 0
+        self.seen: set[str] = set()
+        self.done = threading.Event()
+        self.pubsub = store.r.pubsub(ignore_subscribe_messages=True)
+        if point == "submit":
+            self.pubsub.psubscribe(f"__keyspace@0__:{store.p}job:*")
+        else:
+            self.pubsub.subscribe(f"__keyspace@0__:{store.p}outbox")
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _matches(self, message: dict) -> bool:
+        if message["data"] != "hset":
+            return False
+        if self.point == "submit":
+            key = message["channel"].split(":", 1)[1]
+            fresh = key not in self.seen
+            self.seen.add(key)
+            return fresh
+        fresh = False
+        for intent_id, raw in self.store.r.hgetall(f"{self.store.p}outbox").items():
+            if intent_id not in self.seen and json.loads(raw).get("kind") == "launch":
+                self.seen.add(intent_id)
+                fresh = True
+        return fresh
+
+    def _watch(self) -> None:
+        while not self.done.is_set() and self.kills < KILLS:
+            message = self.pubsub.get_message(timeout=0.2)
+            if message is not None and self._matches(message):
+                self.broker.kill9()
+                self.kills += 1
+                self.broker.start()  # must wait for the dead one's lease to lapse
+        self.done.set()
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join()
+        self.pubsub.close()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server that publishes keyspace events of hash commands."""
+    server = RedisServer(tmp_path / "redis", config=["notify-keyspace-events Kh"]).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("point", ["submit", "launch"])
+def test_kill9_at_the_moment_redis_announces(point: str, redis_server: RedisServer,
+                                            tmp_path: Path, chaos: Tally) -> None:
+    fleet, marks, state = tmp_path / "fleet.yaml", tmp_path / "marks", tmp_path / "state"
+    fleet.write_text(FLEET)
+    marks.mkdir()
+    store = Store.from_url(redis_server.url)
+    broker = BrokerProc(redis_server.url, state, fleet, "a").start()
+    wait_for(lambda: store.leader() is not None, timeout=20)
+    killer = KillAt(store, broker, point)
+    try:
+        ids = []
+        for _ in range(4):  # in waves, so submissions and launches meet a live broker
+            ids += submit_jobs(store, marks, 3)
+            wait_for(lambda: killer.kills >= 1 or all_terminal(store), timeout=30)
+        wait_for(lambda: all_terminal(store), timeout=120)
+    finally:
+        killer.close()
+        broker.kill9()
+        stop_nodes(state)
+    chaos.record(faults=killer.kills,
+                 jobs_lost=sum(j.state.value != "completed" for j in store.list_jobs())
+                 + len(set(ids) - {j.id for j in store.list_jobs()}),
+                 duplicate_launches=duplicate_launches(state))
+    assert killer.kills >= 2, f"only {killer.kills} kills at {point}"
+    check_invariants(store, ids, marks, state)
