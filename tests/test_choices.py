@@ -1,6 +1,6 @@
-"""The live round's type choice (``policies.choices.assign_types``) against a joint MILP, its
-choice table for a job that needs an even batch split, the round's one answer per job shape,
-and the spot baselines' choice tables (``broker.sim.baselines``)."""
+"""The live round's type choice (``policies.type_assignment.assign_types``) against a joint
+MILP, its choice table for a job that needs an even batch split, the round's one answer per job
+shape, and the spot baselines' choice tables (``broker.sim.baselines``)."""
 
 import math
 import random
@@ -21,9 +21,9 @@ from broker.sim.baselines import (
 from broker.sim.driver import job_spec
 from broker.sim.engine import Assignment, SimState
 from broker.sim.workload import WorkloadJob
-from policies.choices import TypeCapacity, assign_types, placement_for
 from policies.elastic_dp import Choice, JobChoices, allocate
 from policies.models import Accelerator, BatchMode, BatchRange, GpuRange, JobSpec
+from policies.type_assignment import TypeCapacity, assign_types, placement_for
 from providers.measurements import load_application
 
 T4 = TypeCapacity(Accelerator.T4, 16, 4)

@@ -14,9 +14,9 @@ from broker.sim.cluster import ClusterError, fleet_capacity, parse_cluster, read
 from broker.sim.engine import Baseline, SimConfig, SimState, SimulationError
 from broker.sim.rounds import SimPool, classic_pools, simulate
 from broker.sim.workload import WorkloadError, WorkloadJob, read_workload
-from policies.choices import TypeCapacity
 from policies.goodput import EfficiencyModel
 from policies.models import Accelerator
+from policies.type_assignment import TypeCapacity
 from providers.measurements import load_application
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ from broker.sim.rounds import MarketPolicy, SimPool, SpotConfig, sim_pools, simu
 from broker.sim.traces import TraceError, read_trace
 from broker.sim.workload import WorkloadError, WorkloadJob, read_workload
 from examples.workloads.spot.make_workload import isolated_s
-from policies.choices import placement_for
 from policies.models import Accelerator
+from policies.type_assignment import placement_for
 from tests.bench.spot_common import beyond_ondemand
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,20 +25,21 @@ from broker.scheduler.pacing import (
     with_recovery,
 )
 from broker.scheduler.placing import Marks, held_gpus, placement_request, restart_s
-from policies.choices import assign_types
 from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
 from policies.models import Accelerator, Market, Pool
 from policies.placement import PlacementRequest, PoolRisk, place
 from policies.spot import must_not_preempt
+from policies.type_assignment import assign_types
 
 
 def choose_types(jobs: Sequence[JobRecord], offered: Mapping[str, list[Accelerator]],
            choices: Mapping[tuple[str, Accelerator], list[Choice]],
            pools_of: Mapping[Accelerator, list[Pool]],
            room: Mapping[str, int]) -> dict[str, Accelerator]:
-    """One accelerator type per job that accepts several (``policies.choices.assign_types``: a
-    Lagrangian split of the types' GPUs, scored exactly with the allocator); a running job stays
-    on its type, and a job with one offered type takes it."""
+    """One accelerator type per job that accepts several
+    (``policies.type_assignment.assign_types``: a Lagrangian split of the types' GPUs, scored
+    exactly with the allocator); a running job stays on its type, and a job with one offered
+    type takes it."""
     multi = [j for j in jobs if len(offered[j.id]) > 1]
     if not multi:
         return {}

@@ -33,10 +33,10 @@ from broker.sim.engine import Assignment, SimConfig, SimState, SimulationError
 from broker.sim.rounds import MarketPolicy, SimPool, SpotConfig, SpotJob, SpotRounds
 from broker.sim.workload import WorkloadJob
 from policies.apps import Application
-from policies.choices import TypeCapacity, assign_types, placement_for
 from policies.elastic_dp import Choice, JobChoices, allocate
 from policies.models import Accelerator, Market
 from policies.trace_throughput import Placement
+from policies.type_assignment import TypeCapacity, assign_types, placement_for
 
 # a rescale must pay its restart back within this many seconds: a running job's other sizes are
 # worth (1 - restart / horizon) of their speed-up
@@ -308,9 +308,9 @@ class BaselineAllocator:
     """The spot baselines' allocator: per job and type, each allowed GPU count at its best batch
     (``fixed_batch``: the workload's), valued by its goodput speed-up over one GPU of the job's
     slowest type, a running job's other counts discounted by its restart
-    (``RESTART_HORIZON_S``); one type per job (``policies.choices.assign_types``; a running job
-    keeps its type), then the DP per type. Each job's count is capped at the largest pool's free
-    GPUs of its type (``largest``: a gang runs in one pool)."""
+    (``RESTART_HORIZON_S``); one type per job (``policies.type_assignment.assign_types``; a
+    running job keeps its type), then the DP per type. Each job's count is capped at the
+    largest pool's free GPUs of its type (``largest``: a gang runs in one pool)."""
 
     def __init__(self, fleet: Sequence[_FreeGpus], largest: dict[Accelerator, int],
                  fixed_batch: bool, tables: ChoiceTables):

@@ -26,8 +26,8 @@ from pydantic import ValidationError
 from broker.errors import InvalidInput
 from broker.sim.traces import SpotTrace, TraceError, read_trace
 from policies.apps import ACCELERATOR_TRACES
-from policies.choices import TypeCapacity
 from policies.models import Accelerator, Market, Pool, UnknownAccelerator
+from policies.type_assignment import TypeCapacity
 from providers import registry
 from providers.catalog import UNKNOWN_RATE, CatalogOffer, load_offers, pool_prior
 

@@ -41,7 +41,6 @@ from broker.sim.engine import Assignment, Baseline, SimConfig, SimulationError, 
 from broker.sim.rounds import SimPool, SpotConfig, SpotJob, SpotRounds
 from broker.sim.workload import WorkloadJob
 from broker.store import PoolStats, Snapshot
-from policies.choices import placement_for
 from policies.job_model import measurement_key
 from policies.migration import (
     Blocklist,
@@ -63,6 +62,7 @@ from policies.models import (
     Pool,
     SpotPolicy,
 )
+from policies.type_assignment import placement_for
 
 FENCE = 1  # the driver is the broker's only leader
 UNMEASURED = "the measurements cannot run"

@@ -17,7 +17,7 @@ from pathlib import Path
 from broker.sim.cluster import fleet_capacity, parse_cluster
 from broker.sim.engine import SimConfig, SimState, SimulationError, make_job
 from broker.sim.workload import read_workload
-from policies.choices import TypeCapacity, placement_for
+from policies.type_assignment import TypeCapacity, placement_for
 
 ROOT = Path(__file__).resolve().parents[3]
 SOURCES = ROOT / "examples" / "workloads" / "pollux-osdi21" / "workloads"
