@@ -660,8 +660,11 @@ class Stack:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m broker.server --redis-url URL --state-dir DIR [--fleet F] [--no-agent]``:
-    the leader loop alone (tests kill and restart it)."""
+    the leader loop alone (tests kill and restart it), tuned from the environment as ``fleet
+    up`` is (``FLEET_SCHEDULER__...``, ``FLEET_BROKER__...``: docs/configuration.md)."""
     import argparse
+
+    from broker import config as settings  # it imports this module
 
     ap = argparse.ArgumentParser(prog="python -m broker.server")
     ap.add_argument("--redis-url", required=True)
@@ -676,10 +679,10 @@ def main(argv: list[str] | None = None) -> None:
                    os.environ.get(BrokerEnv.LOG_LEVEL, "warning"))
     os.umask(0o077)
     register_url_password(args.redis_url)
-    config = BrokerConfig(state_dir=args.state_dir, redis_url=args.redis_url, fleet=args.fleet,
-                          tick_s=args.tick, lease_ttl_s=args.lease_ttl,
-                          use_agent=not args.no_agent,
-                          **({"owner": args.owner} if args.owner else {}))
+    tuned = settings.load(None, {"broker": {"tick_s": args.tick, "lease_ttl_s": args.lease_ttl}})
+    config = tuned.broker_config(state_dir=args.state_dir, redis_url=args.redis_url,
+                                 fleet=args.fleet, use_agent=not args.no_agent,
+                                 **({"owner": args.owner} if args.owner else {}))
     build_broker(config).run_forever()
 
 

@@ -1,7 +1,8 @@
 """Broker ``kill -9`` at points Redis itself announces: keyspace notifications tell the test the
-moment a submission lands or the scheduler writes a launch intent to the outbox, and the broker
-dies right then, before or while its actuator acts on it. A fresh broker takes over each time;
-every job completes, none runs twice at once, and no node is spawned twice for one attempt."""
+moment a submission lands or the scheduler writes a launch or a resize intent to the outbox,
+and the broker dies right then, before or while its actuator acts on it. A fresh broker takes
+over each time; every job completes, none runs twice at once, and no node is spawned twice for
+one attempt."""
 
 from __future__ import annotations
 
@@ -13,25 +14,27 @@ from pathlib import Path
 import pytest
 
 from broker.store import Store
+from policies.models import BatchRange, GpuRange, JobSpec
 from tests.chaos.conftest import Tally, duplicate_launches
 from tests.redis_server import RedisServer
 from tests.test_crash_safety import (
     FLEET,
+    JOB,
     BrokerProc,
     all_terminal,
     check_invariants,
     stop_nodes,
-    submit_jobs,
     wait_for,
 )
 
 KILLS = 4
+POINTS = {"submit": (), "launch": ("launch",), "rescale": ("resize", "resize-in-place")}
 
 
 class KillAt:
     """Kills and restarts ``broker`` on the first ``KILLS`` keyspace events that match
-    ``point``: ``submit`` (a job record created) or ``launch`` (a launch intent in the outbox,
-    each intent once)."""
+    ``point``: ``submit`` (a job record created), else an intent of one of its ``POINTS`` kinds
+    in the outbox (each intent once)."""
 
     def __init__(self, store: Store, broker: BrokerProc, point: str) -> None:
         self.store, self.broker, self.point = store, broker, point
@@ -56,7 +59,7 @@ class KillAt:
             return fresh
         fresh = False
         for intent_id, raw in self.store.r.hgetall(f"{self.store.p}outbox").items():
-            if intent_id not in self.seen and json.loads(raw).get("kind") == "launch":
+            if intent_id not in self.seen and json.loads(raw).get("kind") in POINTS[self.point]:
                 self.seen.add(intent_id)
                 fresh = True
         return fresh
@@ -84,21 +87,38 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server.stop()
 
 
-@pytest.mark.parametrize("point", ["submit", "launch"])
+@pytest.mark.parametrize("point", list(POINTS))
 def test_kill9_at_the_moment_redis_announces(point: str, redis_server: RedisServer,
-                                            tmp_path: Path, chaos: Tally) -> None:
+                                            tmp_path: Path, chaos: Tally,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``rescale`` the jobs take 1-2 GPUs, run 3 s, and a running job may be resized at
+    once (no minimum interval): a lone job takes two GPUs and gives one back to the next
+    wave."""
     fleet, marks, state = tmp_path / "fleet.yaml", tmp_path / "marks", tmp_path / "state"
     fleet.write_text(FLEET)
     marks.mkdir()
+    gpus, run, waves = GpuRange(min=1, max=1), JOB, (3, 3, 3, 3)
+    if point == "rescale":
+        monkeypatch.setenv("FLEET_SCHEDULER__MIN_RESCALE_INTERVAL_S", "0")
+        gpus, run, waves = GpuRange(min=1, max=2), JOB.replace("-lt 8", "-lt 30"), (1, 5) * 3
     store = Store.from_url(redis_server.url)
     broker = BrokerProc(redis_server.url, state, fleet, "a").start()
     wait_for(lambda: store.leader() is not None, timeout=20)
     killer = KillAt(store, broker, point)
     try:
-        ids = []
-        for _ in range(4):  # in waves, so submissions and launches meet a live broker
-            ids += submit_jobs(store, marks, 3)
-            wait_for(lambda: killer.kills >= 1 or all_terminal(store), timeout=30)
+        ids: list[str] = []
+        for wave, n in enumerate(waves):  # so submissions and launches meet a live broker
+            ids += [store.submit(JobSpec(name=f"w{wave}-{i}", run=run, gpus=gpus,
+                                         envs={"MARKS": str(marks)}, work_samples=10,
+                                         batch_size=BatchRange(min=512, max=512)),
+                                 team="t").id for i in range(n)]
+            if point != "rescale":
+                wait_for(lambda: killer.kills >= 1 or all_terminal(store), timeout=30)
+            elif n == 1:  # the lone job runs on two GPUs before the next wave arrives
+                wait_for(lambda: any(j.gpus == 2 for j in store.list_jobs(states=["running"])),
+                         timeout=30)
+            else:  # and the next lone job finds every GPU free
+                wait_for(lambda: all_terminal(store), timeout=60)
         wait_for(lambda: all_terminal(store), timeout=120)
     finally:
         killer.close()
