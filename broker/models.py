@@ -135,6 +135,10 @@ class JobRecord(BaseModel):
     grad_noise_scale: float | None = None  # in samples, as its agent last measured it
     checkpoint_step: int | None = None
     checkpoint_bytes: int | None = None  # that checkpoint's size, as its agent measured it
+    # When that checkpoint was committed (this clock), known only for a script that commits its
+    # own DCP checkpoints: it takes none at a stop, so a restart loses the work since then.
+    # None: a job on the runtime (it checkpoints at the stop), or not known.
+    checkpoint_at: float | None = None
     # Does a move resume it where it stopped (its agent saw the runtime's progress)? False: a
     # plain script, which a move, resize or preemption restarts from the beginning; None: not
     # known yet (no heartbeat has said).

@@ -196,15 +196,24 @@ class Heartbeat(BaseModel):
     checkpoint_seconds: float | None = Field(
         default=None, ge=0, le=10**7, description="how long writing and committing the "
         "checkpoint of checkpoint_step took (fleet_checkpoint_duration_seconds)")
+    checkpoint_age_seconds: float | None = Field(
+        default=None, ge=0, le=10**9, description="sent only for a script that commits its own "
+        "DCP checkpoints (no progress file; the agent found checkpoint_step's folder with its "
+        f"'.metadata' under {Env.CHECKPOINT_URI}): seconds since the agent first saw that "
+        "checkpoint committed, by its own clock. Such a script takes no checkpoint at a stop, "
+        "so a restart loses the work since then (the scheduler prices it so); absent for the "
+        "runtime, which checkpoints at the stop")
     grad_noise_scale: float | None = Field(
         default=None, ge=0, le=1e15, description="the gradient noise scale in samples, as the "
         "runtime measures it (per-replica and all-reduced gradients): the batch beyond which a "
         "larger one buys little progress per sample")
     resumable: bool | None = Field(
         default=None, description="whether the job's workers report progress through the "
-        "runtime or a supported framework with checkpoints on (true: a move resumes where it "
-        f"stopped), or ran {Env.PROGRESS_GRACE} seconds without (false: a plain script, which a "
-        "move, resize or preemption restarts from the beginning); absent: not known yet")
+        "runtime or a supported framework with checkpoints on, or commit DCP checkpoints of "
+        f"their own under {Env.CHECKPOINT_URI} (true: a move resumes from the latest "
+        f"checkpoint), or ran {Env.PROGRESS_GRACE} seconds with neither (false: a plain "
+        "script, which a move, resize or preemption restarts from the beginning); absent: not "
+        "known yet")
     resize_in_place: bool | None = Field(
         default=None, description="whether a resize on the job's node keeps its workers' "
         "processes (true: one node, one worker per GPU, and the runtime's own loop over a DDP "
@@ -229,7 +238,8 @@ class Heartbeat(BaseModel):
                               "(e.g. 'checkpoint write failed: no space left on device'), in "
                               "a failed last report")
 
-    @field_validator("samples_per_sec", "grad_noise_scale", "checkpoint_seconds")
+    @field_validator("samples_per_sec", "grad_noise_scale", "checkpoint_seconds",
+                     "checkpoint_age_seconds")
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and not math.isfinite(v):

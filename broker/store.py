@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 _PROGRESS_FIELDS = (
     "samples_done", "samples_per_sec", "measured_gpus", "measured_batch_size", "checkpoint_step",
-    "checkpoint_bytes", "grad_noise_scale", "resumable", "resize_in_place", "even_batch",
+    "checkpoint_bytes", "checkpoint_at", "grad_noise_scale", "resumable", "resize_in_place",
+    "even_batch",
 )
 ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
 BLOCKLIST_KEY = "blocklist"  # the reclaimed spot locations (policies.migration.Blocklist JSON)
@@ -419,6 +420,7 @@ class Store:
                          samples_per_sec: float | None = None, world_size: int | None = None,
                          global_batch_size: int | None = None,
                          checkpoint_step: int | None = None, checkpoint_bytes: int | None = None,
+                         checkpoint_age_seconds: float | None = None,
                          grad_noise_scale: float | None = None, resumable: bool | None = None,
                          resize_in_place: bool | None = None, even_batch: bool | None = None,
                          accelerator: Accelerator | None = None,
@@ -429,21 +431,24 @@ class Store:
         the exit code and any preemption notice of node ``node_rank`` in ``round`` of ``attempt``
         (dropped for a round the job has not reached or a rank it lacks). ``launch_key`` is the
         node's launch key: a node that does not hold the rank's current key (``lua.HEARTBEAT``)
-        records nothing and is told to stop. The checkpoint's size is kept with
-        its step (unknown when the report has none), so a size never describes another checkpoint
-        than the one recorded. Returns the action for the agent (``continue``, or
-        ``checkpoint-exit`` for a stale attempt, a replaced node, a requested cancel or a job being
-        stopped) and the job's current round. Throughput is kept per configuration on the
-        node's ``accelerator`` (the scheduler's job model is fitted to it), with the gradient
-        noise scale the runtime measured, and whether a move resumes the job (``resumable``:
-        the agent tells it from the runtime's progress file; a plain script restarts from the
+        records nothing and is told to stop. The checkpoint's size and, for a script that
+        commits its own checkpoints, when it was committed (``checkpoint_age_seconds`` before
+        now) are kept with its step (unknown when the report has none), so neither ever
+        describes another checkpoint than the one recorded. Returns the action for the agent
+        (``continue``, or ``checkpoint-exit`` for a stale attempt, a replaced node, a requested
+        cancel or a job being stopped) and the job's current round. Throughput is kept per
+        configuration on the node's ``accelerator`` (the scheduler's job model is fitted to
+        it), with the gradient noise scale the runtime measured, and whether a move resumes
+        the job (``resumable``: the agent tells it from the runtime's progress file or the
+        script's own committed checkpoints; a plain script without either restarts from the
         beginning), kept across attempts: the script does not change. So are what the runtime
         reports of its loop: whether a resize on the node keeps the workers' processes
         (``resize_in_place``: the scheduler prices the resize by it) and whether the global
         batch must divide evenly over the workers (``even_batch``: the choice table offers only
         such batches)."""
         progress = _progress_values(samples_done, samples_per_sec, world_size,
-                                    global_batch_size, checkpoint_step, checkpoint_bytes)
+                                    global_batch_size, checkpoint_step, checkpoint_bytes,
+                                    checkpoint_age_seconds)
         if grad_noise_scale is not None:
             progress["grad_noise_scale"] = float(grad_noise_scale)
         for name, flag in (("resumable", resumable), ("resize_in_place", resize_in_place),
@@ -722,8 +727,10 @@ class Store:
 
 def _progress_values(samples_done: int | None, samples_per_sec: float | None,
                      world_size: int | None, global_batch_size: int | None,
-                     checkpoint_step: int | None, checkpoint_bytes: int | None) -> dict[str, Any]:
-    """The progress fields a heartbeat sets (what it does not report stays as it was)."""
+                     checkpoint_step: int | None, checkpoint_bytes: int | None,
+                     checkpoint_age_seconds: float | None) -> dict[str, Any]:
+    """The progress fields a heartbeat sets (what it does not report stays as it was); a
+    checkpoint's age becomes the time it was committed: now less the age."""
     values: dict[str, Any] = {}
     if samples_done is not None:
         values["samples_done"] = int(samples_done)
@@ -734,6 +741,8 @@ def _progress_values(samples_done: int | None, samples_per_sec: float | None,
     if checkpoint_step is not None:
         values["checkpoint_step"] = int(checkpoint_step)
         values["checkpoint_bytes"] = None if checkpoint_bytes is None else int(checkpoint_bytes)
+        values["checkpoint_at"] = None if checkpoint_age_seconds is None else \
+            time.time() - float(checkpoint_age_seconds)
     return values
 
 

@@ -1,11 +1,12 @@
 """A plain FSDP2 script that checkpoints with torch.distributed.checkpoint (DCP) itself.
 
 It imports nothing from FleetBroker. Every ``--checkpoint-every-steps`` steps it saves model,
-optimizer and step with ``dcp.save`` into ``--checkpoint-dir/step-N``, and at start it loads the
-newest complete one (DCP writes ``.metadata`` last), at any world size: DCP reshards the sharded
-state. Each step's global batch is drawn from the step number alone and split evenly over the
-ranks, and FSDP averages the ranks' mean losses, so the maths do not depend on the world size
-(``--batch-size`` must be divisible by it).
+optimizer and step with ``dcp.save`` into ``--checkpoint-dir/step-N`` (default: the job's
+``FLEET_CHECKPOINT_URI``, a local path, where the agent sees the commits and reports the job as
+resumable), and at start it loads the newest complete one (DCP writes ``.metadata`` last), at any
+world size: DCP reshards the sharded state. Each step's global batch is drawn from the step
+number alone and split evenly over the ranks, and FSDP averages the ranks' mean losses, so the
+maths do not depend on the world size (``--batch-size`` must be divisible by it).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=12, help="global batch size")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--checkpoint-dir", required=True)
+    job_dir = os.environ.get("FLEET_CHECKPOINT_URI")  # the job's, under FleetBroker
+    p.add_argument("--checkpoint-dir", default=job_dir, required=job_dir is None)
     p.add_argument("--checkpoint-every-steps", type=int, default=5)
     p.add_argument("--save-final", default=None, help="rank 0 writes the full state_dict here")
     args = p.parse_args()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 
 import pytest
 import redis
@@ -178,6 +179,27 @@ def test_heartbeat_progress_and_actions(store: Store) -> None:
     assert store.get_job(job.id).samples_done == 500  # type: ignore[union-attr]
     store.request_cancel(job.id)
     assert store.record_heartbeat(job.id, 1, samples_done=600).action == CHECKPOINT_EXIT
+
+
+def test_a_checkpoints_commit_time_is_kept_with_its_step(store: Store) -> None:
+    """A script's own checkpoint comes with its age (the agent's clock): the record keeps when
+    it was committed, on the broker's clock, beside its step; a later report of a checkpoint
+    without an age (the runtime's) leaves no stale commit time behind."""
+    job = store.submit(spec(), team="t")
+    plan = Plan()
+    plan.change(job, JobState.LAUNCHING, attempt=1)
+    store.apply(plan)
+    before = time.time()
+    store.record_heartbeat(job.id, 1, checkpoint_step=5, checkpoint_bytes=900,
+                           checkpoint_age_seconds=30.0, resumable=True)
+    got = store.get_job(job.id)
+    assert got is not None and (got.checkpoint_step, got.checkpoint_bytes) == (5, 900)
+    assert got.checkpoint_at is not None and \
+        before - 30.0 <= got.checkpoint_at <= time.time() - 30.0
+    store.record_heartbeat(job.id, 1, samples_done=10)  # no checkpoint news: it stays
+    assert store.get_job(job.id).checkpoint_at == got.checkpoint_at  # type: ignore[union-attr]
+    store.record_heartbeat(job.id, 1, checkpoint_step=10, checkpoint_bytes=1000)
+    assert store.get_job(job.id).checkpoint_at is None  # type: ignore[union-attr]
 
 
 def test_events_since_and_limit(store: Store) -> None:

@@ -48,6 +48,7 @@ from broker.runtime import container, failure, integrations
 from broker.runtime.assignment import AssignmentError, env_float, env_int
 from broker.runtime.files import FilesError, files_of, files_root, node_path, place
 from broker.runtime.notices import pollers
+from broker.runtime.plain_checkpoints import Committed, PlainCheckpoints
 from policies.models import check_image
 
 # How long the final report is tried (FLEET_REPORT_TIMEOUT), with exponential backoff from
@@ -271,6 +272,10 @@ class Agent:
         self._brokers_lock = threading.Lock()
         self._workers_since: float | None = None  # when this agent first started workers
         self._resumable: bool | None = None  # once the progress file said so
+        # A script without the runtime may commit its own DCP checkpoints under the job's URI;
+        # only node rank 0 looks, as only its reports carry the job's progress.
+        uri = env.get(Env.CHECKPOINT_URI, "").strip()
+        self.plain = PlainCheckpoints(uri, log) if uri and config.node_rank == 0 else None
         # Resizes (the broker's ``resize`` action): the size asked for, the in-place resizes
         # done, and whether the workers are being restarted at a new size instead.
         self.resize_to: int | None = None
@@ -575,16 +580,20 @@ class Agent:
         except (OSError, ValueError):
             return {}
 
-    def resumable(self, progress: dict[str, Any], ended: bool = False) -> bool | None:
+    def resumable(self, progress: dict[str, Any], ended: bool = False,
+                  committed: Committed | None = None) -> bool | None:
         """Does a move resume this job where it stopped? True once its workers wrote the
-        progress file (the runtime, or a framework integration, does) with checkpoints on;
-        False once they ran FLEET_PROGRESS_GRACE seconds, or ``ended``, without writing it (a
-        plain script: a move restarts it from the beginning); None while it cannot tell.
+        progress file (the runtime, or a framework integration, does) with checkpoints on, or,
+        without the file, once the script ``committed`` a DCP checkpoint of its own; False
+        once they ran FLEET_PROGRESS_GRACE seconds, or ``ended``, with neither (a plain
+        script: a move restarts it from the beginning); None while it cannot tell.
         ``progress``: the progress file's record."""
         if progress:
             self._resumable = bool(progress.get("resumable", True))
         if self._resumable is not None:
             return self._resumable
+        if committed is not None:
+            return True
         since = self._workers_since
         if ended and since is not None:
             return False
@@ -693,7 +702,12 @@ class Agent:
             **self._key(),
             **{k: p[k] for k in PROGRESS_FIELDS if k in p},
         }
-        resumable = self.resumable(p, ended=exit_code is not None)
+        # Without a progress file, the script's own checkpoints are the job's position.
+        committed = self.plain.newest() if self.plain is not None and not p else None
+        if committed is not None:
+            body.update(checkpoint_step=committed.step, checkpoint_bytes=committed.bytes,
+                        checkpoint_age_seconds=round(committed.age_seconds(), 3))
+        resumable = self.resumable(p, ended=exit_code is not None, committed=committed)
         if resumable is not None:
             body["resumable"] = resumable
         if p:  # the broker prices a resize of this job by it (SchedulerConfig.resize_in_place_s)

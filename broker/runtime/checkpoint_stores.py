@@ -9,6 +9,7 @@ restores download into a local cache (one download per node).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,6 +29,11 @@ _STEP_DIR = re.compile(r"^step-(\d{10})$")
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:010d}"
+
+
+def is_step_dir_name(name: str) -> bool:
+    """Is ``name`` a folder of this layout (``step-`` and 10 digits)?"""
+    return _STEP_DIR.match(name) is not None
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
@@ -73,6 +79,12 @@ class CheckpointStore(ABC):
 
     @abstractmethod
     def delete(self, step: int) -> None: ...
+
+    @abstractmethod
+    def folder_files(self) -> dict[str, dict[str, int]]:
+        """Every file right inside each folder right under the URI, whoever wrote it: folder
+        name -> {file name: size in bytes} (the agent reads a plain script's own DCP
+        checkpoints from it)."""
 
     def latest(self) -> int | None:
         complete, _ = self.steps()
@@ -142,6 +154,16 @@ class LocalStore(CheckpointStore):
 
     def delete(self, step: int) -> None:
         shutil.rmtree(self.root / step_dir_name(step), ignore_errors=True)
+
+    def folder_files(self) -> dict[str, dict[str, int]]:
+        found: dict[str, dict[str, int]] = {}
+        for entry in self.root.iterdir() if self.root.exists() else []:
+            if entry.is_dir():
+                # a file removed between the listing and its stat is simply not there
+                with contextlib.suppress(FileNotFoundError):
+                    found[entry.name] = {f.name: f.stat().st_size for f in entry.iterdir()
+                                         if f.is_file()}
+        return found
 
 
 class StagedStore(CheckpointStore):
@@ -235,6 +257,14 @@ class StagedStore(CheckpointStore):
     def delete(self, step: int) -> None:
         self._delete_keys(self._by_step().get(step, []))
         shutil.rmtree(self.local_dir(step), ignore_errors=True)
+
+    def folder_files(self) -> dict[str, dict[str, int]]:
+        found: dict[str, dict[str, int]] = {}
+        for key, size in self._listing().items():
+            folder, _, name = key.partition("/")
+            if name and "/" not in name:
+                found.setdefault(folder, {})[name] = size
+        return found
 
 
 class S3Store(StagedStore):
