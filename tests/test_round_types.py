@@ -159,6 +159,31 @@ def test_a_plain_script_stays_where_a_resumable_job_would_move() -> None:
     assert moved == {True: [("migrate", cheap.id)], False: []}
 
 
+def test_a_script_with_its_own_checkpoints_is_priced_as_losing_the_work_since_the_newest(
+        ) -> None:
+    """A job has run an hour. Committing its own DCP checkpoints (its agent saw the newest 10
+    minutes ago), a restart loses those 10 minutes, not the hour a plain script loses; one it
+    resumed from, older than the attempt, leaves the attempt's hour to lose; a job on the
+    runtime (no commit time: it checkpoints at the stop) loses nothing. A preemption adds no
+    checkpoint interval on top for the script: the spec's is the runtime's, not the script's."""
+    dear = pool("aws", Accelerator.T4, 4, price=1.2)
+    running = job("a", [Accelerator.T4], gmin=4, gmax=4, state=JobState.RUNNING, at=dear, gpus=4)
+    config = SchedulerConfig(checkpoint_on_notice=False)
+
+    def priced(**update: object) -> tuple[float, float]:
+        req = placement_request(running.model_copy(update=update), Choice(4, 512, 1.0), [],
+                                Marks(), {}, config, now=NOW)
+        return req.restart_h * 3600, req.checkpoint_interval_h * 3600
+
+    own = priced(resumable=True, checkpoint_step=40, checkpoint_at=NOW - 600)
+    assert own == (pytest.approx(config.restart_s + 600), 0.0)
+    assert priced(resumable=True, checkpoint_at=NOW - 7200)[0] == \
+        pytest.approx(config.restart_s + 3600)
+    assert priced(resumable=False)[0] == pytest.approx(config.restart_s + 3600)
+    runtime = priced(resumable=True, checkpoint_step=40)
+    assert runtime[0] == config.restart_s and runtime[1] > 0
+
+
 def test_only_a_job_that_resizes_in_place_is_priced_at_the_in_place_cost() -> None:
     """A job runs on 4 of its one node's 8 GPUs at a fixed batch; the others are idle. With a
     restart worth a third of the plan's horizon (restart_s 600 of 1800), the grow to 8 is a

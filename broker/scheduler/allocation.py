@@ -177,7 +177,7 @@ def _allocate(jobs: list[JobRecord], choices: dict[str, list[Choice]], capacity:
               now: float, required: Collection[str] = ()) -> dict[str, Choice | None]:
     """Run the allocator with running jobs' current config favoured (by the share of the
     restart horizon a restart would lose, :func:`restart_s`: a plain script's whole attempt
-    too) and, for
+    too, a script that commits its own checkpoints the work since the newest) and, for
     jobs started less than ``min_rescale_interval_s`` ago (or under the static policy) and jobs
     that must not be preempted (``spot: never``: no suspension or rescale to rebalance), pinned;
     so are the ``required`` jobs to one of their choices (:func:`paced_choices`). Under

@@ -66,22 +66,40 @@ def restarts_from_scratch(job: JobRecord) -> bool:
     return job.resumable is False
 
 
+def commits_own_checkpoints(job: JobRecord) -> bool:
+    """Does the job resume from DCP checkpoints its script commits itself (its agent saw them,
+    and when, without the runtime's progress)? It takes none at a stop, so a move, resize or
+    preemption redoes the work since the newest."""
+    return job.resumable is True and job.checkpoint_at is not None
+
+
 def restart_s(job: JobRecord, config: SchedulerConfig, now: float) -> float:
     """What restarting the job costs, in seconds: a relaunch (``config.restart_s``: node start,
-    setup, checkpoint restore) and, for a plain script (:func:`restarts_from_scratch`), the
-    progress it loses: all the work of its running attempt, which starts again from step 0."""
-    lost = 0.0
-    if restarts_from_scratch(job) and job.state is JobState.RUNNING and job.launched_at:
-        lost = max(0.0, now - job.launched_at)
-    return config.restart_s + lost
+    setup, checkpoint restore) and the progress of its running attempt the restart loses: for
+    a plain script (:func:`restarts_from_scratch`) all of it, which starts again from step 0;
+    for a script that commits its own checkpoints (:func:`commits_own_checkpoints`) the work
+    since the newest (since the attempt's launch when it resumed from one that old); none for
+    a job on the runtime, which checkpoints at the stop."""
+    if job.state is not JobState.RUNNING or not job.launched_at:
+        return config.restart_s
+    if restarts_from_scratch(job):
+        since = job.launched_at
+    elif commits_own_checkpoints(job):
+        since = max(job.launched_at, job.checkpoint_at or 0.0)
+    else:
+        return config.restart_s
+    return config.restart_s + max(0.0, now - since)
 
 
 def lost_work_h(job: JobRecord, batch: int, samples_per_s: float,
                 config: SchedulerConfig) -> float:
     """Hours of work a preemption can lose beyond its restart: none when the agents checkpoint
     on the notice (``config.checkpoint_on_notice``), else up to a checkpoint interval; for a
-    plain script the work lost is its whole attempt, priced in :func:`restart_s`."""
-    if config.checkpoint_on_notice or restarts_from_scratch(job):
+    plain script the work lost is its whole attempt, and for one that commits its own
+    checkpoints the work since the newest (the spec's interval is the runtime's, which such a
+    script does not follow), both priced in :func:`restart_s`."""
+    if config.checkpoint_on_notice or restarts_from_scratch(job) or \
+            commits_own_checkpoints(job):
         return 0.0
     return checkpoint_interval_s(job.spec, batch, samples_per_s) / 3600
 
