@@ -139,9 +139,10 @@ class JobRecord(BaseModel):
     # own DCP checkpoints: it takes none at a stop, so a restart loses the work since then.
     # None: a job on the runtime (it checkpoints at the stop), or not known.
     checkpoint_at: float | None = None
-    # Does a move resume it where it stopped (its agent saw the runtime's progress)? False: a
-    # plain script, which a move, resize or preemption restarts from the beginning; None: not
-    # known yet (no heartbeat has said).
+    # Does a move resume it where it stopped (its agent saw the runtime's progress) or from its
+    # script's own newest DCP checkpoint (checkpoint_at known)? False: a plain script, which a
+    # move, resize or preemption restarts from the beginning; None: not known yet (no
+    # heartbeat has said).
     resumable: bool | None = None
     # Does a resize on its node keep its workers' processes (its agent saw the runtime's own
     # loop re-form the group in place)? False or None (not known yet): the resize costs a

@@ -25,7 +25,7 @@ from broker.cli.launch_files import upload_files
 from broker.client import BrokerClient, config_path, write_client_config
 from broker.files import PackError
 from broker.models import JobState
-from broker.protocol import BrokerEnv
+from broker.protocol import BrokerEnv, Env
 from broker.spec import (
     UNBOUNDED_WORK,
     ParsedSpec,
@@ -70,18 +70,28 @@ def _size(n: int) -> str:
     return f"{n / 1000 ** exp:.1f} {'kMGT'[exp - 1]}B"
 
 
-def restart_notice(resumable: bool | None) -> str:
+def restart_notice(resumable: bool | None, own_checkpoints: bool = False) -> str:
     """What a move, resize or preemption does to the job, as its agent found out (``None``:
-    no heartbeat has said yet)."""
+    no heartbeat has said yet); ``own_checkpoints``: its resumable script commits DCP
+    checkpoints itself (the job's ``checkpoint_at`` is known), so it loses the work since the
+    newest."""
+    if resumable and own_checkpoints:
+        return ("resumable from its own checkpoints: a move, resize or preemption restarts this "
+                "script, which loads the newest DCP checkpoint it committed under "
+                f"{Env.CHECKPOINT_URI}; the work since that checkpoint is lost (the script takes "
+                "none at a stop) and the scheduler prices it")
     if resumable:
         return ("resumable: a move, resize or preemption resumes it from its latest checkpoint "
                 "(it reports progress through the runtime)")
     if resumable is False:
         return ("restarts from the beginning: a move, resize or preemption restarts this plain "
                 "script from step 0 (it reports no progress through the runtime or a supported "
-                "framework); the scheduler avoids moving it")
+                f"framework and has committed no DCP checkpoint under {Env.CHECKPOINT_URI}); the "
+                "scheduler avoids moving it")
     return ("a move, resize or preemption restarts the job from the beginning unless it reports "
-            "progress through the runtime (broker.runtime elastic) or a supported framework")
+            "progress through the runtime (broker.runtime elastic) or a supported framework, or "
+            f"commits its own torch.distributed.checkpoint checkpoints under {Env.CHECKPOINT_URI} "
+            "(then it loses only the work since the newest)")
 
 
 def _where(job: dict[str, Any]) -> str:
@@ -289,7 +299,7 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
         + (f" ({_size(j['checkpoint_bytes'])})" if j.get("checkpoint_bytes") is not None
            else ""),
         escape(("" if j.get("resumable") is not None else "not known yet: ")
-               + restart_notice(j.get("resumable"))),
+               + restart_notice(j.get("resumable"), j.get("checkpoint_at") is not None)),
         f"rescales {j['rescales']}  migrations {j['migrations']}  preemptions "
         f"{j['preemptions']}  GPU-hours {out['gpu_hours']:.4f}  cost ${out['cost']:.4f} "
         f"(on-demand ${out['ondemand_cost']:.4f})",

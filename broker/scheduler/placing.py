@@ -62,7 +62,8 @@ def checkpoint_interval_s(spec: JobSpec, batch: int, samples_per_s: float) -> fl
 
 def restarts_from_scratch(job: JobRecord) -> bool:
     """Is the job a plain script (its agent saw no progress through the runtime or a supported
-    framework)? A move, resize or preemption then restarts it from the beginning."""
+    framework, and no DCP checkpoint its script committed)? A move, resize or preemption then
+    restarts it from the beginning."""
     return job.resumable is False
 
 
