@@ -95,6 +95,12 @@ answer, such as a 404 for a job that is gone, ends the tries). The broker takes 
 rank 0 of the job's current round only (its rank-0 worker writes it), never less than it already
 took from that attempt and round and none after that node's final report; a node's exit code or
 notice only for a round the job reached and a rank it has.
+Without the file, a script that commits its own DCP checkpoints under FLEET_CHECKPOINT_URI (a
+folder whose name ends in its step and holds ``.metadata``; ``broker.runtime.plain_checkpoints``)
+is reported from node rank 0 with the newest one's ``checkpoint_step``, ``checkpoint_bytes``,
+``checkpoint_age_seconds`` (since the agent first saw it committed) and ``resumable: true``; the
+broker keeps its commit time (``JobRecord.checkpoint_at``) and prices a restart as the work since
+then, as the script takes no checkpoint at a stop.
 Once the node has a preemption notice every heartbeat carries it as ``notice``
 (the first is sent at once), so the broker blocks the location. A response
 ``{"action": "checkpoint-exit"}`` stops the job; its ``round`` is the job's rendezvous round.
