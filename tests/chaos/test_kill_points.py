@@ -1,6 +1,7 @@
 """Broker ``kill -9`` at points Redis itself announces: keyspace notifications tell the test the
-moment a submission lands or the scheduler writes a launch or a resize intent to the outbox,
-and the broker dies right then, before or while its actuator acts on it. A fresh broker takes
+moment a submission lands, the scheduler writes a launch or a resize intent to the outbox, or the
+broker records a job's preemption after a spot reclaim (its migration), and the broker dies
+right then, before or while it acts on it. A fresh broker takes
 over each time; every job completes, none runs twice at once, and no node is spawned twice for
 one attempt."""
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from broker.store import Store
-from policies.models import BatchRange, GpuRange, JobSpec
+from policies.models import BatchRange, GpuRange, JobSpec, SpotPolicy
 from tests.chaos.conftest import Tally, duplicate_launches
 from tests.redis_server import RedisServer
 from tests.test_crash_safety import (
@@ -28,17 +29,20 @@ from tests.test_crash_safety import (
 )
 
 KILLS = 4
-POINTS = {"submit": (), "launch": ("launch",), "rescale": ("resize", "resize-in-place")}
+POINTS = {"submit": (), "launch": ("launch",), "rescale": ("resize", "resize-in-place"),
+          "reclaim": ()}
 
 
 class KillAt:
     """Kills and restarts ``broker`` on the first ``KILLS`` keyspace events that match
-    ``point``: ``submit`` (a job record created), else an intent of one of its ``POINTS`` kinds
-    in the outbox (each intent once)."""
+    ``point``: ``submit`` (a job record created), ``reclaim`` (a job record written while
+    ``armed``, once each), else an intent of one of its ``POINTS`` kinds in the outbox (each
+    intent once)."""
 
     def __init__(self, store: Store, broker: BrokerProc, point: str) -> None:
         self.store, self.broker, self.point = store, broker, point
         self.kills = 0
+        self.armed = 0
         self.seen: set[str] = set()
         self.done = threading.Event()
         self.pubsub = store.r.pubsub(ignore_subscribe_messages=True)
@@ -52,6 +56,10 @@ class KillAt:
     def _matches(self, message: dict) -> bool:
         if message["data"] != "hset":
             return False
+        if self.point == "reclaim":
+            fresh = self.armed > 0
+            self.armed -= fresh
+            return fresh
         if self.point == "submit":
             key = message["channel"].split(":", 1)[1]
             fresh = key not in self.seen
@@ -93,14 +101,17 @@ def test_kill9_at_the_moment_redis_announces(point: str, redis_server: RedisServ
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Under ``rescale`` the jobs take 1-2 GPUs, run 3 s, and a running job may be resized at
     once (no minimum interval): a lone job takes two GPUs and gives one back to the next
-    wave."""
+    wave. Under ``reclaim`` three jobs run 3 s on spot where they can, one's region is reclaimed
+    under them, and the broker dies at the next two job records it writes."""
     fleet, marks, state = tmp_path / "fleet.yaml", tmp_path / "marks", tmp_path / "state"
     fleet.write_text(FLEET)
     marks.mkdir()
-    gpus, run, waves = GpuRange(min=1, max=1), JOB, (3, 3, 3, 3)
+    gpus, run, waves, spot = GpuRange(min=1, max=1), JOB, (3, 3, 3, 3), SpotPolicy.ALLOWED
     if point == "rescale":
         monkeypatch.setenv("FLEET_SCHEDULER__MIN_RESCALE_INTERVAL_S", "0")
         gpus, run, waves = GpuRange(min=1, max=2), JOB.replace("-lt 8", "-lt 30"), (1, 5) * 3
+    if point == "reclaim":
+        run, waves, spot = JOB.replace("-lt 8", "-lt 30"), (3,), SpotPolicy.PREFERRED
     store = Store.from_url(redis_server.url)
     broker = BrokerProc(redis_server.url, state, fleet, "a").start()
     wait_for(lambda: store.leader() is not None, timeout=20)
@@ -108,11 +119,19 @@ def test_kill9_at_the_moment_redis_announces(point: str, redis_server: RedisServ
     try:
         ids: list[str] = []
         for wave, n in enumerate(waves):  # so submissions and launches meet a live broker
-            ids += [store.submit(JobSpec(name=f"w{wave}-{i}", run=run, gpus=gpus,
+            ids += [store.submit(JobSpec(name=f"w{wave}-{i}", run=run, gpus=gpus, spot=spot,
                                          envs={"MARKS": str(marks)}, work_samples=10,
                                          batch_size=BatchRange(min=512, max=512)),
                                  team="t").id for i in range(n)]
-            if point != "rescale":
+            if point == "reclaim":
+                wait_for(lambda: any("spot" in (j.pool or "")
+                                     for j in store.list_jobs(states=["running"])), timeout=30)
+                region = next(j.pool for j in store.list_jobs(states=["running"])
+                              if "spot" in (j.pool or "")).split(":")[1]
+                killer.armed = 2  # at the preemption's record, then amid the move
+                store.request_preempt(region, duration_s=5)
+                wait_for(lambda: all_terminal(store), timeout=60)
+            elif point != "rescale":
                 wait_for(lambda: killer.kills >= 1 or all_terminal(store), timeout=30)
             elif n == 1:  # the lone job runs on two GPUs before the next wave arrives
                 wait_for(lambda: any(j.gpus == 2 for j in store.list_jobs(states=["running"])),
@@ -130,3 +149,5 @@ def test_kill9_at_the_moment_redis_announces(point: str, redis_server: RedisServ
                  duplicate_launches=duplicate_launches(state))
     assert killer.kills >= 2, f"only {killer.kills} kills at {point}"
     check_invariants(store, ids, marks, state)
+    if point == "reclaim":  # the kills met a preemption and its move
+        assert any(j.preemptions for j in store.list_jobs())
