@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from broker.models import JobState
+from broker.models import JobRecord, JobState
 from broker.protocol import Env
 from broker.server import Broker
 from broker.store import Store
@@ -61,27 +61,51 @@ def broker(redis_server: RedisServer, store: Store, tmp_path: Path,
         yield running
 
 
+def cli_env(broker: Broker, tmp_path: Path) -> dict[str, str]:
+    return {"FLEET_URL": broker.config.broker_url or "", "FLEET_TOKEN": TEAM_TOKEN,
+            "FLEET_CONFIG": str(tmp_path / "c.yaml")}
+
+
+def launch(env: dict[str, str], spec: Path) -> tuple[str, str]:
+    """``fleet launch``: the job id and what it said, on one line."""
+    code, out, err = fleet(env, "launch", str(spec))
+    assert code == 0, err
+    said = " ".join(out.split())
+    return said.split("submitted ", 1)[1].split()[0], said
+
+
+def wait_until(store: Store, job_id: str, ready: Callable[[JobRecord], bool],
+               timeout: float) -> JobRecord:
+    """The job once ``ready`` holds, while it has not ended."""
+    deadline = time.monotonic() + timeout
+    while (job := store.get_job(job_id)) is None or not ready(job):
+        assert time.monotonic() < deadline, f"not reached: {job}"
+        assert not job or not job.state.terminal, job
+        time.sleep(0.3)
+    return job
+
+
+def cancel(env: dict[str, str], store: Store, job_id: str) -> None:
+    assert fleet(env, "cancel", job_id)[0] == 0
+    deadline = time.monotonic() + 60
+    while not (job := store.get_job(job_id)) or not job.state.terminal:
+        assert time.monotonic() < deadline, job
+        time.sleep(0.3)
+
+
 @pytest.mark.slow
 def test_a_plain_script_is_recorded_and_shown_as_restarting_from_the_beginning(
         broker: Broker, store: Store, tmp_path: Path) -> None:
     spec = tmp_path / "plain.yaml"
     spec.write_text(JOB)
-    env = {"FLEET_URL": broker.config.broker_url or "", "FLEET_TOKEN": TEAM_TOKEN,
-           "FLEET_CONFIG": str(tmp_path / "c.yaml")}
+    env = cli_env(broker, tmp_path)
     code, out, err = fleet(env, "launch", "--dryrun", str(spec))
     assert code == 0, err
     assert "restarts the job from the beginning unless it reports progress through the " \
            "runtime" in " ".join(out.split())
-    code, out, err = fleet(env, "launch", str(spec))
-    assert code == 0, err
-    said = " ".join(out.split())
+    job_id, said = launch(env, spec)
     assert "submitted" in said and "restarts the job from the beginning unless" in said
-    job_id = said.split("submitted ", 1)[1].split()[0]
-    deadline = time.monotonic() + 90
-    while (job := store.get_job(job_id)) is None or job.resumable is None:
-        assert time.monotonic() < deadline, f"no verdict: {job}"
-        assert not job or not job.state.terminal, job
-        time.sleep(0.3)
+    job = wait_until(store, job_id, lambda j: j.resumable is not None, timeout=90)
     assert job.resumable is False and job.state is JobState.RUNNING
     code, out, _ = fleet(env, "job", job_id)
     assert code == 0
@@ -89,10 +113,7 @@ def test_a_plain_script_is_recorded_and_shown_as_restarting_from_the_beginning(
            "plain script from step 0" in " ".join(out.split())
     code, out, _ = fleet(env, "job", job_id, "--json")
     assert json.loads(out)["job"]["resumable"] is False
-    assert fleet(env, "cancel", job_id)[0] == 0
-    while not (job := store.get_job(job_id)) or not job.state.terminal:  # type: ignore[union-attr]
-        assert time.monotonic() < deadline + 60, job
-        time.sleep(0.3)
+    cancel(env, store, job_id)
 
 
 @pytest.mark.slow
@@ -100,19 +121,11 @@ def test_a_plain_dcp_script_is_recorded_and_shown_as_losing_the_work_since_its_c
         broker: Broker, store: Store, tmp_path: Path) -> None:
     spec = tmp_path / "dcp.yaml"
     spec.write_text(DCP_JOB)
-    env = {"FLEET_URL": broker.config.broker_url or "", "FLEET_TOKEN": TEAM_TOKEN,
-           "FLEET_CONFIG": str(tmp_path / "c.yaml")}
-    code, out, err = fleet(env, "launch", str(spec))
-    assert code == 0, err
-    said = " ".join(out.split())
+    env = cli_env(broker, tmp_path)
+    job_id, said = launch(env, spec)
     assert "or commits its own torch.distributed.checkpoint checkpoints under " \
            f"{Env.CHECKPOINT_URI}" in said
-    job_id = said.split("submitted ", 1)[1].split()[0]
-    deadline = time.monotonic() + 120
-    while (job := store.get_job(job_id)) is None or job.checkpoint_at is None:
-        assert time.monotonic() < deadline, f"no checkpoint reported: {job}"
-        assert not job or not job.state.terminal, job
-        time.sleep(0.3)
+    job = wait_until(store, job_id, lambda j: j.checkpoint_at is not None, timeout=120)
     assert job.resumable is True and job.state is JobState.RUNNING
     assert job.checkpoint_step is not None and job.checkpoint_step % 50 == 0
     assert job.checkpoint_bytes and job.checkpoint_at <= time.time()
@@ -121,7 +134,4 @@ def test_a_plain_dcp_script_is_recorded_and_shown_as_losing_the_work_since_its_c
     said = " ".join(out.split())
     assert "resumable from its own checkpoints" in said and \
            "the work since that checkpoint is lost" in said, said
-    assert fleet(env, "cancel", job_id)[0] == 0
-    while not (job := store.get_job(job_id)) or not job.state.terminal:  # type: ignore[union-attr]
-        assert time.monotonic() < deadline + 60, job
-        time.sleep(0.3)
+    cancel(env, store, job_id)
