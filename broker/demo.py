@@ -32,7 +32,7 @@ class DemoConfig:
     steps: int = 1200  # training steps per job (at the base batch of 64)
     fleet: Path = DEMO_FLEET
     state_dir: Path | None = None  # default: a fresh temp dir
-    reclaim_region: str = "us-east-1"
+    reclaim_region: str = "us-east-1"  # else a spot region whose jobs have work left
     live: bool = True
     timeout_s: float = 280.0
     port: int = 0
@@ -191,17 +191,27 @@ def run_demo(config: DemoConfig, console: Console | None = None,
             made_room = sorted({e.job_id for e in store.events(since=mark_id, limit=10_000)
                                 if e.type in ("resize", "migrate", "suspend") and e.job_id})
             note(f"GPUs after: {after}; made room: {made_room}")
-            title = f"3. spot region {config.reclaim_region} is reclaimed: jobs move"
+            title = "3. a spot region is reclaimed: jobs move"
 
-            def running_there() -> list[str]:
-                return [j.name for j in store.list_jobs() if j.state is JobState.RUNNING
-                        and j.pool and j.pool.split(":")[1] == config.reclaim_region]
+            def with_work_left() -> dict[str, list[str]]:
+                """Spot regions -> their running jobs that have a quarter of their work left:
+                a job about to finish would just finish under the notice."""
+                out: dict[str, list[str]] = {}
+                for j in store.list_jobs():
+                    if j.state is JobState.RUNNING and j.pool and ":spot:" in j.pool and \
+                            j.progress < 0.75:
+                        out.setdefault(j.pool.split(":")[1], []).append(j.name)
+                return out
 
-            # Jobs resized for the newcomer may still be relaunching: reclaim once one runs there.
-            wait(lambda: bool(running_there()), live, budget / 6)
-            victims = running_there()
-            store.request_preempt(config.reclaim_region, duration_s=3600)
-            note(f"reclaiming {config.reclaim_region}; running there: {victims}")
+            # Jobs resized for the newcomer may still be relaunching: reclaim once one runs
+            # there, else in another spot region that has a job with work left.
+            wait(lambda: bool(with_work_left()), live, budget / 6)
+            there = with_work_left()
+            region = config.reclaim_region if config.reclaim_region in there else \
+                max(there, key=lambda r: len(there[r]), default=config.reclaim_region)
+            store.request_preempt(region, duration_s=3600)
+            title = f"3. spot region {region} is reclaimed: jobs move"
+            note(f"reclaiming {region}; running there: {there.get(region, [])}")
             title = "4. jobs checkpoint, resume elsewhere and finish"
             wait(lambda: all(j.state.terminal for j in store.list_jobs()), live,
                  max(10.0, config.timeout_s - (time.time() - started)))

@@ -32,12 +32,13 @@ regions:
   - {cloud: azure, region: south, market: on-demand, price_per_gpu_hour: 1.0, gpus: 2}
 """
 # A job that proves it never runs twice at once (mkdir is atomic: a second concurrent copy
-# fails and leaves a mark) and logs every launch key it was started with.
+# fails and leaves a mark) and logs every launch key it was started with, once its stop trap
+# is set (a stop that came before would leave the lock behind).
 JOB = """
 mkdir "$MARKS/$FLEET_JOB_ID.lock" 2>/dev/null ||
   { echo "$FLEET_JOB_ID" >> "$MARKS/overlap"; exit 99; }
-echo "$FLEET_LAUNCH_KEY" >> "$MARKS/keys"
 trap 'rmdir "$MARKS/$FLEET_JOB_ID.lock"; exit 75' TERM
+echo "$FLEET_LAUNCH_KEY" >> "$MARKS/keys"
 i=0; while [ $i -lt 8 ]; do sleep 0.1; i=$((i+1)); done
 rmdir "$MARKS/$FLEET_JOB_ID.lock"
 """

@@ -21,7 +21,7 @@ def test_demo_flow(tmp_path: Path) -> None:
             if job.preemptions:
                 seen[job.id] = store.read_logs(job.id, limit=10_000)[0]
 
-    summary = run_demo(DemoConfig(steps=200, fleet=DEMO_FLEET, state_dir=tmp_path / "state",
+    summary = run_demo(DemoConfig(steps=400, fleet=DEMO_FLEET, state_dir=tmp_path / "state",
                                   live=False, timeout_s=240), console, on_done=inspect)
     assert summary.finished == summary.jobs == 4, console.export_text()
     # The newcomer ran beside the others (whether they shrank for it depends on when they finish

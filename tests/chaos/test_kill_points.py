@@ -87,6 +87,13 @@ class KillAt:
         self.pubsub.close()
 
 
+def on_spot(store: Store, marks: Path) -> list[str]:
+    """The spot pools of running jobs that have set their stop trap."""
+    started = (marks / "keys").read_text().split() if (marks / "keys").exists() else []
+    return [j.pool for j in store.list_jobs(states=["running"])
+            if j.pool and ":spot:" in j.pool and any(k.startswith(f"{j.id}:") for k in started)]
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server that publishes keyspace events of hash commands."""
@@ -124,10 +131,9 @@ def test_kill9_at_the_moment_redis_announces(point: str, redis_server: RedisServ
                                          batch_size=BatchRange(min=512, max=512)),
                                  team="t").id for i in range(n)]
             if point == "reclaim":
-                wait_for(lambda: any("spot" in (j.pool or "")
-                                     for j in store.list_jobs(states=["running"])), timeout=30)
-                region = next(j.pool for j in store.list_jobs(states=["running"])
-                              if "spot" in (j.pool or "")).split(":")[1]
+                # a job on spot whose stop trap is set (its launch key is logged)
+                wait_for(lambda: bool(on_spot(store, marks)), timeout=30)
+                region = on_spot(store, marks)[0].split(":")[1]
                 killer.armed = 2  # at the preemption's record, then amid the move
                 store.request_preempt(region, duration_s=5)
                 wait_for(lambda: all_terminal(store), timeout=60)
