@@ -772,10 +772,11 @@ class Trainer:
 
     def _exit_stopped(self) -> None:
         """Exit 75 through the script (its ``finally`` blocks and exit handlers run), without
-        finalizing the interpreter when this process is in a group: see
-        :func:`_leave_without_finalizing`."""
+        finalizing the interpreter when this process has been in a group (a group of one has
+        gloo's threads too; a rank leaving a resize has destroyed its group, whose threads
+        live on): see :func:`_leave_without_finalizing`."""
         self._restore_signals()
-        if self.world_size > 1:
+        if self.world_size > 1 or dist.is_initialized():
             atexit.register(_leave_without_finalizing, EXIT_STOPPED)
         raise SystemExit(EXIT_STOPPED)
 

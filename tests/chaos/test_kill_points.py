@@ -153,7 +153,9 @@ def test_kill9_at_the_moment_redis_announces(point: str, redis_server: RedisServ
                  jobs_lost=sum(j.state.value != "completed" for j in store.list_jobs())
                  + len(set(ids) - {j.id for j in store.list_jobs()}),
                  duplicate_launches=duplicate_launches(state))
-    assert killer.kills >= 2, f"only {killer.kills} kills at {point}"
+    # a reclaim's move may be done by the broker the first kill started: one kill is its due
+    wanted = 1 if point == "reclaim" else 2
+    assert killer.kills >= wanted, f"only {killer.kills} kills at {point}"
     check_invariants(store, ids, marks, state)
     if point == "reclaim":  # the kills met a preemption and its move
         assert any(j.preemptions for j in store.list_jobs())
