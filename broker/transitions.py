@@ -47,12 +47,13 @@ def running(plan: Plan, job: JobRecord, *, node_ids: list[str], started: float,
                 started_at=job.started_at or started, fence=fence, reason="running")
 
 
-def resized_in_place(plan: Plan, job: JobRecord, *, gpus: int, fence: int) -> None:
+def resized_in_place(plan: Plan, job: JobRecord, *, gpus: int, fence: int, now: float) -> None:
     """The running attempt's one node runs ``gpus`` workers from now on, its processes kept
     (its agent is told in the next heartbeat reply): no new attempt, a rescale counted, and the
-    config's start (``launched_at``) now, so the rescale interval holds it as a launch would."""
+    config's start (``launched_at``) the round's ``now`` (a simulation's clock is virtual), so
+    the rescale interval holds it as a launch would."""
     plan.change(job, event="resize-in-place", event_data={"from": job.gpus, "gpus": gpus},
-                gpus=gpus, resized_to=gpus, rescales=job.rescales + 1, launched_at=time.time(),
+                gpus=gpus, resized_to=gpus, rescales=job.rescales + 1, launched_at=now,
                 fence=fence, reason=f"resized in place to {gpus} GPUs")
 
 

@@ -25,6 +25,7 @@ from broker.scheduler import (
     deadline_job,
     job_choices,
     placement_request,
+    plan_round,
     pool_risk,
     refused_pools,
     requested_choice,
@@ -919,3 +920,27 @@ def test_a_job_running_the_runtime_is_resized_in_place_on_its_node(store: Store)
     assert resize_owed(job, job.attempt, world_size=job.gpus) is None  # done: nothing owed
     assert resize_owed(job, job.attempt + 1, world_size=4) is None  # another attempt's node
 
+
+
+def test_an_in_place_resize_starts_the_config_at_the_rounds_clock(store: Store) -> None:
+    """A round on another clock than the wall's (a simulation's) records the resized config's
+    start at its own ``now``: the rescale interval then counts from there, so the job can be
+    resized again a round later (a wall-clock start kept it pinned for ever)."""
+    store.set_pools(POOLS)
+    fence = store.acquire_lease("t", ttl_s=30)
+    config = SchedulerConfig(min_rescale_interval_s=60)
+    a = store.submit(spec("a", batch=128), team="t")
+    Scheduler(store, config).run_round(fence)
+    run_all(store, fence)
+    job = store.get_job(a.id)
+    assert job is not None and job.gpus == 4
+    store.record_heartbeat(a.id, job.attempt, launch_key=job.launch_key, samples_done=640,
+                           world_size=4, global_batch_size=128)
+    for n in ("b", "c", "d"):
+        store.submit(spec(n), team="t")
+    later = time.time() + 86_400.0
+    res = plan_round(store.snapshot(), fence, config, now=later)
+    assert res.resizes == 1
+    store.apply(res.plan, fence=fence)
+    job = store.get_job(a.id)
+    assert job is not None and job.resized_to == job.gpus < 4 and job.launched_at == later

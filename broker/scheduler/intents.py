@@ -37,7 +37,7 @@ def _nodes(job: JobRecord, pool: Pool | None, gpus: int) -> int:
 
 
 def diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None, fence: int,
-         config: SchedulerConfig, pools_by_id: Mapping[str, Pool]) -> None:
+         config: SchedulerConfig, pools_by_id: Mapping[str, Pool], now: float) -> None:
     if job.state is JobState.RUNNING:
         if target is None:
             stop(res, job, fence, IntentKind.SUSPEND, "allocator gave its GPUs to other jobs")
@@ -45,7 +45,8 @@ def diff(res: RoundResult, job: JobRecord, target: tuple[str, int, int] | None, 
             stop(res, job, fence, IntentKind.MIGRATE, f"moving to {target[0]}", target)
         elif target[1:] != (job.gpus, job.batch_size):
             if resizes_in_place(job, pools_by_id.get(target[0]), target[1], target[2]):
-                transitions.resized_in_place(res.plan, job, gpus=target[1], fence=fence)
+                transitions.resized_in_place(res.plan, job, gpus=target[1], fence=fence,
+                                             now=now)
                 res.plan.add_intent(Intent(kind=IntentKind.RESIZE_IN_PLACE, job_id=job.id,
                                            fence=fence, attempt=job.attempt, gpus=target[1],
                                            batch_size=target[2], pool=target[0]))

@@ -153,7 +153,7 @@ def _plan_type(res: RoundResult, accel: Accelerator, jobs: list[JobRecord],
         if target is None and job.state is not JobState.RUNNING and job not in unfit and \
                 not dropped_if_left_out(job, config):
             note(res, job, "waiting", placed.notes.get(job.id) or waiting_for_capacity(accel))
-        diff(res, job, target, fence, config, pools_by_id)
+        diff(res, job, target, fence, config, pools_by_id, now)
 
 
 @contextmanager
