@@ -70,7 +70,8 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
                    avoid_zones: tuple[str, ...] = (),
                    ranks: tuple[int, int] | None = None,
                    zone: str | None = None,
-                   secret_env: Mapping[str, str] | None = None) -> LaunchRequest:
+                   secret_env: Mapping[str, str] | None = None,
+                   fetch_secrets: bool = False) -> LaunchRequest:
     """The provider request for a launch intent: the job's command under the runtime agent with
     the assigned world size, batch size and checkpoint location in its environment. Where the
     backend's start script runs the agent itself (cloud VMs) the command is not wrapped again.
@@ -81,8 +82,17 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     ``ranks`` (first rank, nodes): a REPLACE intent's stand-ins for lost nodes of the job's
     current launch, under their own key (``providers.base.replacement_key``), shaped as the gang
     was launched (whatever the pool sells now) and in the survivors' ``zone``. ``secret_env``:
-    the job's opened secrets, in its environment beside its envs."""
+    the job's opened secrets, in its environment beside its envs; with ``fetch_secrets`` (a
+    backend whose start script the cloud keeps in clear: ``Provider.keeps_secrets``) only their
+    names are (``Env.SECRET_ENVS``), and the agent fetches the values from the broker with its
+    attempt token (``ProviderError`` when this broker gives its agents no URL or token)."""
     spec = job.spec
+    secret_env = secret_env or {}
+    names = sorted(secret_env)
+    if fetch_secrets and names and not (config.broker_url and config.agent_token):
+        raise ProviderError(
+            f"the job has secrets, which its agent on {pool.cloud} fetches from the broker, and "
+            "this broker gives its agents no URL or token to fetch them with: set broker_url")
     if ranks is None:  # the gang the scheduler placed (its node count), else the pool's shape
         gang = spec.nodes or job.nodes
         nodes, per_node = (gang, intent.gpus // gang) \
@@ -96,7 +106,8 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
     checkpoint = spec.checkpoint.uri or str((config.checkpoint_root / job.id).resolve())
     env = {
         **spec.envs,
-        **(secret_env or {}),
+        **(secret_env if not fetch_secrets else
+           {Env.SECRET_ENVS: ",".join(names)} if names else {}),
         Env.JOB_ID: job.id,
         Env.ATTEMPT: str(intent.attempt),
         Env.LAUNCH_KEY: key,
@@ -129,7 +140,7 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
             _placed_mount(m, pool.cloud) for m in spec.file_mounts]})
     if spec.container_image:  # the agent runs setup and run in it (broker.runtime.container)
         env[Env.CONTAINER_IMAGE] = spec.container_image
-        env[Env.CONTAINER_ENV] = ",".join(sorted({*spec.envs, *(secret_env or {})}))
+        env[Env.CONTAINER_ENV] = ",".join(sorted({*spec.envs, *names}))
     if spec.run_per_node:
         env.update(skyenv.task_env(job, pool, nodes=nodes, gpus_per_node=per_node,
                                    zone=zone or pool.zone))
@@ -142,7 +153,14 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
                          region=pool.region, zone=zone or pool.zone, avoid_zones=avoid_zones,
                          accelerator=pool.accelerator, gpus_per_node=per_node, nodes=count,
                          first_rank=first_rank, market=pool.market, env=env,
-                         secret_names=frozenset(secret_env or ()), command=command)
+                         secret_names=frozenset(() if fetch_secrets else names),
+                         command=command)
+
+
+def _fetches_secrets(backend: Provider) -> bool:
+    """Whether ``backend``'s agents fetch the job's secrets from the broker: its start script
+    runs the agent and the cloud keeps that script in clear (user data)."""
+    return backend.starts_agent and not backend.keeps_secrets
 
 
 def _placed_mount(mount: FileMount, cloud: str) -> dict[str, Any]:
@@ -183,8 +201,9 @@ class Actuator:
         self._sealer: Sealer | None = None  # opens the jobs' secrets, once one has them
 
     def _secret_env(self, job: JobRecord) -> dict[str, str]:
-        """The job's secrets, opened for its launch; ``ProviderError`` (the launch fails with the
-        reason) when this broker cannot open them."""
+        """The job's secrets, opened for its launch (also where its agent fetches them: a key
+        that cannot open them fails the launch here, not on the node); ``ProviderError`` (the
+        launch fails with the reason) when this broker cannot open them."""
         if not job.sealed_secrets:
             return {}
         if self.config.secrets_dir is None:
@@ -288,11 +307,13 @@ class Actuator:
         if not self._leads(fence):
             return 0  # lost the lease: leave the intent to the next leader
         try:
-            starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
+            backend = self.provider.for_cloud(pool.cloud)
+            starts_agent = backend.starts_agent
             request = launch_request(job, intent, pool, self.config,
                                      backend_starts_agent=starts_agent,
                                      avoid_zones=self._refused_zones(pool),
-                                     secret_env=self._secret_env(job))
+                                     secret_env=self._secret_env(job),
+                                     fetch_secrets=_fetches_secrets(backend))
             if request.nodes > 1 and starts_agent and not self.config.broker_url:
                 raise ProviderError(
                     f"a {request.nodes}-node gang on {pool.cloud} meets at the broker's "
@@ -358,12 +379,13 @@ class Actuator:
         try:
             if pool is None:
                 raise ProviderError(f"pool {job.pool} is gone")
-            starts_agent = self.provider.for_cloud(pool.cloud).starts_agent
+            backend = self.provider.for_cloud(pool.cloud)
             secret_env = self._secret_env(job)
             for rank in intent.ranks:
                 nodes += self.provider.launch(launch_request(
-                    job, intent, pool, self.config, backend_starts_agent=starts_agent,
-                    ranks=(rank, 1), zone=zone, secret_env=secret_env))
+                    job, intent, pool, self.config, backend_starts_agent=backend.starts_agent,
+                    ranks=(rank, 1), zone=zone, secret_env=secret_env,
+                    fetch_secrets=_fetches_secrets(backend)))
         except ProviderError as exc:
             if pool is not None:
                 metrics.provider_error(pool.cloud, exc)

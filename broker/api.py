@@ -3,8 +3,8 @@
 ``build_app(store, config)`` returns the app that ``fleet up`` serves with uvicorn, with the web
 dashboard under ``/ui`` (``broker.dashboard``: its pages hold no data). Every route
 needs a bearer token (``broker.auth``): a team sees only its own jobs (others' are 404), an admin
-sees all, an agent may only post heartbeats and rendezvous visits. Bad input is a 4xx whose body
-names each field.
+sees all, an agent may only post heartbeats and rendezvous visits and read its own job's files
+and secrets. Bad input is a 4xx whose body names each field.
 """
 
 # No `from __future__ import annotations`: FastAPI resolves the local Annotated aliases.
@@ -48,15 +48,19 @@ from broker.protocol import (
     HEARTBEAT_PATH,
     JOB_ID,
     RENDEZVOUS_PATH,
+    SECRETS_PATH,
     Action,
     BrokerEnv,
+    Env,
     Heartbeat,
     HeartbeatReply,
     Rendezvous,
     RendezvousReply,
+    SecretsReply,
+    SecretsRequest,
     agent_action,
 )
-from broker.sealed import Sealer
+from broker.sealed import Sealer, SealError
 from broker.spec import (
     FORMAT_SKYPILOT,
     LAUNCH_MEDIA,
@@ -303,20 +307,26 @@ def build_app(store: Store, config: ApiConfig, *,
             raise Forbidden("this needs an admin token")
         return who
 
-    async def reporter(_: Documented(Role.ADMIN, Role.AGENT),
-                       authorization: Annotated[str | None, Header()] = None,
-                       ) -> tuple[str, Principal | None]:
-        """An agent endpoint's caller: the fleet's agent or admin token (operators), or what may
-        be an attempt token (checked against the body's job and attempt by ``for_attempt``),
-        which is all a launched agent holds: a job's code cannot report for, stop or complete
-        another job."""
-        token = bearer(authorization)
-        who = config.authenticate(token)
-        if who is not None and who.role not in (Role.AGENT, Role.ADMIN):
-            raise Forbidden("agent endpoints need the job attempt's agent token")
-        if token is None or (who is None and not is_attempt_shaped(token)):
-            raise unauthenticated(authorization)
-        return token, who
+    def agent_caller(*roles: Role, refused: str = "agent endpoints need the job attempt's "
+                     "agent token") -> Callable[..., Any]:
+        """The dependency of an agent endpoint that also takes the tokens of ``roles``."""
+
+        async def reporter(_: Documented(*roles),
+                           authorization: Annotated[str | None, Header()] = None,
+                           ) -> tuple[str, Principal | None]:
+            """An agent endpoint's caller: a token of ``roles`` (the fleet's agent or admin
+            token: operators), or what may be an attempt token (checked against the body's job
+            and attempt by ``for_attempt``), which is all a launched agent holds: a job's code
+            cannot report for, stop or complete another job."""
+            token = bearer(authorization)
+            who = config.authenticate(token)
+            if who is not None and who.role not in roles:
+                raise Forbidden(refused)
+            if token is None or (who is None and not is_attempt_shaped(token)):
+                raise unauthenticated(authorization)
+            return token, who
+
+        return reporter
 
     def for_attempt(caller: tuple[str, Principal | None], job_id: str, attempt: int) -> None:
         token, who = caller
@@ -324,7 +334,12 @@ def build_app(store: Store, config: ApiConfig, *,
             raise Forbidden("agent endpoints need the job attempt's agent token; this one "
                            "is for another job or attempt")
 
-    Reporter = Annotated[tuple[str, Principal | None], Depends(reporter)]
+    Reporter = Annotated[tuple[str, Principal | None],
+                         Depends(agent_caller(Role.AGENT, Role.ADMIN))]
+    # A job's secrets go to its attempt's agent (or the agent key, which derives every attempt
+    # token), never to an admin token: no API answer holds them for a person.
+    SecretsReader = Annotated[tuple[str, Principal | None], Depends(agent_caller(
+        Role.AGENT, refused="a job's secrets go only to the job attempt's agent token"))]
     checkpoints = metrics.CheckpointReports()
 
     User = Annotated[Principal, Depends(user)]
@@ -608,6 +623,31 @@ def build_app(store: Store, config: ApiConfig, *,
         got = store.rendezvous(visit.job_id, visit.attempt, visit.round, visit.node_rank,
                                visit.addr, visit.launch_key)
         return RendezvousReply(**{**got, "action": agent_action(got["action"])})
+
+    @app.post(SECRETS_PATH, tags=["agent"], response_model=SecretsReply,
+              responses=_errors(401, 403, 404, 409, 413, 422, 503),
+              summary="The job's secrets, for its current attempt's agent on a node whose start "
+                      f"script names them only ({Env.SECRET_ENVS})")
+    def agent_secrets(ask: SecretsRequest, caller: SecretsReader) -> SecretsReply:
+        for_attempt(caller, ask.job_id, ask.attempt)
+        job = store.get_job(ask.job_id)
+        if job is None:
+            raise NotFound(f"no job {ask.job_id!r}")
+        if job.attempt != ask.attempt:
+            raise Conflict(f"attempt {ask.attempt} is not job {job.id}'s current attempt "
+                           f"({job.attempt}); its secrets go to that attempt's agent only")
+        if job.state not in (JobState.LAUNCHING, JobState.RUNNING):
+            raise Conflict(f"job {job.id} is {job.state.value}, not launching or running: its "
+                           "secrets go only to an attempt that launches or runs")
+        if not job.sealed_secrets:
+            return SecretsReply(secrets={})
+        if sealer is None:  # another replica may hold the key: the agent tries the next
+            raise Unavailable("this broker keeps no secrets key, so it cannot open the job's "
+                              f"secrets; give every replica the same {BrokerEnv.SECRETS_KEY}")
+        try:
+            return SecretsReply(secrets=sealer.open(job.sealed_secrets))  # registered: scrubbed
+        except SealError as exc:
+            raise Unavailable(str(exc)) from None
 
     @app.post("/v1/chaos/preempt", status_code=202, tags=["chaos"], responses=_POST,
               summary="Reclaim every spot node in a region (admin)")

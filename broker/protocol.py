@@ -52,6 +52,10 @@ class Env:
     # the job's own env names (comma-separated) passed into it (broker.runtime.container)
     CONTAINER_IMAGE = "FLEET_CONTAINER_IMAGE"
     CONTAINER_ENV = "FLEET_CONTAINER_ENV"
+    # a job's secret names (comma-separated) whose values are not in the launch's env (a cloud's
+    # start script, which the cloud keeps in clear): the agent fetches them from the broker
+    # (SECRETS_PATH) with its attempt token before any of the job's code runs
+    SECRET_ENVS = "FLEET_SECRET_ENVS"
     # where it runs (providers' start scripts)
     CLOUD = "FLEET_CLOUD"
     REGION = "FLEET_REGION"
@@ -148,6 +152,7 @@ RESIZE = Action.RESIZE.value
 
 HEARTBEAT_PATH = "/v1/agent/heartbeat"
 RENDEZVOUS_PATH = "/v1/agent/rendezvous"
+SECRETS_PATH = "/v1/agent/secrets"
 
 JOB_ID = r"^[a-z0-9][a-z0-9_.-]{0,80}$"
 # A node's idempotency key (Env.LAUNCH_KEY): "<job>:<fence>:<attempt>", a stand-in's with
@@ -295,6 +300,21 @@ class RendezvousReply(BaseModel):
                                     "rank ('' where a node gave none), with master")
     action: Action | None = Field(description=f"null: keep going; '{CHECKPOINT_EXIT}': exit "
                                               f"{EXIT_STOPPED}")
+
+
+class SecretsRequest(BaseModel):
+    """An agent's request for its job's secrets (Env.SECRET_ENVS names them), with its attempt
+    token: the broker answers only for the job's current attempt while it launches or runs."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    job_id: str = Field(pattern=JOB_ID)
+    attempt: int = Field(ge=0, le=10**9)
+
+
+class SecretsReply(BaseModel):
+    secrets: dict[str, str] = Field(description="the job's secret values by name (empty for a "
+                                                "job without secrets); never logged")
 
 
 def agent_action(action: str) -> Action | None:

@@ -74,7 +74,8 @@ class LaunchRequest(BaseModel):
     instance_type: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     # The names in env whose values are the job's secrets: a backend that keeps secrets apart
-    # (SkyPilot's task ``secrets``, redacted in its logs and dashboard) puts them there.
+    # (SkyPilot's task ``secrets``, redacted in its logs and dashboard) puts them there. A
+    # launch whose agent fetches them from the broker has none here (``Provider.keeps_secrets``).
     secret_names: frozenset[str] = frozenset()
     command: Sequence[str] = ()
 
@@ -187,6 +188,12 @@ class Provider(abc.ABC):
     # Whether the backend's start script runs ``broker.runtime.agent`` around
     # ``LaunchRequest.command`` (cloud VMs); when False the caller wraps the command itself.
     starts_agent: bool = False
+    # Whether a job's secret values may travel in ``LaunchRequest.env`` (named there by
+    # ``secret_names``) although the backend's start script runs the agent: the backend keeps
+    # them apart from what it stores in clear (SkyPilot's task ``secrets``). Where the backend
+    # starts the agent and this is False (a cloud's user data, which the cloud keeps in clear),
+    # the env names the secrets only and the agent fetches their values from the broker.
+    keeps_secrets: bool = False
     # Whether one node of a multi-node launch can be lost, stopped and replaced alone; False
     # where a launch is one unit (a SkyPilot cluster goes down whole).
     separable_nodes: bool = True

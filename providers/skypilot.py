@@ -166,6 +166,7 @@ class SkyPilotProvider(Provider):
 
     name = "skypilot"
     starts_agent = True  # the user data / startup script runs the agent
+    keeps_secrets = True  # the task's ``secrets``, which SkyPilot redacts
     separable_nodes = False  # ``terminate`` takes the whole cluster down
 
     def __init__(

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from broker.api import build_app
 from broker.auth import ApiConfig, hash_token
 from broker.files import BlobStore
+from broker.sealed import Sealer
 from broker.store import Store
 from tests.redis_server import RedisServer, free_port
 
@@ -34,15 +35,16 @@ def api_config() -> ApiConfig:
 
 
 @contextmanager
-def api_stack(tmp: Path) -> Iterator[tuple[ApiServer, Store]]:
-    """A redis-server and the API over it on loopback (keeping packs under ``tmp/blobs``),
-    both stopped on exit."""
+def api_stack(tmp: Path, sealer: Sealer | None = None) -> Iterator[tuple[ApiServer, Store]]:
+    """A redis-server and the API over it on loopback (keeping packs under ``tmp/blobs``;
+    ``sealer``: the jobs' secrets key, none by default), both stopped on exit."""
     redis = RedisServer(tmp / "redis")
     redis.start()
     srv = None
     try:
         store = Store.from_url(redis.url)
-        srv = ApiServer(build_app(store, api_config(), blobs=BlobStore(tmp / "blobs"))).start()
+        srv = ApiServer(build_app(store, api_config(), blobs=BlobStore(tmp / "blobs"),
+                                  sealer=sealer)).start()
         yield srv, store
     finally:
         if srv is not None:

@@ -73,7 +73,8 @@ def test_openapi_and_health(server: ApiServer) -> None:
         paths = c.get("/openapi.json").json()["paths"]
     for path in ("/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel",
                  "/v1/jobs/{job_id}/logs", "/v1/capacity", "/v1/events", "/v1/agent/heartbeat",
-                 "/v1/agent/rendezvous", "/v1/chaos/preempt", "/v1/chaos/node"):
+                 "/v1/agent/rendezvous", "/v1/agent/secrets", "/v1/chaos/preempt",
+                 "/v1/chaos/node"):
         assert path in paths
 
 
@@ -133,6 +134,7 @@ ALLOWED = {
     ("GET", "/v1/prices"): USERS,
     ("GET", "/v1/agent/blobs/{digest}"): AGENTS, ("POST", "/v1/agent/heartbeat"): AGENTS,
     ("POST", "/v1/agent/rendezvous"): AGENTS,
+    ("POST", "/v1/agent/secrets"): frozenset({"agent"}),  # no admin: no person reads them
     ("POST", "/v1/chaos/preempt"): frozenset({"admin"}),
     ("POST", "/v1/chaos/node"): frozenset({"admin"}),
 }
@@ -155,6 +157,7 @@ def _request(method: str, path: str, op: dict, job_id: str, digest: str) -> dict
         ("POST", "/v1/agent/heartbeat"): {"json": {"job_id": job_id, "attempt": 1}},
         ("POST", "/v1/agent/rendezvous"): {"json": {"job_id": job_id, "attempt": 1, "round": 0,
                                                     "node_rank": 0, "addr": "10.0.0.5:29500"}},
+        ("POST", "/v1/agent/secrets"): {"json": {"job_id": job_id, "attempt": 1}},
         ("POST", "/v1/chaos/preempt"): {"json": {"region": "east"}},
         ("POST", "/v1/chaos/node"): {"json": {"job_id": job_id}},
     }

@@ -2,7 +2,8 @@
 PyTorch job on a spot instance in us-east-1, a local metadata server gives the instance the
 two-minute spot notice, the agent checkpoints (to S3 on the same moto server), the broker blocks
 us-east-1, terminates the instance and launches in us-west-2, where the job resumes from its
-checkpoint and completes.
+checkpoint and completes. The job has a secret: each instance's agent fetches it from the broker
+with its attempt token, and no user data moto keeps holds it.
 
 moto's instances run nothing, so the test plays each instance: it reads the user data the broker
 gave the instance from moto's EC2 and runs it with bash, with the instance metadata address
@@ -13,6 +14,7 @@ instance's IAM role and region endpoints in a real account).
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import subprocess
 import sys
@@ -27,7 +29,9 @@ from pytest_httpserver import HTTPServer, URIPattern
 from werkzeug import Request, Response
 
 from broker.models import JobState
+from broker.protocol import Env
 from broker.scheduler import SchedulerConfig
+from broker.sealed import Sealer
 from broker.server import BrokerConfig, Stack
 from broker.store import BLOCKLIST_KEY
 from policies.migration import Blocklist
@@ -41,6 +45,10 @@ IMAGE = "ami-12c6146b"  # in moto's default image list
 METADATA_IP = "http://169.254.169.254"
 NOTICE_PATH = "/latest/meta-data/spot/instance-action"
 STEPS = 150
+SECRET = "e2e-secret-value-7d41c0b9e2"
+# The job's setup shows what it saw of its secret as a digest: the value is nowhere in the spec.
+SHOW_SECRET = ("python -c \"import hashlib, os; print('secret digest', hashlib.sha256("
+               "os.environ.get('E2E_SECRET', '').encode()).hexdigest())\"")
 FLEET = """
 name: e2e
 grace_period_s: 10
@@ -188,9 +196,11 @@ def test_spot_notice_on_moto_migrates_the_job_to_another_region(
                 "--checkpoint-every-steps 10",
             gpus=GpuRange(min=1, max=1), batch_size=BatchRange(min=16, max=16),
             batch_mode=BatchMode.FIXED, work_samples=STEPS * 16,
-            checkpoint={"uri": "s3://fleet-ckpt/jobs/e2e"},
+            checkpoint={"uri": "s3://fleet-ckpt/jobs/e2e"}, setup=SHOW_SECRET,
+            secret_envs=["E2E_SECRET"],
             envs={"FLEET_NOTICE_INTERVAL": "0.2", "FLEET_PROGRESS_INTERVAL": "0"})
-        job = store.submit(spec, team="ml")
+        sealed = Sealer.load(config.state_dir).seal({"E2E_SECRET": SECRET})
+        job = store.submit(spec, team="ml", sealed_secrets=sealed)
 
         # 1. The broker launches a spot instance in the cheaper region, us-east-1.
         (first,) = wait_for(lambda: job_instances(ec2, job.id, ["pending", "running"]),
@@ -199,6 +209,7 @@ def test_spot_notice_on_moto_migrates_the_job_to_another_region(
         assert first["InstanceLifecycle"] == "spot" and first["InstanceType"] == "p3.2xlarge"
         script = user_data(ec2, first)
         assert f"{METADATA_IP}{NOTICE_PATH}" in script  # the agent polls the real address
+        assert SECRET not in script and f"export {Env.SECRET_ENVS}=E2E_SECRET" in script
         instances.append(Instance(first, script, metadata, moto_url, tmp_path))
         phases = {"first launch": time.monotonic() - started}
 
@@ -218,7 +229,9 @@ def test_spot_notice_on_moto_migrates_the_job_to_another_region(
         assert not job_instances(ec2, job.id, ["pending", "running"])[1:]  # never two at once
         phases["second launch"] = time.monotonic() - started
         assert second["Placement"]["AvailabilityZone"].startswith("us-west-2")
-        instances.append(Instance(second, user_data(ec2, second), metadata, moto_url, tmp_path))
+        script = user_data(ec2, second)
+        assert SECRET not in script and f"export {Env.SECRET_ENVS}=E2E_SECRET" in script
+        instances.append(Instance(second, script, metadata, moto_url, tmp_path))
 
         # 4. The job resumes from its checkpoint there and completes.
         assert instances[1].proc.wait(timeout=60) == 0, instances[1].output()[-3000:]
@@ -238,6 +251,10 @@ def test_spot_notice_on_moto_migrates_the_job_to_another_region(
         assert done.checkpoint_step == STEPS
         assert done.checkpoint_bytes == sum(o["Size"] for o in listed)
         assert "preemption notice: aws spot instance-action terminate" in instances[0].output()
+        # Each attempt's job saw its secret, which its agent fetched; no console shows it.
+        seen = f"secret digest {hashlib.sha256(SECRET.encode()).hexdigest()}"
+        for inst in instances:
+            assert seen in inst.output() and SECRET not in inst.output()
 
         # moto: both instances are gone (the second once the agent reported it finished).
         wait_for(lambda: not job_instances(ec2, job.id, ["pending", "running"]), "terminations")

@@ -55,6 +55,12 @@ FLEET_AGENT_TOKEN_FILE     a 0600 file holding the attempt token (read, then del
                            never passed on): ``Authorization: Bearer {token}`` on heartbeats
                            and rendezvous visits. FLEET_AGENT_TOKEN_FD: a pipe holding it (the
                            local provider's). FLEET_AGENT_TOKEN: the token itself (by hand)
+FLEET_SECRET_ENVS          the job's secret names, comma-separated, whose values the launch
+                           does not carry (a cloud's start script, which the cloud keeps in
+                           clear): before any of the job's code runs the agent fetches them with
+                           ``POST {url}/v1/agent/secrets`` and its token, tried as the final
+                           report is, into its workers' environment; failing that, the launch
+                           fails with ``could not fetch the job's secrets from the broker: ...``
 FLEET_HEARTBEAT_INTERVAL   seconds between heartbeats (default 5)
 FLEET_GRACE_PERIOD         seconds the workers get to checkpoint and exit after a stop (default 25)
 FLEET_NOTICE_AWS_URL       full URL polled for the AWS notice, e.g.

@@ -42,6 +42,7 @@ from broker.protocol import (
     PROGRESS_FIELDS,
     RENDEZVOUS_PATH,
     RESIZE,
+    SECRETS_PATH,
     Env,
 )
 from broker.runtime import container, failure, integrations
@@ -603,7 +604,8 @@ class Agent:
 
     def send(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         """POST ``body`` to ``path`` of a broker: the one that last took a report, else the next
-        replica in turn, each once. The JSON reply ({} for a refusal or a reply without one), or
+        replica in turn, each once. The JSON reply ({} for a reply without one; for a refusal,
+        ``{"error": {"status", "message"}}`` as the broker's error body says), or
         None when no broker took it (no connection, a timeout, a connection dropped, or a 5xx or
         429 answer: worth another try)."""
         with self._brokers_lock:
@@ -638,6 +640,38 @@ class Agent:
                 except (OSError, http.client.HTTPException) as exc:
                     why = f"{url}: {exc}"
         raise FilesError(f"cannot fetch the job's files: {why}")
+
+    def fetch_secrets(self) -> int | None:
+        """The job's secrets that its launch names only (FLEET_SECRET_ENVS: a cloud's start
+        script, which the cloud keeps in clear), fetched from a broker with the attempt token
+        and tried with backoff as the final report is, into this process's memory and its
+        workers' environment (never this process's own). None when done (or none named), else
+        the exit code, the cause left for the final report; no value is ever printed."""
+        names = [n.strip() for n in self.env.get(Env.SECRET_ENVS, "").split(",") if n.strip()]
+        if not names:
+            return None
+        c = self.config
+        why = f"no broker URL ({Env.BROKER_URL}) or attempt token to ask with"
+        if self.brokers and c.token:
+            reply = self._retrying("the secrets request")(
+                self.send, SECRETS_PATH, {"job_id": c.job_id, "attempt": c.attempt})
+            if reply is None:
+                why = f"no broker answered within {c.report_timeout:g} s ({Env.REPORT_TIMEOUT})"
+            elif isinstance(error := reply.get("error"), dict):
+                why = f"the broker refused ({error.get('status')}): {error.get('message')}"
+            else:
+                got = reply.get("secrets")
+                values = got if isinstance(got, dict) else {}
+                missing = [n for n in names if not isinstance(values.get(n), str)]
+                if not missing:
+                    self.env.update({n: values[n] for n in names})
+                    log(f"fetched the job's secrets from the broker: {', '.join(names)}")
+                    return None
+                why = f"the broker has no value for {', '.join(missing)}"
+        text = f"could not fetch the job's secrets from the broker: {why}"
+        log(text)
+        failure.report(text, {failure.ERROR_ENV: str(self.workdir / "error")})
+        return EXIT_FAILED
 
     def place_files(self) -> int | None:
         """The job's workdir and file mounts, before any setup (``broker.runtime.files``); None
@@ -674,7 +708,7 @@ class Agent:
                 log(f"{what} not taken: {exc}")
                 return None
             log(f"{what} refused: {exc}")  # an answer, if not the one hoped for
-            return {}
+            return {"error": _refusal(exc)}
         except (OSError, http.client.HTTPException) as exc:
             log(f"{what} failed: {exc}")
             return None
@@ -728,21 +762,27 @@ class Agent:
         with backoff until one takes it (any answer but a 5xx or 429: a 404 or 403 says the job
         or attempt is gone) or FLEET_REPORT_TIMEOUT passed: the broker settles the job, and the
         node's round, on it."""
+        if self._retrying("the final report")(self.heartbeat, self.state,
+                                              exit_code=code) is None:
+            log(f"no broker took the final report within {self.config.report_timeout:g} s "
+                f"({Env.REPORT_TIMEOUT}); giving up")
+
+    def _retrying(self, what: str) -> Retrying:
+        """Calls of ``send`` (or what wraps it) tried with jittered exponential backoff, from
+        FINAL_REPORT_FIRST_WAIT_S up to FLEET_REPORT_MAX_WAIT between tries, until one gets an
+        answer (any but a 5xx or 429) or FLEET_REPORT_TIMEOUT passed (then None)."""
 
         def waiting(state: RetryCallState) -> None:
             wait = state.next_action.sleep if state.next_action else 0.0
-            log(f"the broker did not take the final report; trying again in {wait:.1f} s")
+            log(f"the broker did not take {what}; trying again in {wait:.1f} s")
 
-        retrying = Retrying(
+        return Retrying(
             stop=stop_after_delay(self.config.report_timeout),
             wait=wait_exponential_jitter(initial=FINAL_REPORT_FIRST_WAIT_S,
                                          max=self.config.report_max_wait),
             retry=retry_if_result(lambda reply: reply is None),
             before_sleep=waiting,
             retry_error_callback=lambda _: None)
-        if retrying(self.heartbeat, self.state, exit_code=code) is None:
-            log(f"no broker took the final report within {self.config.report_timeout:g} s "
-                f"({Env.REPORT_TIMEOUT}); giving up")
 
     def visit_rendezvous(self, round_: int, addr: str | None) -> dict[str, Any]:
         """One visit to the broker's rendezvous for ``round_``; a checkpoint-exit stops the
@@ -905,7 +945,9 @@ class Agent:
             )
         for w in watchers:
             w.start()
-        code = self.check_container()
+        code = self.fetch_secrets()  # first: the token is read, none of the job's code ran
+        if code is None:
+            code = self.check_container()
         if code is None:
             code = self.place_files()
         if code is None:
@@ -995,6 +1037,18 @@ class Agent:
         # A worker the stop's SIGTERM reached before the library installed its handler had not
         # trained past the checkpoint it restored from, so it stopped cleanly too.
         return code in (EXIT_FINISHED, EXIT_STOPPED) or (signalled and code == -signal.SIGTERM)
+
+
+def _refusal(exc: urllib.error.HTTPError) -> dict[str, Any]:
+    """A broker's 4xx answer as ``{"status", "message"}`` (its error body's message, at most
+    300 characters, else the HTTP reason)."""
+    message: Any = None
+    with contextlib.suppress(OSError, ValueError, http.client.HTTPException):
+        got = json.loads(exc.read() or b"{}")
+        error = got.get("error") if isinstance(got, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+    text = message if isinstance(message, str) else str(exc.reason)
+    return {"status": exc.code, "message": " ".join(text.split())[:300]}
 
 
 def take_token(env: dict[str, str]) -> None:
