@@ -29,6 +29,7 @@ from policies.models import Market, Pool, SpotPolicy
 from policies.region_score import (
     DEFAULT_CHECKPOINT_INTERVAL_S,
     DEFAULT_RESTART_S,
+    PRIOR_WEIGHT_H,
     Candidate,
     Egress,
     JobNeeds,
@@ -90,6 +91,7 @@ class PoolRisk:
     prior_monthly_rate: float = 0.0
     preemptions_seen: int = 0
     node_hours_seen: float = 0.0
+    prior_weight_h: float = PRIOR_WEIGHT_H  # node-hours of observation the prior counts as
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,10 @@ from policies.migration import Blocklist, location_keys
 from policies.models import Market, Pool
 
 HOURS_PER_MONTH = 730.0
-PRIOR_WEIGHT_H = 24.0  # the prior counts as this many node-hours of the broker's own observation
+# The prior counts as this many node-hours of the broker's own observation (a day of one node):
+# enough that a few lucky hours do not erase a pool's bad record, few enough that a week of the
+# broker's own reclaims outweighs it (``SchedulerConfig.prior_weight_h``).
+PRIOR_WEIGHT_H = 24.0
 DEFAULT_RESTART_S = 60.0  # a relaunch: node start, setup, checkpoint restore
 DEFAULT_CHECKPOINT_INTERVAL_S = 100.0  # the job spec's default (policies.models.CheckpointSpec)
 
@@ -51,6 +54,8 @@ class Candidate(BaseModel):
     prior_monthly_rate: float = Field(default=0.0, ge=0, le=1, description="Spot Advisor bucket")
     preemptions_seen: int = Field(default=0, ge=0)
     node_hours_seen: float = Field(default=0.0, ge=0)
+    prior_weight_h: float = Field(default=PRIOR_WEIGHT_H, gt=0, description="node-hours of "
+                                  "observation the prior counts as")
     free_gpus: int | None = Field(default=None, ge=0, description="quota/capacity headroom")
 
 
@@ -99,7 +104,8 @@ def hazard_per_hour(c: Candidate) -> float:
     if c.pool.market is Market.ON_DEMAND:
         return 0.0
     prior = -math.log1p(-min(c.prior_monthly_rate, 0.999)) / HOURS_PER_MONTH
-    return (prior * PRIOR_WEIGHT_H + c.preemptions_seen) / (PRIOR_WEIGHT_H + c.node_hours_seen)
+    w = c.prior_weight_h
+    return (prior * w + c.preemptions_seen) / (w + c.node_hours_seen)
 
 
 def eligible(needs: JobNeeds, c: Candidate, blocklist: Blocklist | None, now: float) -> bool:

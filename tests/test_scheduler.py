@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import asdict
 from functools import partial
 
 import pytest
@@ -45,6 +46,7 @@ from policies.models import (
     Pool,
     SpotPolicy,
 )
+from policies.region_score import Candidate, hazard_per_hour
 from policies.spot import choose_market, holds_pace
 from policies.throughput import batch_candidates
 from policies.trace_throughput import packed_placement
@@ -195,6 +197,16 @@ def test_placement_request_and_pool_risk_from_the_job_and_the_counts() -> None:
     assert risk[east].prior_monthly_rate == 0.25 and risk[east].preemptions_seen == 3
     assert risk[east].node_hours_seen == pytest.approx(2.5)
     assert risk[POOLS[1].id].preemptions_seen == 0 and risk[POOLS[1].id].prior_monthly_rate == 0
+    # the prior's weight (scheduler.prior_weight_h): light, the pool's own 3 reclaims in 2.5
+    # node-hours dominate its hazard; heavy, the prior's 0.25 a month does
+    def hazard(weight: float) -> float:
+        r = pool_risk(POOLS, {east: 0.25}, PoolStats({east: 3}, {east: 2.0}), [running],
+                      now=1000.0 + 1800, prior_weight_h=weight)[east]
+        return hazard_per_hour(Candidate(pool=POOLS[0], **asdict(r)))
+    assert hazard(1e-3) == pytest.approx(3 / 2.5, rel=1e-3)
+    assert hazard(1e9) == pytest.approx(-math.log1p(-0.25) / 730, rel=1e-3)
+    assert hazard(SchedulerConfig().prior_weight_h) == pytest.approx(
+        hazard(24.0))  # the default
 
 
 def test_only_gpu_counts_an_instance_type_offers_are_chosen_and_placed(store: Store) -> None:

@@ -6,7 +6,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.region_score import DEFAULT_RESTART_S, Egress, Stickiness
+from policies.region_score import DEFAULT_RESTART_S, PRIOR_WEIGHT_H, Egress, Stickiness
 
 # Seconds of training an in-place resize of the demo job loses: the larger of the grow (0.24 s)
 # and shrink (0.06 s) medians of ``python -m tests.bench resize`` (examples/results/resize.json,
@@ -67,6 +67,10 @@ class SchedulerConfig(BaseModel):
         "agent does: AWS warns 2 min ahead, GCP and Azure 30 s), so a preemption loses no work "
         "since the last checkpoint; placement and the deadline rule then price a preemption as "
         "its reaction and restart only")
+    prior_weight_h: float = Field(
+        default=PRIOR_WEIGHT_H, gt=0, description="how many node-hours of the broker's own "
+        "observation a pool's prior reclaim rate (Spot Advisor, or the catalog's unknown rate) "
+        "counts as, when the two are blended into the pool's expected preemptions per hour")
     move_margin: Stickiness = Field(
         default_factory=Stickiness, description="the saving a running job's move to a cheaper "
         "pool must beat (its restart counted): max(min_saving_usd, min_saving_fraction x cost)")

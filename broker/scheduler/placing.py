@@ -17,6 +17,7 @@ from policies.elastic_dp import Choice
 from policies.migration import Blocklist, location_keys
 from policies.models import Accelerator, JobSpec, Market, Pool
 from policies.placement import PlacementRequest, PlacementResult, PoolRisk
+from policies.region_score import PRIOR_WEIGHT_H
 
 
 @dataclass(frozen=True)
@@ -169,9 +170,11 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
 
 
 def pool_risk(pools: Sequence[Pool], priors: Mapping[str, float], stats: PoolStats,
-              jobs: Sequence[JobRecord], now: float) -> dict[str, PoolRisk]:
-    """Each pool's preemption prior and what the broker saw there: the preemptions counted,
-    and node-hours of the closed placement intervals plus those of the jobs running now."""
+              jobs: Sequence[JobRecord], now: float,
+              prior_weight_h: float = PRIOR_WEIGHT_H) -> dict[str, PoolRisk]:
+    """Each pool's preemption prior (weighted as ``prior_weight_h`` node-hours) and what the
+    broker saw there: the preemptions counted, and node-hours of the closed placement
+    intervals plus those of the jobs running now."""
     hours = dict(stats.node_hours)
     for job in jobs:
         if job.state in (JobState.RUNNING, JobState.SUSPENDING) and job.pool and job.launched_at:
@@ -179,7 +182,8 @@ def pool_risk(pools: Sequence[Pool], priors: Mapping[str, float], stats: PoolSta
             hours[job.pool] = hours.get(job.pool, 0.0) + held
     return {p.id: PoolRisk(prior_monthly_rate=priors.get(p.id, 0.0),
                            preemptions_seen=stats.preemptions.get(p.id, 0),
-                           node_hours_seen=hours.get(p.id, 0.0)) for p in pools}
+                           node_hours_seen=hours.get(p.id, 0.0),
+                           prior_weight_h=prior_weight_h) for p in pools}
 
 
 def held_gpus(used: Mapping[str, int], placed: Mapping[str, PlacementResult | None],
