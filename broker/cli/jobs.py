@@ -176,9 +176,11 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
             raise
         found, broker, unreached = None, None, str(exc)
     s = parsed.spec
+    # A CPU job asks no accelerator and no GPU (its gpus count CPU nodes, the pool's unit).
     job = {"name": s.name, "format": parsed.format,
-           "accelerators": [a.value for a in s.accelerators],
-           "gpus": s.gpus.model_dump(), "batch_size": s.batch_size.model_dump(),
+           "accelerators": [] if s.cpu_only else [a.value for a in s.accelerators],
+           "gpus": {"min": 0, "max": 0, "default": None} if s.cpu_only else s.gpus.model_dump(),
+           "cpus": s.cpus, "memory": s.memory, "batch_size": s.batch_size.model_dump(),
            "batch_mode": s.batch_mode.value, "spot": s.spot.value,
            "regions": s.regions.model_dump(), "env_names": sorted(s.envs),
            "secret_names": sorted(s.secret_envs), "nodes": s.nodes, "workdir": s.workdir,
@@ -194,8 +196,9 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
     g, b = s.gpus, s.batch_size
     console.print(f"[bold]{s.name}[/] ({parsed.format} format): dry run, nothing submitted",
                   highlight=False)
-    lines = [f"accelerators {', '.join(job['accelerators'])}  gpus {g.min}-{g.max}"
-             + (f" (asks for {g.default})" if g.default else "")
+    lines = [(f"CPU nodes (no GPU)  cpus {s.cpus or 'any'}  memory {s.memory or 'any'}"
+              if s.cpu_only else f"accelerators {', '.join(job['accelerators'])}  gpus "
+              f"{g.min}-{g.max}" + (f" (asks for {g.default})" if g.default else ""))
              + f"  batch {b.min}-{b.max} ({s.batch_mode.value})  spot {s.spot.value}",
              f"regions allow {', '.join(s.regions.allow)}"
              + (f" deny {', '.join(s.regions.deny)}" if s.regions.deny else ""),

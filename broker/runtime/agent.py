@@ -245,6 +245,7 @@ class Agent:
         self.config = config
         self.command = command
         self.env = env
+        self.cpu_only = env.get(Env.CPU_ONLY) == "1"  # placed on a CPU node: no GPU is shown
         self.workdir = Path(tempfile.mkdtemp(prefix="fleet-agent-"))
         # The broker may choose where progress goes; by default it stays in the agent's folder.
         self.progress_file = Path(env.get(Env.PROGRESS_FILE) or self.workdir / "progress.json")
@@ -345,7 +346,9 @@ class Agent:
             "SKYPILOT_NODE_IPS": ips,
             "SKYPILOT_SETUP_NODE_IPS": ips,
             "SKYPILOT_NUM_NODES": str(self.nnodes),
-            "SKYPILOT_NUM_GPUS_PER_NODE": str(c.nproc),
+            "SKYPILOT_NUM_GPUS_PER_NODE": "0" if self.cpu_only else str(c.nproc),
+            # a CPU job is never given a GPU, even on a machine that has one
+            **({"CUDA_VISIBLE_DEVICES": ""} if self.cpu_only else {}),
         }
 
     def _pump(self, rank: int, stream: IO[bytes], sink: IO[bytes]) -> None:
