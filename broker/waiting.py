@@ -176,10 +176,11 @@ def never_runs(spec: JobSpec, ceiling: Sequence[Pool], *, skypilot: bool = False
     needs = Needs.of(spec)
     top = max((p for p in ceiling if needs.unmet(p) is None), key=lambda p: p.capacity)
     if spec.gpus.min > top.capacity and spec.cpu_only:
-        return [Problem(field="num_nodes" if skypilot else "nodes", value=spec.nodes, message=(
-            f"asks for {spec.nodes} CPU nodes in one region, more than this fleet will ever "
-            f"have there (its largest CPU pool, {top.id}, has {top.capacity}); lower num_nodes "
-            "or add CPU nodes to the fleet file"))]
+        return [Problem(
+            field="num_nodes" if skypilot else "nodes", value=f"{spec.nodes} CPU nodes",
+            message=f"asks for {spec.nodes} CPU nodes in one region, more than this fleet will "
+            f"ever have there (its largest CPU pool, {top.id}, has {top.capacity}); lower "
+            "num_nodes or add CPU nodes to the fleet file")]
     if spec.gpus.min > top.capacity:
         accels = "/".join(a.value for a in spec.accelerators)
         field = "resources.accelerators" if skypilot else "gpus.min"

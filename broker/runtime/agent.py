@@ -332,6 +332,8 @@ class Agent:
             Env.PROGRESS_FILE: str(self.progress_file),
             failure.ERROR_ENV: str(self.workdir / "error"),
             "PYTHONUNBUFFERED": "1",
+            # a CPU job is never given a GPU, even on a machine that has one
+            **({"CUDA_VISIBLE_DEVICES": ""} if self.cpu_only else {}),
         }
 
     def node_env(self) -> dict[str, str]:
@@ -347,8 +349,6 @@ class Agent:
             "SKYPILOT_SETUP_NODE_IPS": ips,
             "SKYPILOT_NUM_NODES": str(self.nnodes),
             "SKYPILOT_NUM_GPUS_PER_NODE": "0" if self.cpu_only else str(c.nproc),
-            # a CPU job is never given a GPU, even on a machine that has one
-            **({"CUDA_VISIBLE_DEVICES": ""} if self.cpu_only else {}),
         }
 
     def _pump(self, rank: int, stream: IO[bytes], sink: IO[bytes]) -> None:
@@ -384,7 +384,7 @@ class Agent:
                                             secrets.token_hex(4))
             argv = container.run_argv(self.image, name, self.command, env,
                                       volumes=self._volumes(), cwd=self.cwd,
-                                      gpus=container.node_has_gpus())
+                                      gpus=not self.cpu_only and container.node_has_gpus())
         proc = subprocess.Popen(
             argv,
             env=env,

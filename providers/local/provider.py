@@ -414,7 +414,8 @@ class LocalProvider(Provider):
             raise CapacityError(f"spot region {region.region} is reclaimed")
         gpus = request.gpus_per_node * request.nodes
         if self.capacity().get(region.pool().id, 0) < gpus:
-            raise CapacityError(f"region {region.region} has fewer than {gpus} free GPUs")
+            unit = "CPU nodes" if region.cpu_nodes is not None else "GPUs"
+            raise CapacityError(f"region {region.region} has fewer than {gpus} free {unit}")
         checkpoint = urlparse(request.env.get(Env.CHECKPOINT_URI, ""))
         if self.job_user and self.checkpoint_root and checkpoint.path and \
                 checkpoint.scheme in ("", "file"):
