@@ -147,9 +147,11 @@ def launch(
         if as_json:
             print_json(job)
         else:
+            g = job["spec"]["gpus"]
+            size = f"{job['spec']['nodes']} CPU nodes, no GPU" if job_spec.cpu_only else \
+                f"{g['min']}-{g['max']} GPUs"
             console.print(f"submitted [bold]{job['id']}[/] (team {job['team']}, "
-                          f"{job['state']}, {job['spec']['gpus']['min']}-"
-                          f"{job['spec']['gpus']['max']} GPUs)", highlight=False)
+                          f"{job['state']}, {size})", highlight=False)
             console.print(f"note: {restart_notice(None)}", highlight=False, markup=False,
                           soft_wrap=True)
         if follow:
@@ -228,10 +230,13 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
         if not found["never_runs"]:
             console.print(f"no pool of {broker} fits it now", highlight=False)
         return
-    table = Table("POOL", "MARKET", "NODES", "GPUS", "$/GPU-H", "$/H", "FREE", "FITS NOW",
-                  box=None, header_style="bold")
+    # A CPU pool's unit is a whole node: its price and room are per node, not per GPU.
+    table = Table("POOL", "MARKET", "NODES", *(("$/NODE-H", "$/H", "FREE NODES") if s.cpu_only
+                                               else ("GPUS", "$/GPU-H", "$/H", "FREE")),
+                  "FITS NOW", box=None, header_style="bold")
     for r in found["pools"]:
-        table.add_row(r["pool"], r["market"], str(r["nodes"]), str(r["gpus"]),
+        table.add_row(r["pool"], r["market"], str(r["nodes"]),
+                      *(() if s.cpu_only else (str(r["gpus"]),)),
                       f"{r['price_per_gpu_hour']:.3f}",
                       f"{r['cost_per_hour']:.3f}", str(r["free_gpus"]),
                       "yes" if r["fits_now"] else "no")
