@@ -995,8 +995,15 @@ def _parse_fleet(doc: Mapping[str, Any], launch: LaunchEnv) -> ParsedSpec:
         out["accelerators"] = _parse_accelerators(p, "accelerators", doc["accelerators"])
     if "gpus" in doc:
         out["gpus"] = _parse_range(p, "gpus", doc["gpus"])
+    # A node size with no accelerators asks for CPU nodes, as a SkyPilot task's does. A CPU job
+    # is sized in whole nodes, not batches: like a SkyPilot task it needs no batch_size or work.
+    if "accelerators" not in doc and any(doc.get(k) is not None for k in ("cpus", "memory")):
+        out["accelerators"] = [Accelerator.CPU]
+    cpu_job = out.get("accelerators") == [Accelerator.CPU]
     batch = None
-    if "batch_size" not in doc:
+    if cpu_job and "batch_size" not in doc:
+        pass  # one unit per node, set below once nodes is known
+    elif "batch_size" not in doc:
         p.add("batch_size", None, "is required: {min, max, default, per_gpu_max} global batch "
               "sizes (or one number for a fixed batch)", show=False)
     else:
@@ -1009,6 +1016,8 @@ def _parse_fleet(doc: Mapping[str, Any], launch: LaunchEnv) -> ParsedSpec:
         out["work_samples"] = _parse_work(p, doc["work"], batch)
     elif "work_samples" in doc:
         out["work_samples"] = _parse_work(p, {"samples": doc["work_samples"]}, batch)
+    elif cpu_job:
+        out["work_samples"] = UNBOUNDED_WORK  # it runs until its command ends, as a task does
     else:
         p.add("work", None, "is required: {samples: N}, {epochs: E, dataset_size: D} or "
               "{steps: S}", show=False)
@@ -1030,6 +1039,14 @@ def _parse_fleet(doc: Mapping[str, Any], launch: LaunchEnv) -> ParsedSpec:
     for key in ("cpus", "memory"):  # a CPU job's node size (JobSpec checks the spelling)
         if doc.get(key) is not None:
             out[key] = str(doc[key])
+    # A CPU job's units are its whole nodes (one unless given): its gpus and, as a SkyPilot
+    # task's, its fixed batch follow them.
+    if cpu_job and "nodes" not in p.fields:
+        n = out.setdefault("nodes", 1)
+        out.setdefault("gpus", {"min": n, "max": n})
+        if "batch_size" not in doc:
+            out["batch_size"] = {"min": n, "max": n, "default": n}
+            out.setdefault("batch_mode", "fixed")
     if "run_per_node" in doc:
         out["run_per_node"] = doc["run_per_node"]  # the model names a value that is no bool
     if doc.get("container_image") is not None:

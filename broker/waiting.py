@@ -234,9 +234,10 @@ def too_big_reason(spec: JobSpec, largest: int) -> str | None:
 
 
 def waiting_for_capacity(accel: Accelerator) -> str:
-    """The reason of a job the allocator gave no GPUs this round."""
-    return (f"waiting for capacity: every {accel.value} GPU in its regions is in use or given "
-            "to a job ahead of it")
+    """The reason of a job the allocator gave no GPUs (or CPU nodes) this round."""
+    what = "CPU node" if accel is Accelerator.CPU else f"{accel.value} GPU"
+    return (f"waiting for capacity: every {what} in its regions is in use or given to a job "
+            "ahead of it")
 
 
 @dataclass(frozen=True)

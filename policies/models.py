@@ -451,7 +451,7 @@ class JobSpec(BaseModel):
                              "on CPU nodes or on GPUs")
         if self.nodes is None or not self.gpus.min == self.gpus.max == self.nodes:
             raise ValueError("a CPU job (accelerators: [CPU]) takes whole nodes: give nodes: N "
-                             "and gpus: N (the same N, one unit per CPU node)")
+                             "and leave gpus out (or give the same N: one unit per CPU node)")
         return self
 
     @model_validator(mode="after")

@@ -15,7 +15,7 @@ from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.protocol import Env
 from broker.runtime.agent import Agent, parse
 from broker.scheduler import SchedulerConfig, plan_round
-from broker.spec import parse_spec_text
+from broker.spec import SpecError, parse_spec_text
 from broker.store import Snapshot
 from broker.waiting import CPU_POOL_FIX, never_runs
 from policies.models import Accelerator, JobSpec, Pool
@@ -146,3 +146,29 @@ def test_a_fleet_file_cpu_region_is_a_pool_of_whole_nodes() -> None:
         LocalFleet.model_validate({"regions": [
             {"region": "x", "cpu_nodes": 2, "cpus_per_node": 4, "price_per_node_hour": 0,
              "gpus": 2}]})
+
+
+OWN = "name: c\nrun: echo hi\n"  # a CPU job needs no batch_size or work
+
+
+@pytest.mark.parametrize(("extra", "nodes", "cpus", "memory"), [
+    ("cpus: 4+\n", 1, "4+", None), ("accelerators: [CPU]\nnodes: 3\n", 3, None, None),
+    ("cpus: 4\nmemory: 16+\nnodes: 2\n", 2, "4", "16+")])
+def test_an_own_format_job_with_a_node_size_or_cpu_is_a_cpu_job_of_its_nodes(
+        extra: str, nodes: int, cpus: str | None, memory: str | None) -> None:
+    spec = parse_spec_text(OWN + extra).spec
+    assert spec.accelerators == [Accelerator.CPU] and not spec.run_per_node
+    assert (spec.nodes, spec.gpus.min, spec.gpus.max, spec.cpus, spec.memory) == (
+        nodes, nodes, nodes, cpus, memory)
+    job = record("own", spec)
+    assert planned([job], [LAB, T4])[0] == {job.id: (LAB.id, nodes)}
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ("accelerators: [CPU, T4]\n", "cannot be listed with GPU types"),
+    ("accelerators: [CPU]\nnodes: 2\ngpus: 3\n", "takes whole nodes"),
+    ("accelerators: [T4]\ncpus: 4\n", "a GPU job is sized by its accelerator")])
+def test_an_own_format_job_mixing_cpu_and_gpu_is_refused(extra: str, words: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec_text(OWN + "batch_size: 4\nwork: {samples: 8}\n" + extra)
+    assert any(words in p.message for p in info.value.problems), info.value.problems
