@@ -114,10 +114,12 @@ def test_the_launch_of_a_cpu_job_is_its_nodes_with_skypilots_env_and_no_gpu() ->
     env = req.env
     assert (env["SKYPILOT_NUM_NODES"], env["SKYPILOT_NUM_GPUS_PER_NODE"]) == ("2", "0")
     assert (env[Env.CPU_ONLY], env[Env.NNODES], env[Env.NPROC]) == ("1", "2", "1")
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
     gpu = record("gpu", parse_spec_text("run: x\nresources: {accelerators: T4:2}").spec)
     gpu_env = launch_request(gpu, intent.model_copy(update={"job_id": gpu.id, "pool": T4.id}),
                              T4, ActuatorConfig()).env
     assert Env.CPU_ONLY not in gpu_env and gpu_env["SKYPILOT_NUM_GPUS_PER_NODE"] == "2"
+    assert "CUDA_VISIBLE_DEVICES" not in gpu_env
 
 
 @pytest.mark.parametrize("per_node", [True, False])
