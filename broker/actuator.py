@@ -142,8 +142,13 @@ def launch_request(job: JobRecord, intent: Intent, pool: Pool, config: ActuatorC
         env[Env.CONTAINER_IMAGE] = spec.container_image
         env[Env.CONTAINER_ENV] = ",".join(sorted({*spec.envs, *names}))
     if spec.run_per_node:
-        env.update(skyenv.task_env(job, pool, nodes=nodes, gpus_per_node=per_node,
+        # A CPU node's one unit is the node, not a GPU: SkyPilot's count is 0 there.
+        env.update(skyenv.task_env(job, pool, nodes=nodes,
+                                   gpus_per_node=0 if spec.cpu_only else per_node,
                                    zone=zone or pool.zone))
+    if spec.cpu_only:  # no GPU even on a machine with some, with the agent or without it
+        env[Env.CPU_ONLY] = "1"
+        env["CUDA_VISIBLE_DEVICES"] = ""
     # The agent starts first, so that it has taken its token before any of the job's code (its
     # setup included) runs; setup then runs in each worker before run, as on the clouds.
     script = _script(spec)

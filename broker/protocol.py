@@ -45,6 +45,7 @@ class Env:
     RUN = "FLEET_RUN"
     SETUP = "FLEET_SETUP"  # a SkyPilot task's setup, run once per node before run
     PER_NODE = "FLEET_PER_NODE"  # "1": one worker per node, with SkyPilot's rank and IPs
+    CPU_ONLY = "FLEET_CPU_ONLY"  # "1": a CPU job on a CPU node: its process sees no GPU
     WORKDIR = "FLEET_WORKDIR"
     FILES = "FLEET_FILES"  # the workdir and file mounts the agent places before setup
     FILES_ROOT = "FLEET_FILES_ROOT"  # where ~ and relative node paths point (default: $HOME)

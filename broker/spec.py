@@ -24,6 +24,7 @@ from broker.errors import InvalidInput
 from broker.protocol import ENV_PREFIX
 from policies.models import (
     CLOUD_REGION,
+    NODE_SIZE,
     REMOTE_SCHEMES,
     STORE_SCHEMES,
     Accelerator,
@@ -367,6 +368,7 @@ _FLEET_KEYS = {
     "name", "run", "setup", "envs", "accelerators", "gpus", "batch_size", "batch_mode", "work",
     "work_samples", "spot", "regions", "checkpoint", "priority", "team", "deadline", "deadline_s",
     "model", "nodes", "run_per_node", "secret_envs", "workdir", "file_mounts", "container_image",
+    "cpus", "memory",
 }
 # nodes, run_per_node and secret_envs are what a SkyPilot task becomes (the canonical JSON has
 # them): they do not make a document the project's own format.
@@ -993,8 +995,15 @@ def _parse_fleet(doc: Mapping[str, Any], launch: LaunchEnv) -> ParsedSpec:
         out["accelerators"] = _parse_accelerators(p, "accelerators", doc["accelerators"])
     if "gpus" in doc:
         out["gpus"] = _parse_range(p, "gpus", doc["gpus"])
+    # A node size with no accelerators asks for CPU nodes, as a SkyPilot task's does. A CPU job
+    # is sized in whole nodes, not batches: like a SkyPilot task it needs no batch_size or work.
+    if "accelerators" not in doc and any(doc.get(k) is not None for k in ("cpus", "memory")):
+        out["accelerators"] = [Accelerator.CPU]
+    cpu_job = out.get("accelerators") == [Accelerator.CPU]
     batch = None
-    if "batch_size" not in doc:
+    if cpu_job and "batch_size" not in doc:
+        pass  # one unit per node, set below once nodes is known
+    elif "batch_size" not in doc:
         p.add("batch_size", None, "is required: {min, max, default, per_gpu_max} global batch "
               "sizes (or one number for a fixed batch)", show=False)
     else:
@@ -1007,6 +1016,8 @@ def _parse_fleet(doc: Mapping[str, Any], launch: LaunchEnv) -> ParsedSpec:
         out["work_samples"] = _parse_work(p, doc["work"], batch)
     elif "work_samples" in doc:
         out["work_samples"] = _parse_work(p, {"samples": doc["work_samples"]}, batch)
+    elif cpu_job:
+        out["work_samples"] = UNBOUNDED_WORK  # it runs until its command ends, as a task does
     else:
         p.add("work", None, "is required: {samples: N}, {epochs: E, dataset_size: D} or "
               "{steps: S}", show=False)
@@ -1025,6 +1036,17 @@ def _parse_fleet(doc: Mapping[str, Any], launch: LaunchEnv) -> ParsedSpec:
     _parse_files(p, doc, out)
     if doc.get("nodes") is not None:
         out["nodes"] = _int(p, "nodes", doc["nodes"])
+    for key in ("cpus", "memory"):  # a CPU job's node size (JobSpec checks the spelling)
+        if doc.get(key) is not None:
+            out[key] = str(doc[key])
+    # A CPU job's units are its whole nodes (one unless given): its gpus and, as a SkyPilot
+    # task's, its fixed batch follow them.
+    if cpu_job and "nodes" not in p.fields:
+        n = out.setdefault("nodes", 1)
+        out.setdefault("gpus", {"min": n, "max": n})
+        if "batch_size" not in doc:
+            out["batch_size"] = {"min": n, "max": n, "default": n}
+            out.setdefault("batch_mode", "fixed")
     if "run_per_node" in doc:
         out["run_per_node"] = doc["run_per_node"]  # the model names a value that is no bool
     if doc.get("container_image") is not None:
@@ -1168,7 +1190,8 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
             p.add(f"{where}.use_spot", use_spot, "write true or false")
         spot_flags.append(use_spot is True)
         for key in sorted(set(alt) & set(_SKY_NOTED_RESOURCES)):
-            warnings.append(f"{where}.{key}: {_SKY_NOTED_RESOURCES[key]}")
+            if found or key not in _SKY_NODE_SIZE:  # a CPU task's cpus and memory are kept
+                warnings.append(f"{where}.{key}: {_SKY_NOTED_RESOURCES[key]}")
         images[where] = _sky_image(p, where, alt.get("image_id"), warnings)
 
     if alternatives and not kept:
@@ -1182,7 +1205,8 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
               "alternative the same image_id: docker:<image>, or put it once under resources")
     elif image := next(iter(images.values()), None):
         out["container_image"] = image
-    _sky_cpu_only(p, resources, alternatives, accelerators)
+    if not accelerators and not p.items:
+        out.update(_sky_cpu_only(p, alternatives))
     if accelerators:
         out["accelerators"] = accelerators
     if nodes is not None:
@@ -1299,25 +1323,40 @@ def _parse_image(p: _Problems, field: str, value: Any, prefix: str = "") -> str 
         return None
 
 
-def _sky_cpu_only(p: _Problems, resources: Mapping[str, Any],
-                  alternatives: list[Mapping[str, Any]], accelerators: list[Accelerator],
-                  ) -> None:
-    """A task naming no accelerator is a CPU task in SkyPilot. FleetBroker's pools are GPU pools
-    (a pool always has an accelerator), so such a task is refused with the reason, never put on
-    a GPU unasked: naming the CPU field it asks for, else the missing accelerators."""
-    if accelerators or p.items:
-        return
-    why = ("no FleetBroker pool offers CPU-only capacity, and it is not put on a GPU unasked; "
-           "name the GPU it may use (resources.accelerators: T4:1) or run it on CPU machines "
-           "elsewhere")
-    asked = sorted({k for alt in alternatives for k in ("cpus", "memory") if k in alt})
-    if asked:
-        where = "resources" if asked[0] in resources else "resources.any_of"
-        p.add(f"{where}.{asked[0]}", next(a[asked[0]] for a in alternatives if asked[0] in a),
-              f"a CPU-only task (no accelerators): {why}")
-    else:
-        p.add("resources.accelerators", None, "not given, so a CPU-only task in SkyPilot's "
-              f"meaning: {why}", show=False)
+def _sky_cpu_only(p: _Problems, alternatives: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """A task naming no accelerator is a CPU task in SkyPilot: it becomes a CPU job
+    (``accelerators: [CPU]``), which only a CPU pool hosts, never a GPU, with the ``cpus`` and
+    ``memory`` per node it asks (SkyPilot's ``4`` exactly, ``4+`` at least)."""
+    out: dict[str, Any] = {"accelerators": [Accelerator.CPU]}
+    for key, unit in _SKY_NODE_SIZE.items():
+        asked = {_sky_size(alt[key]) for alt in alternatives if alt.get(key) is not None}
+        where = "resources" if len(alternatives) == 1 else "resources.any_of"
+        if None in asked:
+            bad = next(alt[key] for alt in alternatives if alt.get(key) is not None
+                       and _sky_size(alt[key]) is None)
+            p.add(f"{where}.{key}", bad, f"write {unit} per node, like 4 (exactly 4) or 4+ "
+                  "(at least 4)")
+        elif len(asked) > 1:
+            p.add(f"{where}.{key}", sorted(a for a in asked if a), "alternatives ask "
+                  f"different {key}; a CPU job has one node size: give one {key}")
+        elif asked:
+            out[key] = asked.pop()
+    return out
+
+
+# A CPU task's per-node size keys and what each counts.
+_SKY_NODE_SIZE = {"cpus": "the vCPUs", "memory": "the GiB of memory"}
+
+
+def _sky_size(value: Any) -> str | None:
+    """A SkyPilot size (``2``, ``2+``, ``0.5``, ``'16+'``) as ``JobSpec.cpus`` spells it, or
+    None where it is not one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    text = str(value).strip()
+    if isinstance(value, float) and value.is_integer():
+        text = str(int(value))
+    return text if re.fullmatch(NODE_SIZE, text) and float(text.rstrip("+")) > 0 else None
 
 
 def _sky_recovery(p: _Problems, value: Any, warnings: list[str]) -> None:

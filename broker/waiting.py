@@ -21,7 +21,7 @@ from enum import IntEnum
 
 from broker.models import JobRecord, JobState
 from broker.spec import Problem
-from policies.models import Accelerator, JobSpec, Market, Pool
+from policies.models import Accelerator, JobSpec, Market, Pool, size_fits
 from policies.placement import region_allowed
 from policies.spot import must_not_preempt
 
@@ -40,6 +40,7 @@ class Unmet(IntEnum):
     MARKET = 3  # spot: never, and the pool is spot
     NODE = 4  # a fixed node count whose share of GPUs the pool sells on no node
     CONTAINER = 5  # a container image, and the pool's nodes cannot run containers
+    SIZE = 6  # a CPU job's cpus or memory per node, which the pool's nodes do not have
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +55,15 @@ class Needs:
     on_demand: bool  # spot: never
     per_node: int | None  # GPUs on each node of a job of a fixed node count (JobSpec.nodes)
     container: bool = False  # runs in a container image (JobSpec.container_image)
+    cpus: str | None = None  # a CPU job's vCPUs per node (JobSpec.cpus, '4' or '4+')
+    memory: str | None = None  # and its GiB per node
 
     @classmethod
     def of(cls, spec: JobSpec) -> Needs:
         return cls(frozenset(spec.accelerators), tuple(spec.regions.allow),
                    tuple(spec.regions.deny), must_not_preempt(spec.spot),
                    spec.gpus.min // spec.nodes if spec.nodes else None,
-                   spec.container_image is not None)
+                   spec.container_image is not None, spec.cpus, spec.memory)
 
     def unmet(self, pool: Pool) -> Unmet | None:
         """The first need ``pool`` fails, or None: the job may use it."""
@@ -78,6 +81,9 @@ class Needs:
         # never on the host instead: the job's commands need the image's software
         if self.container and not pool.containers:
             return Unmet.CONTAINER
+        if not (size_fits(self.cpus, pool.cpus_per_node)
+                and size_fits(self.memory, pool.memory_gib_per_node)):
+            return Unmet.SIZE
         return None
 
 
@@ -92,6 +98,10 @@ def no_usable_pool(spec: JobSpec, pools: Sequence[Pool], *, skypilot: bool = Fal
     cause = max(u for u, _ in failed)
     near = [p for u, p in failed if u is cause]  # the pools that met every need before it
     accels = "/".join(a.value for a in spec.accelerators)
+    if cause is Unmet.ACCELERATOR and spec.cpu_only:
+        return cause, Problem(
+            field="resources.accelerators" if skypilot else "accelerators", value="none (CPU)",
+            message=f"a CPU-only task, and this fleet has no CPU pool; {CPU_POOL_FIX}")
     if cause is Unmet.ACCELERATOR:
         have = ", ".join(sorted({p.accelerator.value for p in pools}))
         return cause, Problem(
@@ -121,6 +131,15 @@ def no_usable_pool(spec: JobSpec, pools: Sequence[Pool], *, skypilot: bool = Fal
                 f"runs in a container image, and the {accels} pools in its regions ({where}) "
                 "cannot run containers (no usable Docker on their machine): install Docker on "
                 "the local fleet's machine, or run on a cloud pool"))
+    if cause is Unmet.SIZE:
+        have = ", ".join(sorted({f"{p.id} ({_size(p)})" for p in near}))
+        asked = ", ".join(f"{k} {v}" for k, v in (("cpus", spec.cpus), ("memory", spec.memory))
+                          if v is not None)
+        return cause, Problem(
+            field=f"resources.{'cpus' if spec.cpus else 'memory'}" if skypilot else
+            ("cpus" if spec.cpus else "memory"), value=asked,
+            message=f"asks {asked} per node; the CPU nodes in its regions have {have}: ask "
+            f"what one of them has (a trailing + means at least), or {CPU_POOL_FIX}")
     sizes = sorted({g for p in near for g in p.gpu_prices or ()})
     per_node, total = needs.per_node, spec.gpus.min
     field = "resources.accelerators" if skypilot else "nodes"
@@ -135,6 +154,17 @@ def no_usable_pool(spec: JobSpec, pools: Sequence[Pool], *, skypilot: bool = Fal
         f"{sizes[-1]}: ask {split}, or fewer GPUs"))
 
 
+# The fix of a CPU job no pool can host, named in every such refusal and waiting reason.
+CPU_POOL_FIX = ("add a CPU pool to the fleet file: a region like {region: lab, cpu_nodes: 2, "
+                "cpus_per_node: 4, price_per_node_hour: 0} (docs/clouds.md#cpu-pools)")
+
+
+def _size(pool: Pool) -> str:
+    cpus = "?" if pool.cpus_per_node is None else f"{pool.cpus_per_node:g}"
+    memory = "?" if pool.memory_gib_per_node is None else f"{pool.memory_gib_per_node:g}"
+    return f"{cpus} vCPUs, {memory} GiB"
+
+
 def never_runs(spec: JobSpec, ceiling: Sequence[Pool], *, skypilot: bool = False,
                ) -> list[Problem]:
     """Why ``spec`` can never run on a fleet whose pools at their most are ``ceiling`` (empty:
@@ -145,6 +175,12 @@ def never_runs(spec: JobSpec, ceiling: Sequence[Pool], *, skypilot: bool = False
         return [found[1]]
     needs = Needs.of(spec)
     top = max((p for p in ceiling if needs.unmet(p) is None), key=lambda p: p.capacity)
+    if spec.gpus.min > top.capacity and spec.cpu_only:
+        return [Problem(
+            field="num_nodes" if skypilot else "nodes", value=f"{spec.nodes} CPU nodes",
+            message=f"asks for {spec.nodes} CPU nodes in one region, more than this fleet will "
+            f"ever have there (its largest CPU pool, {top.id}, has {top.capacity}); lower "
+            "num_nodes or add CPU nodes to the fleet file")]
     if spec.gpus.min > top.capacity:
         accels = "/".join(a.value for a in spec.accelerators)
         field = "resources.accelerators" if skypilot else "gpus.min"
@@ -174,6 +210,9 @@ def unusable_reason(spec: JobSpec, pools: Sequence[Pool]) -> tuple[str, str]:
 def no_pool_reason(spec: JobSpec) -> str:
     """The reason of a waiting job no pool of the round offers an accelerator for. A cloud may
     add such pools (its listing comes back), so the job is marked, not dropped."""
+    if spec.cpu_only:
+        return (f"{UNSCHEDULABLE}: a CPU job, and no CPU pool is offered now; it waits until "
+                f"one is, or {CPU_POOL_FIX}")
     accels = "/".join(a.value for a in spec.accelerators)
     return (f"{UNSCHEDULABLE}: no pool offers {accels} now; it waits until one does (or change "
             "its accelerators)")
@@ -184,6 +223,10 @@ def too_big_reason(spec: JobSpec, largest: int) -> str | None:
     holds now (``largest``), or None. A reclaimed pool comes back, so it is marked, not dropped."""
     if spec.gpus.min <= largest:
         return None
+    if spec.cpu_only:
+        return (f"{UNSCHEDULABLE}: needs {spec.nodes} CPU nodes in one pool, and the largest "
+                f"CPU pool in its regions has {largest} now; lower nodes, or it waits until a "
+                "pool grows")
     accels = "/".join(a.value for a in spec.accelerators)
     return (f"{UNSCHEDULABLE}: needs at least {spec.gpus.min} GPUs in one pool, and the largest "
             f"{accels} pool in its regions holds {largest} now; lower gpus.min, or it waits "
@@ -191,9 +234,10 @@ def too_big_reason(spec: JobSpec, largest: int) -> str | None:
 
 
 def waiting_for_capacity(accel: Accelerator) -> str:
-    """The reason of a job the allocator gave no GPUs this round."""
-    return (f"waiting for capacity: every {accel.value} GPU in its regions is in use or given "
-            "to a job ahead of it")
+    """The reason of a job the allocator gave no GPUs (or CPU nodes) this round."""
+    what = "CPU node" if accel is Accelerator.CPU else f"{accel.value} GPU"
+    return (f"waiting for capacity: every {what} in its regions is in use or given to a job "
+            "ahead of it")
 
 
 @dataclass(frozen=True)

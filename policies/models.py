@@ -41,6 +41,9 @@ class Accelerator(StrEnum):
     M60 = "M60"
     MI25 = "MI25"
     MI300X = "MI300X"
+    # Not an accelerator: a CPU node. A pool of this type sells whole nodes (one unit each, see
+    # ``Pool``), and a job of this type (``JobSpec.cpu_only``) takes exactly ``nodes`` of them.
+    CPU = "CPU"
 
     @classmethod
     def parse(cls, name: str) -> Accelerator:
@@ -121,7 +124,10 @@ def pool_id(cloud: str, region: str, market: Market, accelerator: Accelerator,
 
 
 class Pool(BaseModel):
-    """A place GPUs come from: one accelerator type in one (cloud, region, market)."""
+    """A place GPUs come from: one accelerator type in one (cloud, region, market). A CPU pool
+    (``Accelerator.CPU``) counts nodes instead: ``gpus_per_node`` is 1, one unit per node,
+    ``price_per_gpu_hour`` is per node-hour and ``gpu_prices`` ``{1: price}``, so a launch of
+    n units is a gang of n whole nodes."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -141,6 +147,10 @@ class Pool(BaseModel):
     # images with Docker and the NVIDIA container toolkit; a local fleet only where its machine
     # has a working Docker.
     containers: bool = True
+    # What each node has besides GPUs, where known: a CPU pool states them (its nodes are what
+    # a CPU job's ``cpus`` and ``memory`` are held against); None: unknown, no such ask fits.
+    cpus_per_node: float | None = Field(default=None, gt=0)
+    memory_gib_per_node: float | None = Field(default=None, gt=0)
 
     @field_validator("cloud", "region")
     @classmethod
@@ -359,6 +369,22 @@ class FileMount(BaseModel):
             (BLOB_PREFIX, *REMOTE_SCHEMES))
 
 
+# SkyPilot's spelling of a per-node size: ``4`` exactly 4, ``4+`` at least 4.
+NODE_SIZE = r"^[0-9]+(\.[0-9]+)?\+?$"
+
+
+def size_fits(asked: str | None, have: float | None) -> bool:
+    """Does a node with ``have`` (vCPUs or GiB; None: unknown) meet ``asked`` (``NODE_SIZE``;
+    None: no ask)? As SkyPilot reads it: ``N+`` at least N, ``N`` exactly N."""
+    if asked is None:
+        return True
+    if have is None:
+        return False
+    at_least = asked.endswith("+")
+    want = float(asked.removesuffix("+"))
+    return have >= want if at_least else have == want
+
+
 class JobSpec(BaseModel):
     """What a user submits: the project's own job YAML (SkyPilot task YAML is translated to it)."""
 
@@ -398,6 +424,35 @@ class JobSpec(BaseModel):
     # (broker.runtime.container); only pools whose nodes can run containers take the job.
     container_image: str | None = Field(default=None, description="a docker image reference: "
                                         "setup and run execute in it on every node")
+    # A CPU job's size of each node (SkyPilot's resources.cpus / memory), held against the CPU
+    # pool's cpus_per_node / memory_gib_per_node. GPU jobs are sized by their accelerator.
+    cpus: str | None = Field(default=None, pattern=NODE_SIZE, description="vCPUs per node of "
+                             "a CPU job: '4' exactly, '4+' at least")
+    memory: str | None = Field(default=None, pattern=NODE_SIZE, description="GiB of memory "
+                               "per node of a CPU job: '16' exactly, '16+' at least")
+
+    @property
+    def cpu_only(self) -> bool:
+        """A job for CPU nodes (``accelerators: [CPU]``): it never gets a GPU."""
+        return Accelerator.CPU in self.accelerators
+
+    @model_validator(mode="after")
+    def _cpu_job(self) -> JobSpec:
+        """A CPU job takes whole CPU nodes, rigidly: the allocator counts one unit per node, so
+        ``gpus`` is exactly ``nodes``; CPU and GPU types never mix (a GPU job never lands on
+        a CPU node, nor a CPU job on a GPU)."""
+        if not self.cpu_only:
+            if self.cpus is not None or self.memory is not None:
+                raise ValueError("cpus and memory size the nodes of a CPU job only "
+                                 "(accelerators: [CPU]); a GPU job is sized by its accelerator")
+            return self
+        if self.accelerators != [Accelerator.CPU]:
+            raise ValueError("accelerators: CPU cannot be listed with GPU types; a job runs "
+                             "on CPU nodes or on GPUs")
+        if self.nodes is None or not self.gpus.min == self.gpus.max == self.nodes:
+            raise ValueError("a CPU job (accelerators: [CPU]) takes whole nodes: give nodes: N "
+                             "and leave gpus out (or give the same N: one unit per CPU node)")
+        return self
 
     @model_validator(mode="after")
     def _gpus_split_over_nodes(self) -> JobSpec:

@@ -19,6 +19,7 @@ from broker.sealed import Sealer
 from broker.server import Broker, BrokerConfig, build_broker
 from broker.store import Store
 from tests.api_server import ApiServer
+from tests.builders import fleet as run_fleet
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_TOKEN = "e2e-agent-token-0123456789"
@@ -50,3 +51,17 @@ def live_broker(redis_url: str, store: Store, tmp_path: Path, fleet: str,
         for node in running.provider.nodes():  # leave no job process behind
             running.provider.terminate(node.node_id)
         server.stop()
+
+
+def cli_env(broker: Broker, tmp_path: Path) -> dict[str, str]:
+    """The ``fleet`` CLI's environment for team ``ml`` against ``broker``'s API."""
+    return {"FLEET_URL": broker.config.broker_url or "", "FLEET_TOKEN": TEAM_TOKEN,
+            "FLEET_CONFIG": str(tmp_path / "c.yaml")}
+
+
+def launch(env: dict[str, str], spec: Path) -> tuple[str, str]:
+    """``fleet launch``: the job id and what it said, on one line."""
+    code, out, err = run_fleet(env, "launch", str(spec))
+    assert code == 0, err
+    said = " ".join(out.split())
+    return said.split("submitted ", 1)[1].split()[0], said

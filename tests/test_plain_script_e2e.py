@@ -20,7 +20,7 @@ from broker.protocol import Env
 from broker.server import Broker
 from broker.store import Store
 from tests.builders import fleet
-from tests.live_broker import TEAM_TOKEN, live_broker
+from tests.live_broker import cli_env, launch, live_broker
 from tests.redis_server import RedisServer
 
 # The agent decides after one second of the script (FLEET_PROGRESS_GRACE, from the broker's
@@ -59,19 +59,6 @@ def broker(redis_server: RedisServer, store: Store, tmp_path: Path,
     monkeypatch.setenv(Env.PROGRESS_GRACE, "1")
     with live_broker(redis_server.url, store, tmp_path, FLEET, monkeypatch) as running:
         yield running
-
-
-def cli_env(broker: Broker, tmp_path: Path) -> dict[str, str]:
-    return {"FLEET_URL": broker.config.broker_url or "", "FLEET_TOKEN": TEAM_TOKEN,
-            "FLEET_CONFIG": str(tmp_path / "c.yaml")}
-
-
-def launch(env: dict[str, str], spec: Path) -> tuple[str, str]:
-    """``fleet launch``: the job id and what it said, on one line."""
-    code, out, err = fleet(env, "launch", str(spec))
-    assert code == 0, err
-    said = " ".join(out.split())
-    return said.split("submitted ", 1)[1].split()[0], said
 
 
 def wait_until(store: Store, job_id: str, ready: Callable[[JobRecord], bool],

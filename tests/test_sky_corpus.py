@@ -1,7 +1,8 @@
 """Real SkyPilot task YAMLs (tests/data/skypilot_tasks, see its SOURCE.md) through
 ``fleet launch --dryrun``: each is accepted with the facts SkyPilot gives it (nodes,
-accelerators, envs, mounts), or refused naming the field and the fix (issue 15). The count
-accepted (9 of 13) is printed and asserted, so the number in the issue is checkable."""
+accelerators, envs, mounts, container image; a CPU-only task: no accelerators, 0 GPUs, its
+cpus), or refused naming the field and the fix (issue 15). The count accepted (11 of 13) is
+printed and asserted, so the number in the issue is checkable."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _copy(path: str, source: str) -> dict[str, Any]:
     return {"path": path, "source": source, "mode": "COPY", "name": None, "store": None}
 
 
-# file: (nodes, accelerators, GPUs in all, env names, secret names, mounts)
+# file: (nodes, accelerators, GPUs in all, env names, secret names, mounts); a CPU-only task
+# (11, 12) asks no accelerator and no GPU: it runs on CPU nodes (CPU_TASKS: its cpus per node)
 ACCEPTED: dict[str, tuple[int, list[str], int, list[str], list[str], list[dict[str, Any]]]] = {
     "01-ddp-train.yaml": (2, ["L4"], 2, [], [], []),
     "02-ddp-rdzv.yaml": (2, ["L4"], 4, [], [], []),
@@ -47,6 +49,14 @@ ACCEPTED: dict[str, tuple[int, list[str], int, list[str], list[str], list[dict[s
                              ["HF_TOKEN"], [_copy("/configs", "./configs"),
                                             _bucket("/output", "sky-llama-31-checkpoints")]),
     "07-ray-train.yaml": (2, ["L4"], 4, [], [], []),
+    "11-disk-size.yaml": (1, [], 0, [], [], []),
+    "12-file-mounts.yaml": (2, [], 0, [], [], [
+        _copy("/setup.py", "./setup.py"), _copy("/sky", "."),
+        _copy("/tmp/workdir", "./tmp-workdir"), _copy("relative_dir", "./tmp-workdir"),
+        _copy("/train-00001-of-01024",
+              "gs://cloud-tpu-test-datasets/fake_imagenet/train-00001-of-01024"),
+        _copy("/s3-data-test", "s3://fah-public-data-covid19-cryptic-pockets/human/il6/"
+              "PROJ14534/RUN999/CLONE0/results0")]),
     "13-glue-imdb.yaml": (1, ["V100"], 1, [], [], []),
     "14-resnet-ddp.yaml": (2, ["V100"], 2, [], [], []),
 }
@@ -54,13 +64,12 @@ ACCEPTED: dict[str, tuple[int, list[str], int, list[str], list[str], list[dict[s
 REFUSED = {
     "09-falcon-train.yaml": ("file_mounts./results.name", "write your bucket's name"),
     "10-timm.yaml": ("resources.candidates", "did you mean 'any_of'"),
-    # no accelerators: CPU-only in SkyPilot's meaning, and no pool here offers CPU capacity
-    "11-disk-size.yaml": ("resources.accelerators", "name the GPU it may use"),
-    "12-file-mounts.yaml": ("resources.cpus", "name the GPU it may use"),
     SERVICE: ("service", "SkyServe services are not jobs"),
 }
 # file: the container image its setup and run execute in (none for the others)
 IMAGES = {"05-axolotl-spot.yaml": "winglian/axolotl:main-py3.10-cu118-2.0.1"}
+# file: (cpus per node, the cloud its infra names) of the CPU-only tasks
+CPU_TASKS = {"11-disk-size.yaml": (None, "azure:*"), "12-file-mounts.yaml": ("2+", "aws:*")}
 # A local path a task names that lives on the user's machine, not in the corpus.
 USERS_OWN = {"~/.ssh/sky-key"}
 
@@ -90,6 +99,9 @@ def test_an_accepted_task_keeps_skypilots_meaning(name: str,
         nodes, accelerators, gpus, gpus)
     assert (job["env_names"], job["secret_names"], job["mounts"]) == (envs, secrets, mounts)
     assert job["container_image"] == IMAGES.get(name)
+    if name in CPU_TASKS:  # SkyPilot's cpus kept, and its cloud: the CPU pool must be there
+        assert (job["cpus"], job["regions"]["allow"]) == (CPU_TASKS[name][0],
+                                                          [CPU_TASKS[name][1]])
     # the local paths it names exist here and pack, as `fleet launch` packs them
     for local in [job["workdir"], *(m["source"] for m in mounts)]:
         if local and local not in USERS_OWN and "://" not in local:

@@ -1,5 +1,5 @@
 """SkyPilot fields with no meaning here are accepted with a note kept on the job; accelerators
-are never read as another; CPU-only tasks are refused with the reason (issue 15, item 4). The
+are never read as another; CPU-only tasks become CPU jobs, never given a GPU (issue 15). The
 notes travel through the real CLI and API (uvicorn on loopback, redis-server)."""
 
 from __future__ import annotations
@@ -107,21 +107,34 @@ def test_accelerator_variants_still_read_as_their_type() -> None:
         assert Accelerator.parse(name) is want
 
 
-@pytest.mark.parametrize("resources", ["{cpus: 4+}", "{cpus: 8, memory: 32+}",
-                                       "{any_of: [{cpus: 4+, infra: aws}]}"])
-def test_a_cpu_only_task_is_refused_not_given_a_gpu(resources: str) -> None:
-    found = _problems(f"run: x\nresources: {resources}")
-    assert any("CPU-only" in p and "accelerators" in p for p in found), found
+@pytest.mark.parametrize(("resources", "cpus", "memory"), [
+    ("{cpus: 4+}", "4+", None), ("{cpus: 8, memory: 32+}", "8", "32+"),
+    ("{any_of: [{cpus: 4+, infra: aws}]}", "4+", None), ("{cpus: 0.5}", "0.5", None)])
+def test_a_cpu_only_task_becomes_a_cpu_job_never_a_gpu(resources: str, cpus: str,
+                                                       memory: str | None) -> None:
+    parsed = parse_spec_text(f"run: x\nnum_nodes: 2\nresources: {resources}")
+    spec = parsed.spec
+    assert spec.cpu_only and spec.accelerators == [Accelerator.CPU]
+    assert (spec.cpus, spec.memory, spec.nodes, spec.run_per_node) == (cpus, memory, 2, True)
+    assert not any("cpus" in w or "memory" in w for w in parsed.warnings), parsed.warnings
 
 
 @pytest.mark.parametrize("text", ["run: echo hi",
                                   "run: x\nresources: {infra: azure, disk_size: 512}"])
-def test_a_task_without_accelerators_is_refused_not_given_a_default_gpu(text: str) -> None:
-    """No pool has CPU-only capacity: with no accelerators named (and no cpus either), the task
-    is refused as the cpus-only one is, naming the missing field and its fix."""
-    [found] = _problems(text)
-    assert found.startswith("resources.accelerators: not given") and "CPU-only" in found
-    assert "resources.accelerators: T4:1" in found
+def test_a_task_without_accelerators_runs_on_cpu_nodes_not_a_default_gpu(text: str) -> None:
+    """SkyPilot's meaning of no accelerators: a CPU task, not the default T4."""
+    parsed = parse_spec_text(text)
+    assert parsed.spec.accelerators == [Accelerator.CPU] and parsed.spec.cpus is None
+
+
+@pytest.mark.parametrize(("resources", "field", "fix"), [
+    ("{cpus: many}", "resources.cpus", "like 4 (exactly 4) or 4+"),
+    ("{memory: -2}", "resources.memory", "like 4 (exactly 4) or 4+"),
+    ("{any_of: [{cpus: 2}, {cpus: 4}]}", "resources.any_of.cpus", "give one cpus")])
+def test_a_bad_cpu_size_names_the_field_and_the_fix(resources: str, field: str,
+                                                    fix: str) -> None:
+    found = _problems(f"run: x\nresources: {resources}")
+    assert any(p.startswith(field) and fix in p for p in found), found
 
 
 def test_unknown_keys_get_a_did_you_mean() -> None:

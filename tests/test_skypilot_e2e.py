@@ -1,7 +1,8 @@
 """End to end: SkyPilot task YAMLs run as SkyPilot runs them, through the real broker, API and
 agent on local nodes: SkyPilot's distributed-pytorch example (torchrun over the SKYPILOT_*
 variables, a tiny gloo all-reduce on CPU) on two nodes, setup and run once per node with the
-node's rank (redis, uvicorn, torch)."""
+node's rank; a CPU-only task (no accelerators) through ``fleet launch`` on two nodes of the
+fleet's CPU region, never its GPUs, with no GPU in its environment (redis, uvicorn, torch)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ from broker.runtime.agent import free_port
 from broker.server import Broker
 from broker.spec import parse_spec_text
 from broker.store import Store
-from tests.live_broker import live_broker
+from tests.builders import fleet
+from tests.live_broker import cli_env, launch, live_broker
 from tests.redis_server import RedisServer
 
 FLEET = """
 grace_period_s: 10
 regions:
   - {cloud: aws, region: us-east-1, price_per_gpu_hour: 0.5, gpus: 2, nodes: 2}
+  - {region: lab, cpu_nodes: 2, cpus_per_node: 2, price_per_node_hour: 0}
 """
+CPU_POOL = "local:lab:on-demand:CPU"
 # Each of the torchrun's processes adds its global rank + 1: 1 + 2 = 3 on every rank.
 ALL_REDUCE = """
 import os, sys
@@ -61,6 +65,17 @@ run: |
     --node_rank=${{SKYPILOT_NODE_RANK}} \\
     --master_port={port} \\
     {script} "$OUT"
+"""
+
+# A SkyPilot CPU task: no accelerators, so a CPU node's 2 vCPUs or more on each of 2 nodes.
+CPU_TASK = """
+name: cpu-echo
+resources:
+  cpus: 2+
+num_nodes: 2
+run: |
+  echo "node $SKYPILOT_NODE_RANK of $SKYPILOT_NUM_NODES," \
+    "gpus $SKYPILOT_NUM_GPUS_PER_NODE, cuda [$CUDA_VISIBLE_DEVICES]"
 """
 
 
@@ -113,3 +128,24 @@ def test_distributed_pytorch_example_runs_once_per_node_with_skypilot_env(
     # one torchrun per node, one process per GPU: a world of two that all-reduced together
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks == [{"world": 2, "sum": 3.0}] * 2
+
+
+@pytest.mark.slow
+def test_a_cpu_only_task_runs_on_the_cpu_nodes_through_fleet_launch(
+        broker: Broker, store: Store, tmp_path: Path) -> None:
+    task = tmp_path / "cpu.yaml"
+    task.write_text(CPU_TASK)
+    env = cli_env(broker, tmp_path)
+    code, out, err = fleet(env, "launch", "--dryrun", str(task))
+    said = " ".join(out.split())
+    assert code == 0, err
+    assert "CPU nodes (no GPU) cpus 2+" in said and "nodes 2 (setup and run once per node)" in said
+    assert CPU_POOL in said and "T4" not in said  # the preview offers the CPU nodes only
+    job_id, said = launch(env, task)
+    assert "2 CPU nodes, no GPU" in said, said
+    done = finished(store, job_id)
+    logs = store.read_logs(job_id, limit=100_000)[0]
+    assert done.state is JobState.COMPLETED, logs[-50:]
+    assert (done.pool, done.nodes, done.gpus) == (CPU_POOL, 2, 2)
+    for rank in (0, 1):
+        assert f"[rank {rank}] node {rank} of 2, gpus 0, cuda []" in logs, logs[-50:]

@@ -23,7 +23,7 @@ from broker.spec import (
     parse_spec_text,
     spec_to_json,
 )
-from policies.models import Accelerator, BatchMode, JobSpec, Market, Pool, SpotPolicy
+from policies.models import NODE_SIZE, Accelerator, BatchMode, JobSpec, Market, Pool, SpotPolicy
 from policies.placement import region_allowed
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "jobs"
@@ -362,12 +362,20 @@ def job_specs(draw: st.DrawFn) -> JobSpec:
     lo = draw(st.integers(1, 64))
     b_lo = draw(st.integers(1, 4096))
     b_hi = draw(st.integers(b_lo, 8192))
+    # A CPU job takes exactly its nodes, with a node size; a GPU job names GPU types only.
+    shape: dict[str, object] = {
+        "accelerators": draw(st.lists(st.sampled_from(
+            [a for a in Accelerator if a is not Accelerator.CPU]), min_size=1, max_size=3,
+            unique=True)), "gpus": {"min": lo, "max": draw(st.integers(lo, 128))}}
+    if draw(st.booleans()):
+        size = st.none() | st.from_regex(NODE_SIZE, fullmatch=True).filter(
+            lambda s: float(s.rstrip("+")) > 0)
+        shape = {"accelerators": [Accelerator.CPU], "nodes": lo, "gpus": {"min": lo, "max": lo},
+                 "cpus": draw(size), "memory": draw(size)}
     return JobSpec(
         name=draw(names), team=draw(names), run=draw(st.text(min_size=1).filter(
             lambda s: "\0" not in s)),
-        accelerators=draw(st.lists(st.sampled_from(list(Accelerator)), min_size=1, max_size=3,
-                                   unique=True)),
-        gpus={"min": lo, "max": draw(st.integers(lo, 128))},
+        **shape,  # type: ignore[arg-type]
         batch_size={"min": b_lo, "max": b_hi, "default": draw(st.integers(b_lo, b_hi))},
         batch_mode=draw(st.sampled_from(list(BatchMode))),
         work_samples=draw(st.integers(1, 10**15)),

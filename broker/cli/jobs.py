@@ -147,9 +147,11 @@ def launch(
         if as_json:
             print_json(job)
         else:
+            g = job["spec"]["gpus"]
+            size = f"{job['spec']['nodes']} CPU nodes, no GPU" if job_spec.cpu_only else \
+                f"{g['min']}-{g['max']} GPUs"
             console.print(f"submitted [bold]{job['id']}[/] (team {job['team']}, "
-                          f"{job['state']}, {job['spec']['gpus']['min']}-"
-                          f"{job['spec']['gpus']['max']} GPUs)", highlight=False)
+                          f"{job['state']}, {size})", highlight=False)
             console.print(f"note: {restart_notice(None)}", highlight=False, markup=False,
                           soft_wrap=True)
         if follow:
@@ -176,9 +178,11 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
             raise
         found, broker, unreached = None, None, str(exc)
     s = parsed.spec
+    # A CPU job asks no accelerator and no GPU (its gpus count CPU nodes, the pool's unit).
     job = {"name": s.name, "format": parsed.format,
-           "accelerators": [a.value for a in s.accelerators],
-           "gpus": s.gpus.model_dump(), "batch_size": s.batch_size.model_dump(),
+           "accelerators": [] if s.cpu_only else [a.value for a in s.accelerators],
+           "gpus": {"min": 0, "max": 0, "default": None} if s.cpu_only else s.gpus.model_dump(),
+           "cpus": s.cpus, "memory": s.memory, "batch_size": s.batch_size.model_dump(),
            "batch_mode": s.batch_mode.value, "spot": s.spot.value,
            "regions": s.regions.model_dump(), "env_names": sorted(s.envs),
            "secret_names": sorted(s.secret_envs), "nodes": s.nodes, "workdir": s.workdir,
@@ -194,8 +198,9 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
     g, b = s.gpus, s.batch_size
     console.print(f"[bold]{s.name}[/] ({parsed.format} format): dry run, nothing submitted",
                   highlight=False)
-    lines = [f"accelerators {', '.join(job['accelerators'])}  gpus {g.min}-{g.max}"
-             + (f" (asks for {g.default})" if g.default else "")
+    lines = [(f"CPU nodes (no GPU)  cpus {s.cpus or 'any'}  memory {s.memory or 'any'}"
+              if s.cpu_only else f"accelerators {', '.join(job['accelerators'])}  gpus "
+              f"{g.min}-{g.max}" + (f" (asks for {g.default})" if g.default else ""))
              + f"  batch {b.min}-{b.max} ({s.batch_mode.value})  spot {s.spot.value}",
              f"regions allow {', '.join(s.regions.allow)}"
              + (f" deny {', '.join(s.regions.deny)}" if s.regions.deny else ""),
@@ -225,10 +230,13 @@ def _dryrun(parsed: ParsedSpec, as_json: bool, url: str | None, token: str | Non
         if not found["never_runs"]:
             console.print(f"no pool of {broker} fits it now", highlight=False)
         return
-    table = Table("POOL", "MARKET", "NODES", "GPUS", "$/GPU-H", "$/H", "FREE", "FITS NOW",
-                  box=None, header_style="bold")
+    # A CPU pool's unit is a whole node: its price and room are per node, not per GPU.
+    table = Table("POOL", "MARKET", "NODES", *(("$/NODE-H", "$/H", "FREE NODES") if s.cpu_only
+                                               else ("GPUS", "$/GPU-H", "$/H", "FREE")),
+                  "FITS NOW", box=None, header_style="bold")
     for r in found["pools"]:
-        table.add_row(r["pool"], r["market"], str(r["nodes"]), str(r["gpus"]),
+        table.add_row(r["pool"], r["market"], str(r["nodes"]),
+                      *(() if s.cpu_only else (str(r["gpus"]),)),
                       f"{r['price_per_gpu_hour']:.3f}",
                       f"{r['cost_per_hour']:.3f}", str(r["free_gpus"]),
                       "yes" if r["fits_now"] else "no")

@@ -245,6 +245,7 @@ class Agent:
         self.config = config
         self.command = command
         self.env = env
+        self.cpu_only = env.get(Env.CPU_ONLY) == "1"  # placed on a CPU node: no GPU is shown
         self.workdir = Path(tempfile.mkdtemp(prefix="fleet-agent-"))
         # The broker may choose where progress goes; by default it stays in the agent's folder.
         self.progress_file = Path(env.get(Env.PROGRESS_FILE) or self.workdir / "progress.json")
@@ -331,6 +332,8 @@ class Agent:
             Env.PROGRESS_FILE: str(self.progress_file),
             failure.ERROR_ENV: str(self.workdir / "error"),
             "PYTHONUNBUFFERED": "1",
+            # a CPU job is never given a GPU, even on a machine that has one
+            **({"CUDA_VISIBLE_DEVICES": ""} if self.cpu_only else {}),
         }
 
     def node_env(self) -> dict[str, str]:
@@ -345,7 +348,7 @@ class Agent:
             "SKYPILOT_NODE_IPS": ips,
             "SKYPILOT_SETUP_NODE_IPS": ips,
             "SKYPILOT_NUM_NODES": str(self.nnodes),
-            "SKYPILOT_NUM_GPUS_PER_NODE": str(c.nproc),
+            "SKYPILOT_NUM_GPUS_PER_NODE": "0" if self.cpu_only else str(c.nproc),
         }
 
     def _pump(self, rank: int, stream: IO[bytes], sink: IO[bytes]) -> None:
@@ -381,7 +384,7 @@ class Agent:
                                             secrets.token_hex(4))
             argv = container.run_argv(self.image, name, self.command, env,
                                       volumes=self._volumes(), cwd=self.cwd,
-                                      gpus=container.node_has_gpus())
+                                      gpus=not self.cpu_only and container.node_has_gpus())
         proc = subprocess.Popen(
             argv,
             env=env,

@@ -45,33 +45,96 @@ log = logging.getLogger(__name__)
 
 
 class LocalRegion(BaseModel):
+    """A pretend region: ``gpus`` virtual GPUs over ``nodes`` nodes at ``price_per_gpu_hour``,
+    or a CPU region, ``cpu_nodes`` nodes of ``cpus_per_node`` vCPUs at ``price_per_node_hour``
+    (its pool is ``Accelerator.CPU``; its jobs see no GPU)."""
+
     model_config = ConfigDict(extra="forbid")
 
     cloud: str = "local"
     region: str
     market: Market = Market.ON_DEMAND
-    price_per_gpu_hour: float = Field(ge=0)
-    gpus: int = Field(ge=1, le=256, description="virtual GPUs (worker processes)")
+    price_per_gpu_hour: float | None = Field(default=None, ge=0)
+    gpus: int | None = Field(default=None, ge=1, le=256,
+                             description="virtual GPUs (worker processes)")
     nodes: int = Field(default=1, ge=1, le=64,
                        description="pretend nodes the GPUs are split over (evenly)")
     accelerator: Accelerator = Accelerator.T4
+    cpu_nodes: int | None = Field(default=None, ge=1, le=64,
+                                  description="a CPU region: its nodes (no GPUs)")
+    cpus_per_node: float | None = Field(default=None, gt=0,
+                                        description="a CPU region's vCPUs per node")
+    memory_gib_per_node: float | None = Field(default=None, gt=0,
+                                              description="a CPU region's GiB per node")
+    price_per_node_hour: float | None = Field(default=None, ge=0,
+                                              description="a CPU region's USD per node-hour")
 
     @model_validator(mode="after")
-    def _even(self) -> LocalRegion:
+    def _one_kind(self) -> LocalRegion:
+        cpu = {k for k in ("cpu_nodes", "cpus_per_node", "memory_gib_per_node",
+                           "price_per_node_hour") if getattr(self, k) is not None}
+        if cpu:
+            # by value, not by what was set: a dumped and re-read region carries every key
+            gpu = {k for k, unset in (("gpus", None), ("price_per_gpu_hour", None),
+                                      ("nodes", 1), ("accelerator", Accelerator.T4))
+                   if getattr(self, k) != unset}
+            if gpu:
+                raise ValueError(f"{sorted(gpu)[0]}: a CPU region (cpu_nodes) has no GPUs; "
+                                 "declare GPUs in a region of their own")
+            missing = [k for k in ("cpu_nodes", "cpus_per_node", "price_per_node_hour")
+                       if getattr(self, k) is None]
+            if missing:
+                raise ValueError(f"a CPU region needs {', '.join(missing)} (e.g. cpu_nodes: 2, "
+                                 "cpus_per_node: 4, price_per_node_hour: 0)")
+            return self
+        if self.gpus is None or self.price_per_gpu_hour is None:
+            raise ValueError("a region needs gpus and price_per_gpu_hour (GPUs), or cpu_nodes, "
+                             "cpus_per_node and price_per_node_hour (CPU nodes)")
+        if self.accelerator is Accelerator.CPU:
+            raise ValueError("accelerator: CPU nodes are declared with cpu_nodes, "
+                             "cpus_per_node and price_per_node_hour, not as GPUs")
         if self.gpus % self.nodes:
             raise ValueError(f"gpus ({self.gpus}) must split evenly over nodes ({self.nodes})")
         return self
 
+    # A CPU region's pool counts nodes, one unit each (policies.models.Pool): these give both
+    # kinds of region in the pool's terms.
+    @property
+    def kind(self) -> Accelerator:
+        """The pool's type: ``Accelerator.CPU`` for a CPU region."""
+        return Accelerator.CPU if self.cpu_nodes is not None else self.accelerator
+
+    @property
+    def node_count(self) -> int:
+        return self.cpu_nodes if self.cpu_nodes is not None else self.nodes
+
+    @property
+    def units(self) -> int:
+        """Virtual GPUs (a CPU region: its nodes)."""
+        units = self.cpu_nodes if self.cpu_nodes is not None else self.gpus
+        assert units is not None  # the validator requires one
+        return units
+
+    @property
+    def unit_price(self) -> float:
+        """USD per GPU-hour (a CPU region: per node-hour)."""
+        price = self.price_per_node_hour if self.cpu_nodes is not None else \
+            self.price_per_gpu_hour
+        assert price is not None  # the validator requires it
+        return price
+
     def pool(self, reclaimed: bool = False, containers: bool = False) -> Pool:
         """The region as a pool; one of several nodes sells any count up to a node, and more
-        only as a gang of whole nodes (a multi-node job, one process group per node)."""
-        per_node = self.gpus // self.nodes
-        sizes = None if self.nodes == 1 else \
-            dict.fromkeys(range(1, per_node + 1), self.price_per_gpu_hour)
-        return Pool(cloud=self.cloud, region=self.region, accelerator=self.accelerator,
-                    market=self.market, nodes=0 if reclaimed else self.nodes,
-                    gpus_per_node=per_node, price_per_gpu_hour=self.price_per_gpu_hour,
-                    gpu_prices=sizes, containers=containers)
+        only as a gang of whole nodes (a multi-node job, one process group per node). A CPU
+        region sells whole nodes only."""
+        per_node = self.units // self.node_count
+        sizes = None if self.node_count == 1 and self.cpu_nodes is None else \
+            dict.fromkeys(range(1, per_node + 1), self.unit_price)
+        return Pool(cloud=self.cloud, region=self.region, accelerator=self.kind,
+                    market=self.market, nodes=0 if reclaimed else self.node_count,
+                    gpus_per_node=per_node, price_per_gpu_hour=self.unit_price,
+                    gpu_prices=sizes, containers=containers, cpus_per_node=self.cpus_per_node,
+                    memory_gib_per_node=self.memory_gib_per_node)
 
 
 # What a job inherits from the broker's environment (everything else it gets from the launch
@@ -320,10 +383,11 @@ class LocalProvider(Provider):
         return [r.pool(r.region in reclaimed, self.containers) for r in self.fleet.regions]
 
     def offers(self) -> list[Offer]:
-        return [Offer(cloud=r.cloud, region=r.region, instance_type=f"local-{r.gpus}x",
-                      accelerator=r.accelerator, accelerator_count=r.gpus,
-                      price=None if r.market is Market.SPOT else r.price_per_gpu_hour * r.gpus,
-                      spot_price=r.price_per_gpu_hour * r.gpus if r.market is Market.SPOT
+        return [Offer(cloud=r.cloud, region=r.region, instance_type=f"local-{r.units}x",
+                      accelerator=r.kind, accelerator_count=r.units,
+                      vcpus=r.cpus_per_node, memory_gib=r.memory_gib_per_node,
+                      price=None if r.market is Market.SPOT else r.unit_price * r.units,
+                      spot_price=r.unit_price * r.units if r.market is Market.SPOT
                       else None)
                 for r in self.fleet.regions]
 
@@ -350,7 +414,8 @@ class LocalProvider(Provider):
             raise CapacityError(f"spot region {region.region} is reclaimed")
         gpus = request.gpus_per_node * request.nodes
         if self.capacity().get(region.pool().id, 0) < gpus:
-            raise CapacityError(f"region {region.region} has fewer than {gpus} free GPUs")
+            unit = "CPU nodes" if region.cpu_nodes is not None else "GPUs"
+            raise CapacityError(f"region {region.region} has fewer than {gpus} free {unit}")
         checkpoint = urlparse(request.env.get(Env.CHECKPOINT_URI, ""))
         if self.job_user and self.checkpoint_root and checkpoint.path and \
                 checkpoint.scheme in ("", "file"):
@@ -389,7 +454,7 @@ class LocalProvider(Provider):
         """One node: its metadata, then its supervisor process in a session of its own."""
         meta = {"job_id": request.job_id, "key": request.idempotency_key,
                 "region": region.region, "market": region.market.value,
-                "accelerator": region.accelerator.value, "gpus": request.gpus_per_node,
+                "accelerator": region.kind.value, "gpus": request.gpus_per_node,
                 "rank": rank, "launched_at": time.time()}
         _write_json(node_dir / "meta.json", meta)
         proc = subprocess.Popen(
@@ -500,7 +565,7 @@ class LocalProvider(Provider):
         return Node(node_id=node_dir.name, provider=self.name,
                     region=meta.get("region", "?"), job_id=meta.get("job_id"),
                     idempotency_key=meta.get("key"),
-                    accelerator=region.accelerator if region else Accelerator.T4,
+                    accelerator=region.kind if region else Accelerator.T4,
                     gpus=meta.get("gpus", 0), market=region.market if region else Market.SPOT,
                     state=state, launched_at=_ts(meta.get("launched_at")), exit_code=code,
                     ended_at=_ts(ended), rank=meta.get("rank"))
