@@ -137,7 +137,8 @@ FLEET_REJOIN_TIMEOUT for a newer round; without one it exits with the workers' c
 crash of the script ends after that wait), and a ``checkpoint-exit`` meanwhile ends it too.
 
 A stop (SIGTERM or SIGINT to the agent, a preemption notice, or the broker's ``checkpoint-exit``)
-sends SIGTERM to every worker; the library checkpoints at the next step boundary and exits with 75.
+sends SIGTERM to every worker; the library checkpoints at a step boundary (in a group, the one after
+the next) and exits with 75.
 SIGUSR1 to the agent asks for a checkpoint without stopping. Workers still running after the grace
 period are killed. Agent exit codes: 0 = job finished; 75 = stopped cleanly after a checkpoint
 (resume later, with any world size); 2 = bad options; anything else = failure. Worker output is

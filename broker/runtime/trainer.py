@@ -232,6 +232,8 @@ class Trainer:
 
         self._stop = threading.Event()
         self._ckpt_request = threading.Event()
+        # the all-reduce of what the last boundary saw, and its tensor (see ``boundary``)
+        self._agreeing: tuple[Any, torch.Tensor] | None = None
         self._order_seen: tuple[int, int] = (0, 0)  # the order file's mtime, its generation
         self._handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -528,26 +530,25 @@ class Trainer:
     def finish(self) -> None:
         """The job's work is done: a final, synchronous checkpoint and progress report."""
         self.finished = True
+        self._agreed()  # an agreement still under way is of no use now, but must complete
         self._checkpoint(sync=True)
         self._write_progress(force=True)
 
     def boundary(self) -> bool:
         """Between steps: agree with every rank on checkpoint/stop/resize, then act on it.
-        True when the group was resized in place."""
+        True when the group was resized in place.
+
+        In a group, the ranks agree on what each saw at the previous boundary: that all-reduce
+        runs during the step in between, so no step waits for it (a blocking one per step held
+        every rank in lockstep once more). Every rank acts on the same answer at the same step,
+        one step after the boundary that saw a stop, checkpoint request or resize order."""
         if self._joined:
             self._joined = False
             return False
-        now = time.monotonic()
-        timer = bool(self.every_seconds) and now - self._last_ckpt_time >= self.every_seconds  # type: ignore[operator]
-        flags = torch.tensor(
-            [self._stop.is_set(), self._ckpt_request.is_set() or (timer and self.rank == 0),
-             self._ordered_generation()],
-            dtype=torch.int32,
-        )
-        if self._control is not None:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
-        stop, requested, generation = bool(flags[0]), bool(flags[1]), int(flags[2])
-        self._ckpt_request.clear()
+        if self._control is None:
+            stop, requested, generation = self._seen()
+        else:
+            stop, requested, generation = self._agreed()
         if stop:
             log.warning(
                 "rank %d: stop requested at step %d: checkpointing and exiting",
@@ -563,7 +564,31 @@ class Trainer:
         periodic = bool(self.every_steps) and self.step % self.every_steps == 0  # type: ignore[operator]
         if requested or periodic:
             self._checkpoint(sync=not self.async_checkpoint)
+        if self._control is not None:  # what this boundary saw, agreed on at the next
+            flags = torch.tensor(self._seen(), dtype=torch.int32)
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control,
+                                   async_op=True)
+            self._agreeing = (work, flags)
         return False
+
+    def _seen(self) -> tuple[bool, bool, int]:
+        """This rank's stop, checkpoint request (a request is taken: cleared) and the agent's
+        resize order, now."""
+        timer = bool(self.every_seconds) and \
+            time.monotonic() - self._last_ckpt_time >= self.every_seconds  # type: ignore[operator]
+        requested = self._ckpt_request.is_set() or (timer and self.rank == 0)
+        self._ckpt_request.clear()
+        return self._stop.is_set(), requested, self._ordered_generation()
+
+    def _agreed(self) -> tuple[bool, bool, int]:
+        """What the group agreed on at the previous boundary (the max over ranks); nothing yet
+        at the first boundary and after a resize."""
+        pending, self._agreeing = self._agreeing, None
+        if pending is None:
+            return False, False, 0
+        work, flags = pending
+        work.wait()
+        return bool(flags[0]), bool(flags[1]), int(flags[2])
 
     # ---- in-place resize ----------------------------------------------------------------------
     def _order(self) -> dict[str, Any] | None:
