@@ -16,7 +16,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from broker.models import JobState
+from broker.models import JobRecord, JobState
 from broker.store import Plan, Store
 from policies.models import Accelerator, Market, Pool
 from tests.api_server import TOKENS, ApiServer, api_stack
@@ -207,3 +207,29 @@ def test_python_m_broker_subprocess(store: Store, env: dict[str, str]) -> None:
                          env={**os.environ, **env}, cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 3 and "Traceback" not in bad.stderr
+
+
+def test_a_cpu_job_is_listed_and_shown_in_cpu_nodes(store: Store, env: dict[str, str],
+                                                    tmp_path: Path) -> None:
+    """A CPU-only SkyPilot task holds CPU nodes, not GPUs: ``fleet jobs`` and ``fleet job``
+    say so instead of a GPU count and batch."""
+    task = tmp_path / "cpu.yaml"
+    task.write_text("name: cpu\nnum_nodes: 2\nresources: {cpus: 2+}\nrun: echo hi\n")
+    code, out, _ = fleet(env, "launch", str(task), "--json")
+    assert code == 0, out
+    job = json.loads(out)
+    record = store.get_job(job["id"])
+    assert record is not None
+    store.apply(_assigned(record, gpus=2, pool="local:lab:on-demand:CPU"))
+    code, out, _ = fleet(env, "jobs")
+    assert code == 0 and "2 CPU" in out, out
+    code, out, _ = fleet(env, "job", job["id"])
+    assert code == 0, out
+    assert "CPU nodes 2  cpus 2+" in out and "assigned 2 CPU nodes, pool local:lab" in out
+    assert "GPUs" not in out and "batch" not in out
+
+
+def _assigned(job: JobRecord, **fields: object) -> Plan:
+    plan = Plan()
+    plan.change(job, **fields)
+    return plan

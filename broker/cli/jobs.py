@@ -33,7 +33,7 @@ from broker.spec import (
     apply_overrides,
     load_spec_file,
 )
-from policies.models import FileMount
+from policies.models import Accelerator, FileMount
 
 UrlOpt = typer.Option(None, "--url", envvar=BrokerEnv.URL, show_envvar=True,
                       help="Broker URL (default: client config, else http://127.0.0.1:8470)")
@@ -96,6 +96,18 @@ def restart_notice(resumable: bool | None, own_checkpoints: bool = False) -> str
 
 def _where(job: dict[str, Any]) -> str:
     return job.get("pool") or "-"
+
+
+def _cpu_job(job: dict[str, Any]) -> bool:
+    """A job of CPU nodes: its ``gpus`` count nodes, the unit a CPU pool sells."""
+    return job["spec"]["accelerators"] == [Accelerator.CPU.value]
+
+
+def _held(job: dict[str, Any]) -> str:
+    """What the job holds: its GPUs, or a CPU job's nodes ("2 CPU"); "-" when nothing."""
+    if not job["gpus"]:
+        return "-"
+    return f"{job['gpus']} CPU" if _cpu_job(job) else str(job["gpus"])
 
 
 def _why(job: dict[str, Any]) -> str:
@@ -261,7 +273,7 @@ def list_jobs(
     for column in (table.columns[0], table.columns[5]):
         column.overflow = "fold"  # ids and pools are what users copy: never cut them
     for j in out["jobs"]:
-        table.add_row(j["id"], j["team"], j["state"], str(j["gpus"] or "-"),
+        table.add_row(j["id"], j["team"], j["state"], _held(j),
                       str(j["batch_size"] or "-"), _where(j), _progress(j), str(j["rescales"]),
                       str(j["migrations"]))
     _print_table(table if out["jobs"] else "no jobs")
@@ -290,13 +302,16 @@ def show_job(job_id: str = typer.Argument(..., help="Job ID (from fleet jobs)"),
         f"[bold]{j['id']}[/]  team {j['team']}  state [bold]{j['state']}[/]"
         + (f" ({escape(_why(j) if j['state'] in _WAITING else j['reason'])})"
            if j.get("reason") else ""),
-        f"accelerators {', '.join(s['accelerators'])}  gpus {s['gpus']['min']}-"
-        f"{s['gpus']['max']}  batch {s['batch_size']['min']}-{s['batch_size']['max']} "
-        f"({s['batch_mode']})  spot {s['spot']}  priority {s['priority']}",
+        (f"CPU nodes {s['nodes']}  cpus {s.get('cpus') or 'any'}  memory "
+         f"{s.get('memory') or 'any'}" if _cpu_job(j) else
+         f"accelerators {', '.join(s['accelerators'])}  gpus {s['gpus']['min']}-"
+         f"{s['gpus']['max']}  batch {s['batch_size']['min']}-{s['batch_size']['max']} "
+         f"({s['batch_mode']})") + f"  spot {s['spot']}  priority {s['priority']}",
         # names only: a secret's value is never shown, an env's may be long
         f"envs {', '.join(s['envs']) or '-'}  secrets {', '.join(s['secret_envs']) or '-'}"
         + (f"  container {s['container_image']}" if s.get("container_image") else ""),
-        f"assigned {j['gpus']} GPUs, batch {j['batch_size'] or '-'}, pool {_where(j)}, "
+        (f"assigned {j['gpus']} CPU nodes" if _cpu_job(j) else
+         f"assigned {j['gpus']} GPUs, batch {j['batch_size'] or '-'}") + f", pool {_where(j)}, "
         f"attempt {j['attempt']}"
         + (f", {j['nodes']} nodes (rendezvous round {j['round']})" if j.get("nodes", 1) > 1
            else ""),
