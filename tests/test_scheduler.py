@@ -908,18 +908,8 @@ def test_a_job_running_the_runtime_is_resized_in_place_on_its_node(store: Store)
     """The shrink of the first test, for a job that reported progress (it runs the runtime) in
     a pool that sells any count on one node, at a fixed batch: its node keeps running, the
     attempt stays, and the agent is owed the new size until rank 0 reports it."""
-    store.set_pools(POOLS)
-    fence = store.acquire_lease("t", ttl_s=30)
     sched = Scheduler(store, SchedulerConfig(min_rescale_interval_s=0))
-    a = store.submit(spec("a", batch=128), team="t")  # a fixed batch: only the size changes
-    sched.run_round(fence)
-    run_all(store, fence)
-    job = store.get_job(a.id)
-    assert job is not None and job.gpus == 4
-    store.record_heartbeat(a.id, job.attempt, launch_key=job.launch_key, samples_done=640,
-                           world_size=4, global_batch_size=128)
-    for n in ("b", "c", "d"):
-        store.submit(spec(n), team="t")
+    fence, a = _runtime_job_and_three_more(store, sched)
     res = sched.run_round(fence)
     job = store.get_job(a.id)
     assert job is not None and job.state is JobState.RUNNING and job.attempt == 1, job.reason
@@ -936,13 +926,25 @@ def test_a_job_running_the_runtime_is_resized_in_place_on_its_node(store: Store)
 
 def test_an_in_place_resize_starts_the_config_at_the_rounds_clock(store: Store) -> None:
     """A round on another clock than the wall's (a simulation's) records the resized config's
-    start at its own ``now``: the rescale interval then counts from there, so the job can be
-    resized again a round later (a wall-clock start kept it pinned for ever)."""
+    start at its own ``now``, so the rescale interval counts from there (a wall-clock start
+    kept a simulated job pinned for ever)."""
+    config = SchedulerConfig(min_rescale_interval_s=60)
+    fence, a = _runtime_job_and_three_more(store, Scheduler(store, config))
+    later = time.time() + 86_400.0
+    res = plan_round(store.snapshot(), fence, config, now=later)
+    assert res.resizes == 1
+    store.apply(res.plan, fence=fence)
+    job = store.get_job(a.id)
+    assert job is not None and job.resized_to == job.gpus < 4 and job.launched_at == later
+
+
+def _runtime_job_and_three_more(store: Store, sched: Scheduler) -> tuple[int, JobRecord]:
+    """A fixed-batch job running the runtime on 4 GPUs of a local pool (it reported progress),
+    and three jobs queued beside it: the next round shrinks it in place."""
     store.set_pools(POOLS)
     fence = store.acquire_lease("t", ttl_s=30)
-    config = SchedulerConfig(min_rescale_interval_s=60)
-    a = store.submit(spec("a", batch=128), team="t")
-    Scheduler(store, config).run_round(fence)
+    a = store.submit(spec("a", batch=128), team="t")  # a fixed batch: only the size changes
+    sched.run_round(fence)
     run_all(store, fence)
     job = store.get_job(a.id)
     assert job is not None and job.gpus == 4
@@ -950,9 +952,4 @@ def test_an_in_place_resize_starts_the_config_at_the_rounds_clock(store: Store) 
                            world_size=4, global_batch_size=128)
     for n in ("b", "c", "d"):
         store.submit(spec(n), team="t")
-    later = time.time() + 86_400.0
-    res = plan_round(store.snapshot(), fence, config, now=later)
-    assert res.resizes == 1
-    store.apply(res.plan, fence=fence)
-    job = store.get_job(a.id)
-    assert job is not None and job.resized_to == job.gpus < 4 and job.launched_at == later
+    return fence, a
