@@ -161,10 +161,11 @@ def run_demo(config: DemoConfig, console: Console | None = None,
     def jobs_of(names: list[str]) -> list[JobRecord]:
         return [j for j in store.list_jobs() if j.name in names]
 
-    def running_with_progress(names: list[str]) -> bool:
+    def under_way(names: list[str]) -> bool:
+        """Each job has trained (a short job may have finished between two looks)."""
         js = jobs_of(names)
         return len(js) == len(names) and all(
-            j.state is JobState.RUNNING and j.samples_done > 0 for j in js)
+            j.state.terminal or (j.state is JobState.RUNNING and j.samples_done > 0) for j in js)
 
     try:
         ctx = (Live(render(store, title, events), console=console, refresh_per_second=4)
@@ -177,7 +178,7 @@ def run_demo(config: DemoConfig, console: Console | None = None,
             title = "1. three jobs fill the fleet (cheapest regions first)"
             note("submitted digits-a (1-4 GPUs), digits-b and digits-c (1-2 GPUs)")
             budget = config.timeout_s
-            wait(lambda: running_with_progress([n for n, _, _ in first]), live, budget / 3)
+            wait(lambda: under_way([n for n, _, _ in first]), live, budget / 3)
             before = {j.name: j.gpus for j in jobs_of([n for n, _, _ in first])}
             mark_id = store.last_event_id()
             store.submit(demo_spec("digits-d", config.steps, 2, BatchMode.ELASTIC), team="demo")
@@ -186,7 +187,7 @@ def run_demo(config: DemoConfig, console: Console | None = None,
             # the newcomer takes the GPUs they gave back.
             title = "2. a new job arrives: it takes free GPUs, or running jobs shrink for it"
             note(f"digits-d arrives; GPUs before: {before}")
-            wait(lambda: running_with_progress(["digits-d"]), live, budget / 3)
+            wait(lambda: under_way(["digits-d"]), live, budget / 3)
             after = {j.name: j.gpus for j in store.list_jobs() if j.state is JobState.RUNNING}
             made_room = sorted({e.job_id for e in store.events(since=mark_id, limit=10_000)
                                 if e.type in ("resize", "migrate", "suspend") and e.job_id})

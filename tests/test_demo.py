@@ -1,5 +1,6 @@
-"""The demo flow end to end (shorter jobs): real PyTorch jobs under the runtime agent on the
-three-region local fleet, with the HTTP API taking heartbeats, a real redis-server and broker."""
+"""The demo flow end to end, as `make demo` runs it: real PyTorch jobs under the runtime agent on
+the three-region local fleet, with the HTTP API taking heartbeats, a real redis-server and broker.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_demo_flow(tmp_path: Path) -> None:
             if job.preemptions:
                 seen[job.id] = store.read_logs(job.id, limit=10_000)[0]
 
-    summary = run_demo(DemoConfig(steps=400, fleet=DEMO_FLEET, state_dir=tmp_path / "state",
+    summary = run_demo(DemoConfig(fleet=DEMO_FLEET, state_dir=tmp_path / "state",
                                   live=False, timeout_s=240), console, on_done=inspect)
     assert summary.finished == summary.jobs == 4, console.export_text()
     # The newcomer ran beside the others (whether they shrank for it depends on when they finish
