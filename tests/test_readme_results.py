@@ -33,7 +33,8 @@ def spot_row(side: str, policy: str) -> dict[str, Any]:
 def spot_cell(side: str, policy: str, jct: bool = True) -> str:
     row = spot_row(side, policy)
     beyond = row["misses_beyond_ondemand"]
-    return (f"${row['cost_usd']:,.0f}, {row['deadline_misses']:,} misses"
+    misses = row["deadline_misses"]
+    return (f"${row['cost_usd']:,.0f}, {misses:,} miss{'' if misses == 1 else 'es'}"
             + (f" ({beyond:,} beyond)" if beyond else "")
             + (f", {row['avg_jct_h']:.3f} h" if jct else ""))
 
