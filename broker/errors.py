@@ -99,9 +99,10 @@ def foreign() -> dict[type[BaseException], type[FleetError]]:
     """Errors of packages that must not import the broker (``policies``), and the class each
     counts as."""
     from policies.elastic_dp import InfeasibleAllocation
-    from policies.models import UnknownAccelerator
+    from policies.models import SpecFieldError, UnknownAccelerator
 
-    return {InfeasibleAllocation: InvalidInput, UnknownAccelerator: InvalidInput}
+    return {InfeasibleAllocation: InvalidInput, UnknownAccelerator: InvalidInput,
+            SpecFieldError: InvalidInput}
 
 
 def kind(exc: BaseException) -> type[FleetError]:

@@ -31,6 +31,7 @@ from policies.models import (
     FileMount,
     JobSpec,
     MountMode,
+    SpecFieldError,
     SpotPolicy,
     UnknownAccelerator,
     check_image,
@@ -999,7 +1000,7 @@ def _parse_fleet(doc: Mapping[str, Any], launch: LaunchEnv) -> ParsedSpec:
     # is sized in whole nodes, not batches: like a SkyPilot task it needs no batch_size or work.
     if "accelerators" not in doc and any(doc.get(k) is not None for k in ("cpus", "memory")):
         out["accelerators"] = [Accelerator.CPU]
-    cpu_job = out.get("accelerators") == [Accelerator.CPU]
+    cpu_job = Accelerator.CPU in (out.get("accelerators") or ())
     batch = None
     if cpu_job and "batch_size" not in doc:
         pass  # one unit per node, set below once nodes is known
@@ -1073,6 +1074,8 @@ def _validate(p: _Problems, fields: dict[str, Any]) -> JobSpec:
     except ValidationError as exc:
         for err in exc.errors():
             loc = [str(x) for x in err["loc"]]
+            if not loc and isinstance(cause := err.get("ctx", {}).get("error"), SpecFieldError):
+                loc = [cause.field]  # a check across fields, reported at the one to fix
             if loc and (loc[0] in p.fields or _FIELD_NAMES.get(loc[0]) in p.fields):
                 continue  # already reported with a better message
             if loc:

@@ -20,6 +20,15 @@ class UnknownAccelerator(ValueError):
     broker)."""
 
 
+class SpecFieldError(ValueError):
+    """A check across a spec's fields whose fix lies in one of them: ``field`` names it, so
+    that the error reaches the user at that field, not at the spec as a whole."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class Accelerator(StrEnum):
     """Accelerator types FleetBroker knows, named as the clouds' catalogs name them."""
 
@@ -443,29 +452,34 @@ class JobSpec(BaseModel):
         a CPU node, nor a CPU job on a GPU)."""
         if not self.cpu_only:
             if self.cpus is not None or self.memory is not None:
-                raise ValueError("cpus and memory size the nodes of a CPU job only "
-                                 "(accelerators: [CPU]); a GPU job is sized by its accelerator")
+                raise SpecFieldError("cpus" if self.cpus is not None else "memory",
+                                     "cpus and memory size the nodes of a CPU job only "
+                                     "(accelerators: [CPU]); a GPU job is sized by its "
+                                     "accelerator")
             return self
         if self.accelerators != [Accelerator.CPU]:
-            raise ValueError("accelerators: CPU cannot be listed with GPU types; a job runs "
-                             "on CPU nodes or on GPUs")
+            raise SpecFieldError("accelerators", "CPU cannot be listed with GPU types; a job runs "
+                                 "on CPU nodes or on GPUs")
         if self.nodes is None or not self.gpus.min == self.gpus.max == self.nodes:
-            raise ValueError("a CPU job (accelerators: [CPU]) takes whole nodes: give nodes: N "
-                             "and leave gpus out (or give the same N: one unit per CPU node)")
+            raise SpecFieldError("gpus" if self.nodes else "nodes",
+                                 "a CPU job (accelerators: [CPU]) takes whole nodes: give nodes: N "
+                                 "and leave gpus out (or give the same N: one unit per CPU "
+                                 "node)")
         return self
 
     @model_validator(mode="after")
     def _gpus_split_over_nodes(self) -> JobSpec:
         if self.nodes is not None and (self.gpus.min % self.nodes or self.gpus.max % self.nodes):
-            raise ValueError(f"gpus ({self.gpus.min}..{self.gpus.max}) must split evenly over "
-                             f"nodes ({self.nodes}); give a multiple of nodes")
+            raise SpecFieldError("gpus", f"gpus ({self.gpus.min}..{self.gpus.max}) must split "
+                                 f"evenly over nodes ({self.nodes}); give a multiple of nodes")
         if self.container_image is not None and not self.run_per_node:
-            raise ValueError("container_image runs setup and run once per node inside the "
-                             "image; set run_per_node: true (as a SkyPilot task has it)")
+            raise SpecFieldError("run_per_node", "container_image runs setup and run once per "
+                                 "node inside the image; set run_per_node: true (as a SkyPilot "
+                                 "task has it)")
         clash = set(self.secret_envs) & set(self.envs)
         if clash:
-            raise ValueError(f"{sorted(clash)[0]} is both in envs and secret_envs; keep it in "
-                             "one")
+            raise SpecFieldError("secret_envs", f"{sorted(clash)[0]} is both in envs and "
+                                 "secret_envs; keep it in one")
         return self
 
     @field_validator("container_image")

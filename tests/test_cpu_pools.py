@@ -166,11 +166,14 @@ def test_an_own_format_job_with_a_node_size_or_cpu_is_a_cpu_job_of_its_nodes(
     assert planned([job], [LAB, T4])[0] == {job.id: (LAB.id, nodes)}
 
 
-@pytest.mark.parametrize(("extra", "words"), [
-    ("accelerators: [CPU, T4]\n", "cannot be listed with GPU types"),
-    ("accelerators: [CPU]\nnodes: 2\ngpus: 3\n", "takes whole nodes"),
-    ("accelerators: [T4]\ncpus: 4\n", "a GPU job is sized by its accelerator")])
-def test_an_own_format_job_mixing_cpu_and_gpu_is_refused(extra: str, words: str) -> None:
+@pytest.mark.parametrize(("extra", "field", "words"), [
+    ("accelerators: [CPU, T4]\n", "accelerators", "cannot be listed with GPU types"),
+    ("accelerators: [CPU]\nnodes: 2\ngpus: 3\n", "gpus", "takes whole nodes"),
+    ("accelerators: [T4]\ncpus: 4\n", "cpus", "a GPU job is sized by its accelerator"),
+    ("accelerators: [T4]\nmemory: 16+\n", "memory", "a GPU job is sized by its accelerator")])
+def test_an_own_format_job_mixing_cpu_and_gpu_is_refused_at_the_field_to_fix(
+        extra: str, field: str, words: str) -> None:
     with pytest.raises(SpecError) as info:
         parse_spec_text(OWN + "batch_size: 4\nwork: {samples: 8}\n" + extra)
-    assert any(words in p.message for p in info.value.problems), info.value.problems
+    assert [(p.field, words in p.message) for p in info.value.problems] == [(field, True)], \
+        info.value.problems

@@ -24,7 +24,7 @@ from broker.sim.engine import SimConfig, SimulationError
 from broker.spec import SpecError
 from broker.store import Conflict, JobNotFound, NotDurable, StaleFence, Store
 from policies.elastic_dp import InfeasibleAllocation
-from policies.models import Accelerator, UnknownAccelerator
+from policies.models import Accelerator, SpecFieldError, UnknownAccelerator
 from providers import registry
 from providers.base import CapacityError, NotConfiguredError, ProviderError, QuotaError
 from providers.catalog import load_offers, read_vms_csv
@@ -50,6 +50,7 @@ TABLE: dict[type[BaseException], tuple[int, int]] = {
     AssignmentError: (422, 2),
     InfeasibleAllocation: (422, 2),  # policies' own, mapped
     UnknownAccelerator: (422, 2),  # policies' own, mapped
+    SpecFieldError: (422, 2),  # policies' own, mapped
     SimulationError: (422, 2),
     JobNotFound: (404, 3),
     Conflict: (409, 6),
@@ -73,6 +74,8 @@ def _instance(cls: type[BaseException]) -> BaseException:
         return NotDurable("no fsync")
     if cls is InfeasibleAllocation:
         return InfeasibleAllocation(["j-1"], 4, 8)
+    if cls is SpecFieldError:
+        return SpecFieldError("gpus", "x")
     return cls("x")
 
 

@@ -176,6 +176,8 @@ def test_examples_all_parse() -> None:
     (BASE + "envs: {'1BAD': x}", "envs", "environment variable name"),
     (BASE + "gpu: 2", "gpu", "did you mean 'gpus'"),
     (BASE.replace("per_gpu_max", "step"), "batch_size.step", "unknown key"),
+    (BASE + "nodes: 2\ngpus: 3", "gpus", "must split evenly over nodes (2)"),
+    (BASE + "container_image: python:3.11", "run_per_node", "set run_per_node: true"),
     ("name: x\nrun: y\nbatch_size: 4\nresources: {}\n", "(top level)", "one format per file"),
     ("a: " + "9" * 5000, "(file)", "4300 digits"),
     ('{"a": ' + "9" * 5000 + "}", "(file)", "4300 digits"),
