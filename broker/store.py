@@ -116,19 +116,26 @@ class NotDurable(StoreError, errors.Unavailable):
                          headers={"Retry-After": "5"})
 
 
-# Kept outside ``doc``: the hash's plain fields and the agent-reported progress.
-_NOT_IN_DOC = {"state", "version", "measured", *_PROGRESS_FIELDS}
+# Kept outside ``doc``: the hash's plain fields and the agent-reported progress. ``reason`` and
+# ``spec`` are fields of their own (JSON): saying why a job waits rewrites no record, and the
+# spec, fixed at submission, is written once rather than with every change.
+_NOT_IN_DOC = {"state", "version", "reason", "spec", "measured", *_PROGRESS_FIELDS}
+# What a reader takes from a job's hash, in ``_decode_job``'s order.
+_JOB_FIELDS = ("doc", "state", "version", "reason", "spec")
 
 
 def _doc(job: JobRecord) -> str:
     return job.model_dump_json(exclude=_NOT_IN_DOC)
 
 
-def _decode_job(doc: str, state: str, version: str | int, progress: Sequence[str] = (),
-                cache: dict[tuple[str, ...], JobRecord] | None = None) -> JobRecord:
-    """A record from its hash. ``cache`` maps what was read to the parsed record, so a
-    scheduling round re-parses only the jobs that changed since the last one."""
-    key = (doc, state, str(version), *progress)
+def _decode_job(doc: str, state: str, version: str | int, reason: str | None,
+                spec: str | None, progress: Sequence[str] = (),
+                cache: dict[tuple[str | None, ...], JobRecord] | None = None) -> JobRecord:
+    """A record from its hash (``_JOB_FIELDS``; a record written before ``reason`` and
+    ``spec`` had fields of their own holds them in its doc). ``cache`` maps what was read to
+    the parsed record, so a scheduling round re-parses only the jobs that changed since the
+    last one."""
+    key = (doc, state, str(version), reason, spec, *progress)
     if cache is not None and (hit := cache.get(key)) is not None:
         return hit
     prog = dict(zip(progress[::2], progress[1::2], strict=True))
@@ -138,6 +145,8 @@ def _decode_job(doc: str, state: str, version: str | int, progress: Sequence[str
     # any stale copy in the doc.
     measured = {k[2:]: float(v) for k, v in prog.items() if k.startswith("m:")}
     extra = ",".join([f'"state":{json.dumps(state)},"version":{int(version)}',
+                      *((f'"reason":{reason}',) if reason is not None else ()),
+                      *((f'"spec":{spec}',) if spec is not None else ()),
                       *(f'"{k}":{prog[k]}' for k in _PROGRESS_FIELDS if k in prog),
                       f'"measured":{json.dumps(measured) if measured else "{}"}'])
     job = JobRecord.model_validate_json(f"{doc.rstrip()[:-1]},{extra}}}")  # a doc has an id
@@ -182,6 +191,9 @@ class Plan:
     kv: list[dict[str, str]] = field(default_factory=list)
     incr: list[dict[str, str]] = field(default_factory=list)
     wake: bool = False
+    # job id -> the fields this plan gives it, for a caller that carries the plan out in
+    # memory (the simulator) rather than in Redis; not part of ``ops``.
+    updates: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def change(
         self, job: JobRecord, state: JobState | None = None, *, event: str | None = None,
@@ -195,10 +207,13 @@ class Plan:
         if state is not None and state.terminal:
             values.setdefault("finished_at", now)
         new = job.model_copy(update=values)
+        self.updates.setdefault(job.id, {}).update(values)
         self.checks.append({"job": job.id, "version": job.version})
         entry: dict[str, Any] = {"job": job.id, "fields": {
-            "doc": _doc(new), "attempt": str(new.attempt),
+            "doc": _doc(new), "attempt": str(new.attempt), "reason": json.dumps(new.reason),
             "cancel_requested": json.dumps(new.cancel_requested)}}
+        if "spec" in fields:  # a spec is written with its job, and again only when it changes
+            entry["fields"]["spec"] = new.spec.model_dump_json()
         if state is not None:
             entry["state"] = state.value
         self.sets.append(entry)
@@ -207,6 +222,14 @@ class Plan:
             if state is not None:
                 data["to"] = state.value
             self.event(event or state.value, job.id, data)  # type: ignore[union-attr]
+
+    def note(self, job: JobRecord, event: str, reason: str) -> None:
+        """Say why ``job`` (as read, at its version) waits: its reason and an ``event`` with
+        it, leaving the rest of the record as it is (no record is rewritten)."""
+        self.checks.append({"job": job.id, "version": job.version})
+        self.sets.append({"job": job.id, "fields": {"reason": json.dumps(reason)}})
+        self.updates.setdefault(job.id, {})["reason"] = reason
+        self.event(event, job.id, {"from": job.state.value, "reason": reason})
 
     def event(self, etype: str, job_id: str | None = None, data: dict[str, Any] | None = None,
               ) -> None:
@@ -252,7 +275,8 @@ class Plan:
                     or self.placement_open or self.placement_close or self.kv or self.incr)
 
     def ops(self) -> dict[str, Any]:
-        out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if v and k != "wake"}
+        out: dict[str, Any] = {k: v for k, v in self.__dict__.items()
+                               if v and k not in ("wake", "updates")}
         if self.wake:
             out["wake"] = True
         return out
@@ -312,7 +336,8 @@ class Store:
                         notes=list(notes), sealed_secrets=sealed_secrets)
         doc = rec.model_dump_json(exclude={"id", *_NOT_IN_DOC})
         try:
-            job_id = self._submit(args=[self.p, team, spec.name, now, request_key or "", doc])
+            job_id = self._submit(args=[self.p, team, spec.name, now, request_key or "", doc,
+                                        spec.model_dump_json()])
         except redis.ResponseError as exc:
             if str(exc).startswith("MISCONF"):  # Redis refuses writes it cannot persist
                 raise NotDurable(f"redis refuses writes because it cannot persist them: {exc}; "
@@ -718,7 +743,7 @@ class Store:
     def _get_many(self, ids: Sequence[str]) -> list[JobRecord]:
         pipe = self.r.pipeline(transaction=True)  # MULTI: each record read with its progress
         for i in ids:
-            pipe.hmget(self._job_key(i), "doc", "state", "version")
+            pipe.hmget(self._job_key(i), *_JOB_FIELDS)
             pipe.hgetall(f"{self.p}progress:{i}")
         raw = pipe.execute()
         return [_decode_job(*j, _flatten(pr), cache=self._parsed)

@@ -117,7 +117,7 @@ def dropped(plan: Plan, job: JobRecord, reason: str) -> None:
 
 def noted(plan: Plan, job: JobRecord, event: str, reason: str) -> None:
     """Why the job waits, as the round sees it (no state change)."""
-    plan.change(job, event=event, event_data={"reason": reason}, reason=reason)
+    plan.note(job, event, reason)
 
 
 def replacing_nodes(plan: Plan, job: JobRecord, *, ranks: list[int], alive: list[str],

@@ -44,7 +44,7 @@ def planned(jobs: list[JobRecord], pools: list[Pool],
     launches = {i.job_id: (i.pool or "", i.gpus) for i in
                 (Intent.model_validate_json(x["json"]) for x in res.plan.intents_add)
                 if i.kind is IntentKind.LAUNCH}
-    reasons = {s["job"]: json.loads(s["fields"]["doc"])["reason"] for s in res.plan.sets}
+    reasons = {s["job"]: json.loads(s["fields"]["reason"]) for s in res.plan.sets}
     return launches, reasons
 
 

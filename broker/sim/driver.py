@@ -40,7 +40,7 @@ from broker.sim.cluster import fleet_capacity
 from broker.sim.engine import Assignment, Baseline, SimConfig, SimulationError, goodput
 from broker.sim.rounds import SimPool, SpotConfig, SpotJob, SpotRounds
 from broker.sim.workload import WorkloadJob
-from broker.store import PoolStats, Snapshot
+from broker.store import Plan, PoolStats, Snapshot
 from policies.job_model import measurement_key
 from policies.migration import (
     Blocklist,
@@ -173,7 +173,7 @@ class LiveRoundDriver(SpotRounds):
                             pools, [])
             res = plan_round(snap, FENCE, self.config, now, blocklist=self.blocklist,
                              priors=self.priors, stats=self.stats)
-            if not self._carry_out(res.plan.sets, res.plan.intents_add, jobs, now, launched):
+            if not self._carry_out(res.plan, jobs, now, launched):
                 break
         for job in launched:
             self._running(job, now)
@@ -192,15 +192,14 @@ class LiveRoundDriver(SpotRounds):
             out.append(view)
         return out
 
-    def _carry_out(self, sets: list[dict], intents: list[dict[str, str]],
-                   jobs: dict[str, SpotJob], now: float, launched: list[SpotJob]) -> bool:
+    def _carry_out(self, plan: Plan, jobs: dict[str, SpotJob], now: float,
+                   launched: list[SpotJob]) -> bool:
         """Apply a plan as the store (records), the actuator (intents) and the reconciler (a
         stopped job's settle) would; True when it stopped a job (the settle wakes the
         scheduler, as does a launch whose command fails). Jobs it launches join
         ``launched``."""
-        for entry in sets:
+        for entry in plan.sets:
             old = self.records[entry["job"]]
-            new = JobRecord.model_validate_json(entry["fields"]["doc"])
             state = JobState(entry.get("state", old.state))
             if state not in (JobState.LAUNCHING, JobState.SUSPENDING, JobState.DROPPED,
                              old.state):
@@ -208,9 +207,10 @@ class LiveRoundDriver(SpotRounds):
                                       "which the simulation does not carry out")
             if state is JobState.DROPPED:  # admission drop: it leaves the simulation
                 jobs[old.id].sim.record.dropped = True
-            self._put(old, state=state, **{k: getattr(new, k) for k in new.model_fields_set})
+            self._put(old, state=state, **plan.updates[old.id])
         stopped = False
-        for intent in carry_out_order(Intent.model_validate_json(r["json"]) for r in intents):
+        for intent in carry_out_order(Intent.model_validate_json(r["json"])
+                                      for r in plan.intents_add):
             job = jobs[intent.job_id]
             if intent.kind is IntentKind.RESIZE_IN_PLACE:
                 self._resize_in_place(job, intent)
