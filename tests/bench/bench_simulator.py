@@ -45,7 +45,9 @@ def _run(folder: Path, cluster: str, cfg: SimConfig) -> dict:
     t0 = time.perf_counter()
     paths = sorted(folder.glob("*.csv"))
     pools = classic_pools(read_pool_specs(cluster))
-    out = summary(run_files(paths, pools, cfg, WORKERS),
+    # workloads named as in the repository, not by where this checkout lies
+    runs = [(os.path.relpath(name, ROOT), r) for name, r in run_files(paths, pools, cfg, WORKERS)]
+    out = summary(runs,
                   {"policy": cfg.policy.value, "cluster": cluster,
                    "admission": cfg.admission.value,
                    "restart_penalty": cfg.restart_penalty or "per-model",
