@@ -234,7 +234,6 @@ def cheapest(
 
 # Midpoints of the Spot Advisor buckets (<5%, 5-10%, 10-15%, 15-20%, >20% reclaimed per month).
 BUCKET_RATE = (0.025, 0.075, 0.125, 0.175, 0.25)
-UNKNOWN_RATE = 0.15  # no advisor data (GCP, Azure, unlisted types): assume a middling bucket
 
 
 def cheapest_type_for(offers: Iterable[Offer], request: LaunchRequest, cloud: str) -> str:
@@ -336,15 +335,19 @@ def interruption_priors() -> dict[tuple[str, str], float]:
     return priors
 
 
-def interruption_prior(offer: Offer, priors: dict[tuple[str, str], float] | None = None) -> float:
+def interruption_prior(offer: Offer, priors: dict[tuple[str, str], float] | None = None,
+                       ) -> float | None:
+    """The advisor's monthly interruption fraction for the offer's type in its region; None
+    where it lists none (GCP, Azure, unlisted types: the scheduler's
+    ``unknown_reclaim_rate`` serves)."""
     table = interruption_priors() if priors is None else priors
-    return table.get((offer.region, offer.instance_type), UNKNOWN_RATE)
+    return table.get((offer.region, offer.instance_type))
 
 
 def pool_prior(pool: Pool, offers: Iterable[Offer],
-               priors: dict[tuple[str, str], float] | None = None) -> float:
+               priors: dict[tuple[str, str], float] | None = None) -> float | None:
     """A pool's monthly interruption fraction: the prior of the offer whose price it carries (the
-    cheapest per GPU in its cloud, region, zone, accelerator and market), ``UNKNOWN_RATE`` when
+    cheapest per GPU in its cloud, region, zone, accelerator and market), None when
     no offer matches or the advisor has no data for it."""
     fits = [
         (price / o.accelerator_count, o.instance_type, o)
@@ -354,5 +357,5 @@ def pool_prior(pool: Pool, offers: Iterable[Offer],
         and (price := o.hourly(pool.market)) is not None
     ]
     if not fits:
-        return UNKNOWN_RATE
+        return None
     return interruption_prior(min(fits, key=lambda f: f[:2])[2], priors)

@@ -186,7 +186,7 @@ class FleetProvider(Provider):
         self._local_clouds = {r.cloud for r in local.fleet.regions} if local else set()
         self._down: dict[str, str] = {}  # backend (_named) -> why its last listing failed
         self._advisor: dict[tuple[str, str], float] | None = None  # Spot Advisor, read once
-        self._priors: dict[str, float] = {}  # pool id -> prior monthly reclaim rate
+        self._priors: dict[str, float | None] = {}  # pool id -> prior monthly reclaim rate
 
     @property
     def backends(self) -> list[Provider]:
@@ -250,14 +250,16 @@ class FleetProvider(Provider):
     def interruption_priors(self, pools: Sequence[Pool]) -> dict[str, float]:
         """Each pool's prior monthly reclaim rate from the Spot Advisor (``catalog.pool_prior``
         over its backend's offers, those of at most ``max_gpus`` GPUs for a cloud), worked out
-        once per pool: offers and the advisor's table do not change while this fleet runs."""
+        once per pool: offers and the advisor's table do not change while this fleet runs.
+        Pools the advisor has no figure for are left out (the round assumes the scheduler's
+        ``unknown_reclaim_rate`` there)."""
         for pool in pools:
             if pool.id not in self._priors:
                 if self._advisor is None:
                     self._advisor = interruption_priors()
                 self._priors[pool.id] = pool_prior(pool, self._offers_of(pool.cloud),
                                                    self._advisor)
-        return {p.id: self._priors[p.id] for p in pools}
+        return {p.id: rate for p in pools if (rate := self._priors[p.id]) is not None}
 
     def _offers_of(self, cloud: str) -> list[Offer]:
         try:

@@ -147,7 +147,7 @@ def test_interruption_prior_of_an_offer(offers: list[CatalogOffer]) -> None:
     p3 = next(o for o in offers if o.instance_type == "p3.2xlarge" and o.region == "us-east-1")
     gcp = next(o for o in offers if o.cloud == "gcp")
     assert catalog.interruption_prior(p3, priors) == priors[("us-east-1", "p3.2xlarge")]
-    assert catalog.interruption_prior(gcp) == catalog.UNKNOWN_RATE
+    assert catalog.interruption_prior(gcp) is None  # the round's unknown rate serves
 
 
 def test_pool_prior_is_the_advisor_bucket_of_the_type_the_pool_is_priced_at(
@@ -164,10 +164,10 @@ def test_pool_prior_is_the_advisor_bucket_of_the_type_the_pool_is_priced_at(
                    key=lambda o: (o.per_gpu(Market.SPOT), o.instance_type))
     assert catalog.pool_prior(east, offers, priors) == priors[("us-east-1",
                                                                 cheapest.instance_type)]
-    assert catalog.pool_prior(pool("gcp", "us-central1", Accelerator.T4), offers, priors) == \
-        catalog.UNKNOWN_RATE  # the advisor covers AWS only
+    assert catalog.pool_prior(pool("gcp", "us-central1", Accelerator.T4), offers,
+                              priors) is None  # the advisor covers AWS only
     assert catalog.pool_prior(pool("aws", "us-east-1", Accelerator.V100, zone="nowhere"),
-                              offers, priors) == catalog.UNKNOWN_RATE  # no offer in that zone
+                              offers, priors) is None  # no offer in that zone
 
 
 prices = st.one_of(st.none(), st.floats(min_value=0, max_value=100, allow_nan=False))

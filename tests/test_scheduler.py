@@ -197,6 +197,14 @@ def test_placement_request_and_pool_risk_from_the_job_and_the_counts() -> None:
     assert risk[east].prior_monthly_rate == 0.25 and risk[east].preemptions_seen == 3
     assert risk[east].node_hours_seen == pytest.approx(2.5)
     assert risk[POOLS[1].id].preemptions_seen == 0 and risk[POOLS[1].id].prior_monthly_rate == 0
+    # a pool the advisor has no figure for takes scheduler.unknown_reclaim_rate; no priors at
+    # all (no advisor): 0 everywhere
+    unknown = SchedulerConfig(unknown_reclaim_rate=0.3).unknown_reclaim_rate
+    risk = pool_risk(POOLS, {east: 0.25}, PoolStats(), [], now=0.0, unknown_rate=unknown)
+    assert (risk[east].prior_monthly_rate, risk[POOLS[1].id].prior_monthly_rate) == (0.25, 0.3)
+    assert pool_risk(POOLS, None, PoolStats(), [], now=0.0,
+                     unknown_rate=unknown)[east].prior_monthly_rate == 0
+    assert SchedulerConfig().unknown_reclaim_rate == 0.15
     # the prior's weight (scheduler.prior_weight_h): light, the pool's own 3 reclaims in 2.5
     # node-hours dominate its hazard; heavy, the prior's 0.25 a month does
     def hazard(weight: float) -> float:

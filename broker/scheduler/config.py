@@ -69,8 +69,13 @@ class SchedulerConfig(BaseModel):
         "its reaction and restart only")
     prior_weight_h: float = Field(
         default=PRIOR_WEIGHT_H, gt=0, description="how many node-hours of the broker's own "
-        "observation a pool's prior reclaim rate (Spot Advisor, or the catalog's unknown rate) "
+        "observation a pool's prior reclaim rate (Spot Advisor, or unknown_reclaim_rate) "
         "counts as, when the two are blended into the pool's expected preemptions per hour")
+    unknown_reclaim_rate: float = Field(
+        default=0.15, ge=0, le=1, description="the monthly reclaim fraction assumed for a pool "
+        "the AWS Spot Advisor has no figure for (GCP, Azure, local spot regions, unlisted "
+        "types): a middling advisor bucket (10-15% and 15-20% per month) until the broker's "
+        "own preemption counts outweigh it")
     move_margin: Stickiness = Field(
         default_factory=Stickiness, description="the saving a running job's move to a cheaper "
         "pool must beat (its restart counted): max(min_saving_usd, min_saving_fraction x cost)")

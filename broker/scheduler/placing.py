@@ -169,18 +169,20 @@ def placement_request(job: JobRecord, choice: Choice, fallbacks: Sequence[int],
         bucket_cloud=bucket[0], bucket_region=bucket[1])
 
 
-def pool_risk(pools: Sequence[Pool], priors: Mapping[str, float], stats: PoolStats,
-              jobs: Sequence[JobRecord], now: float,
-              prior_weight_h: float = PRIOR_WEIGHT_H) -> dict[str, PoolRisk]:
-    """Each pool's preemption prior (weighted as ``prior_weight_h`` node-hours) and what the
-    broker saw there: the preemptions counted, and node-hours of the closed placement
-    intervals plus those of the jobs running now."""
+def pool_risk(pools: Sequence[Pool], priors: Mapping[str, float] | None, stats: PoolStats,
+              jobs: Sequence[JobRecord], now: float, prior_weight_h: float = PRIOR_WEIGHT_H,
+              unknown_rate: float = 0.0) -> dict[str, PoolRisk]:
+    """Each pool's preemption prior (weighted as ``prior_weight_h`` node-hours; a pool
+    ``priors`` has no figure for takes ``unknown_rate``, and without ``priors`` every pool
+    0) and what the broker saw there: the preemptions counted, and node-hours of the closed
+    placement intervals plus those of the jobs running now."""
     hours = dict(stats.node_hours)
     for job in jobs:
         if job.state in (JobState.RUNNING, JobState.SUSPENDING) and job.pool and job.launched_at:
             held = max(0.0, now - job.launched_at) / 3600 * max(1, job.nodes)
             hours[job.pool] = hours.get(job.pool, 0.0) + held
-    return {p.id: PoolRisk(prior_monthly_rate=priors.get(p.id, 0.0),
+    return {p.id: PoolRisk(prior_monthly_rate=0.0 if priors is None else
+                           priors.get(p.id, unknown_rate),
                            preemptions_seen=stats.preemptions.get(p.id, 0),
                            node_hours_seen=hours.get(p.id, 0.0),
                            prior_weight_h=prior_weight_h) for p in pools}

@@ -51,8 +51,8 @@ def plan_round(snap: Snapshot, fence: int, config: SchedulerConfig,
     pools_by_id = {p.id: p for p in snap.pools}
     marks = Marks(blocked_pools(snap.pools, blocklist, now),
                   refused_pools(snap.pools, blocklist, now))
-    risk = pool_risk(snap.pools, priors or {}, stats or PoolStats(), snap.jobs, now,
-                     config.prior_weight_h)
+    risk = pool_risk(snap.pools, priors, stats or PoolStats(), snap.jobs, now,
+                     config.prior_weight_h, config.unknown_reclaim_rate)
     used: dict[str, int] = defaultdict(int)  # GPUs held by jobs this round does not move
     offered: dict[str, list[Accelerator]] = {}
     jobs: list[JobRecord] = []

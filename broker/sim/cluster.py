@@ -29,7 +29,7 @@ from policies.apps import ACCELERATOR_TRACES
 from policies.models import Accelerator, Market, Pool, UnknownAccelerator
 from policies.type_assignment import TypeCapacity
 from providers import registry
-from providers.catalog import UNKNOWN_RATE, CatalogOffer, load_offers, pool_prior
+from providers.catalog import CatalogOffer, load_offers, pool_prior
 
 
 class ClusterError(InvalidInput):
@@ -146,12 +146,13 @@ def catalog_price(pool: Pool, market: Market) -> float | None:
     return min(p for p in prices if p is not None) if prices else None
 
 
-def catalog_prior(pool: Pool) -> float:
+def catalog_prior(pool: Pool) -> float | None:
     """The Spot Advisor's monthly reclaim fraction for the pool's node type in its region
-    (``UNKNOWN_RATE`` where the advisor lists none: GCP, Azure, unknown types). The region's
-    figure serves its zones: the advisor publishes no per-zone rates."""
+    (None where the advisor lists none: GCP, Azure, unknown types; the round then assumes
+    ``SchedulerConfig.unknown_reclaim_rate``). The region's figure serves its zones: the
+    advisor publishes no per-zone rates."""
     if pool.cloud not in registry.priced():
-        return UNKNOWN_RATE
+        return None
     nodes = [o for o in _offers(pool.cloud) if o.accelerator_count == pool.gpus_per_node]
     return pool_prior(pool.model_copy(update={"zone": None}), nodes)
 

@@ -130,7 +130,7 @@ class LiveRoundDriver(SpotRounds):
         super().__init__(workload, pools, cfg, spot, set(Market))
         self.config = config or scheduler_config(cfg, spot.checkpoint_on_notice)
         self.by_id = {p.pool.id: p for p in self.pools}
-        self.priors = {p.pool.id: p.prior for p in self.pools}
+        self.priors = {p.pool.id: p.prior for p in self.pools if p.prior is not None}
         spots = [k for p in self.pools if p.pool.market is Market.SPOT
                  for k in location_keys(p.pool)]
         self.blocklist = register(Blocklist(decay_s=spot.blocklist_decay_s), spots)

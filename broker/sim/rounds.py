@@ -52,7 +52,6 @@ from broker.sim.traces import SpotTrace
 from broker.sim.workload import WorkloadJob
 from policies.migration import DEFAULT_DECAY_S
 from policies.models import Market, Pool
-from providers.catalog import UNKNOWN_RATE
 
 DEFAULT_CHECKPOINT_S = 100.0  # the job spec's default (policies.models.CheckpointSpec)
 
@@ -73,7 +72,8 @@ class SimPool:
     pool: Pool
     trace: SpotTrace | None = None
     ondemand_price: float = 0.0  # USD per GPU-hour of the same GPUs on on-demand
-    prior: float = UNKNOWN_RATE  # Spot Advisor monthly reclaim fraction (the live round's prior)
+    # Spot Advisor monthly reclaim fraction, the live round's prior (None: it has none)
+    prior: float | None = None
 
     @property
     def region(self) -> str:
