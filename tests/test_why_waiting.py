@@ -290,3 +290,39 @@ def test_the_local_provider_tells_whether_its_machine_runs_containers(
     monkeypatch.setenv("PATH", str(tmp_path))  # no docker on PATH
     provider = LocalProvider(fleet_file, tmp_path / "state")
     assert [p.containers for p in provider.pools()] == [False]
+
+
+CPU_LAB = LocalRegion(region="lab", cpu_nodes=3, cpus_per_node=4, memory_gib_per_node=16,
+                      price_per_node_hour=0.1).pool()
+NO_CPU_POOL = "a CPU-only task, and this fleet has no CPU pool; add a CPU pool to the fleet file"
+
+
+@pytest.mark.parametrize(("ceiling", "body", "field", "words"), [
+    ([EAST], "name: c\nrun: x\nresources: {cpus: 4+}\n", "resources.accelerators", NO_CPU_POOL),
+    ([EAST], "name: c\nrun: x\ncpus: 4+\nnodes: 2\n", "accelerators", NO_CPU_POOL),
+    ([EAST, CPU_LAB], "name: c\nrun: x\nresources: {cpus: 8+}\n", "resources.cpus",
+     "asks cpus 8+ per node; the CPU nodes in its regions have local:lab:on-demand:CPU (4 vCPUs"),
+    ([EAST, CPU_LAB], "name: c\nrun: x\nnum_nodes: 5\nresources: {cpus: 4}\n", "num_nodes",
+     "asks for 5 CPU nodes in one region, more than this fleet will ever have there"),
+])
+def test_a_cpu_task_the_fleet_cannot_host_is_refused_at_submission_never_given_a_gpu(
+        store: Store, ceiling: list[Pool], body: str, field: str, words: str) -> None:
+    """Through the real API: no CPU pool, nodes smaller than asked, more nodes than a CPU pool
+    holds; each is a 422 naming the field and the fix, and nothing is queued."""
+    srv = ApiServer(build_app(store, api_config(), ceiling=lambda: ceiling)).start()
+    try:
+        r = post(srv, "/v1/jobs", body)
+        assert r.status_code == 422, r.text
+        [problem] = r.json()["error"]["problems"]
+        assert problem["field"] == field and words in problem["message"], problem
+        assert store.list_jobs() == []
+        # the same task that fits: accepted, as a CPU job, and queued
+        fits = post(srv, "/v1/jobs", "name: c\nrun: x\nnum_nodes: 2\nresources: {cpus: 4}\n")
+        if CPU_LAB in ceiling:
+            assert fits.status_code == 201, fits.text
+            [job] = store.list_jobs()
+            assert (job.spec.accelerators, job.spec.nodes) == ([Accelerator.CPU], 2)
+        else:
+            assert fits.status_code == 422 and store.list_jobs() == []
+    finally:
+        srv.stop()
