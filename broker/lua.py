@@ -2,9 +2,8 @@
 
 Keys are built from a prefix passed as ``ARGV[1]``; FleetBroker targets one Redis primary (with
 Sentinel or a managed failover), not Redis Cluster, so scripts may touch keys they compute.
-A job hash holds ``doc`` (the record as JSON), ``spec`` (JSON, written once at submission),
-``reason`` (JSON, apart so that a round saying why a job waits rewrites no record) and plain
-copies of what scripts compare:
+A job hash holds ``doc`` (the record as JSON), ``reason`` (JSON, apart so that a round saying
+why a job waits rewrites no record) and plain copies of what scripts compare:
 ``state``, ``version``, ``attempt``, ``cancel_requested`` (plus ``id`` and ``team``).
 """
 
@@ -33,8 +32,7 @@ local function wake(p)
 end
 """
 
-# ARGV: prefix, team, name, now, request_key ('' = none), doc (JSON object without "id"),
-# spec (JSON).
+# ARGV: prefix, team, name, now, request_key ('' = none), doc (JSON object without "id").
 # Returns the job id (the existing one when request_key was seen before). The id is the name and
 # a time-ordered number: microseconds of Redis's clock, or one above the last id's when the clock
 # has not moved past it. A counter alone would start again after Redis lost data and hand out
@@ -42,7 +40,6 @@ end
 # on since any id it gave out, so an id is never given twice. In base 36, 10 digits: sortable.
 SUBMIT = _FENCE_CHECK + """
 local p, team, name, now, rkey, doc = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local spec = ARGV[7]
 local dedupe = p .. 'request:' .. team .. ':' .. rkey
 if rkey ~= '' then
   local seen = redis.call('GET', dedupe)
@@ -62,7 +59,7 @@ local id = name .. '-' .. string.rep('0', 10 - #num) .. num
 local key = p .. 'job:' .. id
 redis.call('HSET', key, 'id', id, 'team', team, 'state', 'queued', 'version', 1,
            'attempt', 0, 'cancel_requested', 'false',
-           'doc', '{"id":"' .. id .. '",' .. string.sub(doc, 2), 'spec', spec)
+           'doc', '{"id":"' .. id .. '",' .. string.sub(doc, 2))
 redis.call('ZADD', p .. 'jobs', n, id)
 redis.call('ZADD', p .. 'team:' .. team, n, id)
 redis.call('SADD', p .. 'state:queued', id)
@@ -176,7 +173,7 @@ end
 return 0
 """
 
-# ARGV: prefix, states... Returns {{doc, state, version, reason, spec}, ...}, {progress flat per
+# ARGV: prefix, states... Returns {{doc, state, version, reason}, ...}, {progress flat per
 # job}, pools flat, outbox flat: one consistent view for a scheduling round.
 SNAPSHOT = """
 local p = ARGV[1]
@@ -184,7 +181,7 @@ local jobs, progress = {}, {}
 for i = 2, #ARGV do
   for _, id in ipairs(redis.call('SMEMBERS', p .. 'state:' .. ARGV[i])) do
     table.insert(jobs, redis.call('HMGET', p .. 'job:' .. id, 'doc', 'state', 'version',
-                                  'reason', 'spec'))
+                                  'reason'))
     table.insert(progress, redis.call('HGETALL', p .. 'progress:' .. id))
   end
 end

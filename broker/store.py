@@ -116,12 +116,12 @@ class NotDurable(StoreError, errors.Unavailable):
                          headers={"Retry-After": "5"})
 
 
-# Kept outside ``doc``: the hash's plain fields and the agent-reported progress. ``reason`` and
-# ``spec`` are fields of their own (JSON): saying why a job waits rewrites no record, and the
-# spec, fixed at submission, is written once rather than with every change.
-_NOT_IN_DOC = {"state", "version", "reason", "spec", "measured", *_PROGRESS_FIELDS}
+# Kept outside ``doc``: the hash's plain fields and the agent-reported progress. ``reason`` is
+# a field of its own (JSON), so that saying why a job waits rewrites no record; a release that
+# reads the doc alone sees no reason (its default) rather than a record it cannot parse.
+_NOT_IN_DOC = {"state", "version", "reason", "measured", *_PROGRESS_FIELDS}
 # What a reader takes from a job's hash, in ``_decode_job``'s order.
-_JOB_FIELDS = ("doc", "state", "version", "reason", "spec")
+_JOB_FIELDS = ("doc", "state", "version", "reason")
 
 
 def _doc(job: JobRecord) -> str:
@@ -129,13 +129,12 @@ def _doc(job: JobRecord) -> str:
 
 
 def _decode_job(doc: str, state: str, version: str | int, reason: str | None,
-                spec: str | None, progress: Sequence[str] = (),
+                progress: Sequence[str] = (),
                 cache: dict[tuple[str | None, ...], JobRecord] | None = None) -> JobRecord:
-    """A record from its hash (``_JOB_FIELDS``; a record written before ``reason`` and
-    ``spec`` had fields of their own holds them in its doc). ``cache`` maps what was read to
-    the parsed record, so a scheduling round re-parses only the jobs that changed since the
-    last one."""
-    key = (doc, state, str(version), reason, spec, *progress)
+    """A record from its hash (``_JOB_FIELDS``; a record written before ``reason`` had a
+    field of its own holds it in its doc). ``cache`` maps what was read to the parsed record,
+    so a scheduling round re-parses only the jobs that changed since the last one."""
+    key = (doc, state, str(version), reason, *progress)
     if cache is not None and (hit := cache.get(key)) is not None:
         return hit
     prog = dict(zip(progress[::2], progress[1::2], strict=True))
@@ -146,7 +145,6 @@ def _decode_job(doc: str, state: str, version: str | int, reason: str | None,
     measured = {k[2:]: float(v) for k, v in prog.items() if k.startswith("m:")}
     extra = ",".join([f'"state":{json.dumps(state)},"version":{int(version)}',
                       *((f'"reason":{reason}',) if reason is not None else ()),
-                      *((f'"spec":{spec}',) if spec is not None else ()),
                       *(f'"{k}":{prog[k]}' for k in _PROGRESS_FIELDS if k in prog),
                       f'"measured":{json.dumps(measured) if measured else "{}"}'])
     job = JobRecord.model_validate_json(f"{doc.rstrip()[:-1]},{extra}}}")  # a doc has an id
@@ -212,8 +210,6 @@ class Plan:
         entry: dict[str, Any] = {"job": job.id, "fields": {
             "doc": _doc(new), "attempt": str(new.attempt), "reason": json.dumps(new.reason),
             "cancel_requested": json.dumps(new.cancel_requested)}}
-        if "spec" in fields:  # a spec is written with its job, and again only when it changes
-            entry["fields"]["spec"] = new.spec.model_dump_json()
         if state is not None:
             entry["state"] = state.value
         self.sets.append(entry)
@@ -336,8 +332,7 @@ class Store:
                         notes=list(notes), sealed_secrets=sealed_secrets)
         doc = rec.model_dump_json(exclude={"id", *_NOT_IN_DOC})
         try:
-            job_id = self._submit(args=[self.p, team, spec.name, now, request_key or "", doc,
-                                        spec.model_dump_json()])
+            job_id = self._submit(args=[self.p, team, spec.name, now, request_key or "", doc])
         except redis.ResponseError as exc:
             if str(exc).startswith("MISCONF"):  # Redis refuses writes it cannot persist
                 raise NotDurable(f"redis refuses writes because it cannot persist them: {exc}; "
