@@ -3,6 +3,7 @@ checks, the fenced leader lease, the intents outbox, events, logs and heartbeats
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -270,3 +271,29 @@ def test_a_record_reads_back_with_its_progress_over_its_doc() -> None:
     assert _decode_job(old_doc, "running", "7", None).reason == "placed"
     assert _decode_job(old_doc, "running", "7", '"waiting"').reason == "waiting"
     assert nan.samples_per_sec is not None and math.isnan(nan.samples_per_sec)
+
+
+def test_records_of_the_previous_release_and_for_it_read_whole(store: Store) -> None:
+    """The upgrade path of a job's reason, which the previous release kept in the doc: a
+    record it wrote reads with that reason and is scheduled, and the doc this release writes
+    still parses alone (what the previous release reads: the reason left at its default)."""
+    from broker.scheduler import Scheduler, SchedulerConfig
+
+    pool = Pool(cloud="aws", region="east", accelerator=Accelerator.T4, market=Market.SPOT,
+                nodes=1, gpus_per_node=4, price_per_gpu_hour=0.2)
+    job = store.submit(spec("old", gpus=(1, 4), batch=(32, 512), samples=1000), team="t")
+    key = f"{store.p}job:{job.id}"
+    doc = json.loads(store.r.hget(key, "doc"))
+    store.r.hset(key, "doc", json.dumps({**doc, "reason": "waiting for capacity"}))
+    assert not store.r.hexists(key, "reason")
+    old = store.get_job(job.id)
+    assert old is not None and old.reason == "waiting for capacity" and old.spec == job.spec
+    store.set_pools([pool])
+    fence = store.acquire_lease("t", ttl_s=30)
+    assert Scheduler(store, SchedulerConfig()).run_round(fence).launches == 1
+    now = store.get_job(job.id)
+    assert now is not None and now.state is JobState.LAUNCHING and now.reason == "placed"
+    assert now.spec == job.spec and now.pool == pool.id
+    alone = JobRecord.model_validate_json(store.r.hget(key, "doc"))
+    assert alone.reason is None and alone.model_copy(update={
+        "reason": now.reason, "state": now.state, "version": now.version}) == now
