@@ -4,18 +4,27 @@ plain defaults.
 ``spec()`` is a job spec in one line: one GPU, global batch 32-256, 10,000 samples of work,
 ``python train.py``. ``gpus`` and ``batch`` take a count (exactly that) or a ``(min, max)`` range;
 any other ``JobSpec`` field goes by name (``spot=SpotPolicy.NEVER``, ``deadline_s=600``). A test
-file whose jobs share other defaults binds them once with ``functools.partial``. ``fleet()`` runs
-the CLI in this process.
+file whose jobs share other defaults binds them once with ``functools.partial``. ``record()`` is a
+queued job's record and ``planned()`` one round over records and pools, pure (no Redis): what
+planning decides is tested on it, and Redis-backed tests are kept for what needs the store.
+``fleet()`` runs the CLI in this process.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any
 
 from typer.testing import CliRunner
 
 from broker.cli import app
-from policies.models import BatchRange, GpuRange, JobSpec
+from broker.models import Intent, IntentKind, JobRecord, JobState
+from broker.scheduler import SchedulerConfig, plan_round
+from broker.store import Snapshot
+from policies.models import BatchRange, GpuRange, JobSpec, Pool
+
+NOW = 1_000_000.0  # the clock of a pure round
 
 
 def _range(value: int | tuple[int, int]) -> tuple[int, int]:
@@ -29,6 +38,34 @@ def spec(name: str = "train", *, run: str = "python train.py",
     (gmin, gmax), (bmin, bmax) = _range(gpus), _range(batch)
     return JobSpec(name=name, run=run, gpus=GpuRange(min=gmin, max=gmax),
                    batch_size=BatchRange(min=bmin, max=bmax), work_samples=samples, **fields)
+
+
+def record(name: str, job_spec: JobSpec, **fields: Any) -> JobRecord:
+    """A queued job's record, submitted 10 s before ``NOW``; other fields go by name."""
+    return JobRecord(id=f"{name}-1", spec=job_spec, team="t", state=JobState.QUEUED,
+                     submitted_at=NOW - 10, **fields)
+
+
+@dataclass
+class Planned:
+    """What one round decided: launches (job: pool, GPUs or CPU nodes), the state each job
+    it moved goes to and the reason it writes on each job."""
+
+    launches: dict[str, tuple[str, int]]
+    states: dict[str, JobState]
+    reasons: dict[str, str | None]
+
+
+def planned(jobs: list[JobRecord], pools: list[Pool], config: SchedulerConfig | None = None,
+            now: float = NOW) -> Planned:
+    """One round over ``jobs`` and ``pools`` (no intents pending), as the leader plans it."""
+    res = plan_round(Snapshot(jobs, pools, []), 1, config or SchedulerConfig(), now)
+    launches = {i.job_id: (i.pool or "", i.gpus) for i in
+                (Intent.model_validate_json(x["json"]) for x in res.plan.intents_add)
+                if i.kind is IntentKind.LAUNCH}
+    return Planned(launches, {s["job"]: JobState(s["state"]) for s in res.plan.sets
+                              if "state" in s},
+                   {s["job"]: json.loads(s["fields"]["reason"]) for s in res.plan.sets})
 
 
 def fleet(env: dict[str, str], *args: str) -> tuple[int, str, str]:

@@ -6,23 +6,19 @@ process none. Pure planning on snapshots (no Redis)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from broker.actuator import ActuatorConfig, launch_request
-from broker.models import Intent, IntentKind, JobRecord, JobState
+from broker.models import Intent, IntentKind
 from broker.protocol import Env
 from broker.runtime.agent import Agent, parse
-from broker.scheduler import SchedulerConfig, plan_round
 from broker.spec import SpecError, parse_spec_text
-from broker.store import Snapshot
 from broker.waiting import CPU_POOL_FIX, never_runs
 from policies.models import Accelerator, JobSpec, Pool
 from providers.local.provider import LocalFleet, LocalRegion
 from tests import builders
+from tests.builders import planned, record
 
-NOW = 1_000_000.0
 LAB = LocalRegion(region="lab", cpu_nodes=3, cpus_per_node=4, memory_gib_per_node=16,
                   price_per_node_hour=0.1).pool()
 T4 = LocalRegion(region="gpu", gpus=4, price_per_gpu_hour=1.2).pool()
@@ -32,25 +28,9 @@ def cpu_task(nodes: int = 2, resources: str = "{cpus: 2+}") -> JobSpec:
     return parse_spec_text(f"run: echo hi\nnum_nodes: {nodes}\nresources: {resources}").spec
 
 
-def record(name: str, spec: JobSpec) -> JobRecord:
-    return JobRecord(id=f"{name}-1", spec=spec, team="t", state=JobState.QUEUED,
-                     submitted_at=NOW - 10)
-
-
-def planned(jobs: list[JobRecord], pools: list[Pool],
-            ) -> tuple[dict[str, tuple[str, int]], dict[str, str | None]]:
-    """The round's launches (job: pool, units) and the reasons it writes on each job."""
-    res = plan_round(Snapshot(jobs, pools, []), 1, SchedulerConfig(), NOW)
-    launches = {i.job_id: (i.pool or "", i.gpus) for i in
-                (Intent.model_validate_json(x["json"]) for x in res.plan.intents_add)
-                if i.kind is IntentKind.LAUNCH}
-    reasons = {s["job"]: json.loads(s["fields"]["reason"]) for s in res.plan.sets}
-    return launches, reasons
-
-
 def test_a_cpu_job_takes_exactly_its_nodes_of_a_cpu_pool_and_a_gpu_job_a_gpu() -> None:
     cpu, gpu = record("cpu", cpu_task(2)), record("gpu", builders.spec("gpu", gpus=(1, 4)))
-    launches, _ = planned([cpu, gpu], [LAB, T4])
+    launches = planned([cpu, gpu], [LAB, T4]).launches
     # 2 of the 3 idle nodes (one unit each), never more; the GPU job never on the CPU pool
     assert launches == {cpu.id: (LAB.id, 2), gpu.id: (T4.id, 4)}
     assert LAB.accelerator is Accelerator.CPU and LAB.gpus_per_node == 1
@@ -58,7 +38,8 @@ def test_a_cpu_job_takes_exactly_its_nodes_of_a_cpu_pool_and_a_gpu_job_a_gpu() -
 
 def test_a_gpu_job_waits_rather_than_run_on_cpu_nodes() -> None:
     gpu = record("gpu", builders.spec("gpu", gpus=(1, 4)))
-    launches, reasons = planned([gpu], [LAB])
+    got = planned([gpu], [LAB])
+    launches, reasons = got.launches, got.reasons
     assert launches == {}
     assert reasons[gpu.id] == ("unschedulable: no pool offers T4 now; it waits until one does "
                                "(or change its accelerators)")
@@ -66,7 +47,8 @@ def test_a_gpu_job_waits_rather_than_run_on_cpu_nodes() -> None:
 
 def test_a_cpu_job_waits_rather_than_run_on_a_gpu() -> None:
     cpu = record("cpu", cpu_task(1))
-    launches, reasons = planned([cpu], [T4])
+    got = planned([cpu], [T4])
+    launches, reasons = got.launches, got.reasons
     assert launches == {}
     assert reasons[cpu.id] == ("unschedulable: a CPU job, and no CPU pool is offered now; it "
                                f"waits until one is, or {CPU_POOL_FIX}")
@@ -74,7 +56,8 @@ def test_a_cpu_job_waits_rather_than_run_on_a_gpu() -> None:
 
 def test_a_cpu_job_too_big_or_too_large_per_node_waits_naming_why() -> None:
     four, big = record("four", cpu_task(4)), record("big", cpu_task(1, "{cpus: 8+}"))
-    launches, reasons = planned([four, big], [LAB, T4])
+    got = planned([four, big], [LAB, T4])
+    launches, reasons = got.launches, got.reasons
     assert launches == {}
     assert reasons[four.id] == ("unschedulable: needs 4 CPU nodes in one pool, and the largest "
                                 "CPU pool in its regions has 3 now; lower nodes, or it waits "
@@ -85,7 +68,8 @@ def test_a_cpu_job_too_big_or_too_large_per_node_waits_naming_why() -> None:
 
 def test_cpu_jobs_queue_for_the_nodes_in_use() -> None:
     first, second = record("first", cpu_task(2)), record("second", cpu_task(2))
-    launches, reasons = planned([first, second], [LAB])
+    got = planned([first, second], [LAB])
+    launches, reasons = got.launches, got.reasons
     assert launches == {first.id: (LAB.id, 2)}  # 1 node left: the second waits for 2
     assert reasons[second.id] is not None and reasons[second.id].startswith("waiting")
 
@@ -163,7 +147,7 @@ def test_an_own_format_job_with_a_node_size_or_cpu_is_a_cpu_job_of_its_nodes(
     assert (spec.nodes, spec.gpus.min, spec.gpus.max, spec.cpus, spec.memory) == (
         nodes, nodes, nodes, cpus, memory)
     job = record("own", spec)
-    assert planned([job], [LAB, T4])[0] == {job.id: (LAB.id, nodes)}
+    assert planned([job], [LAB, T4]).launches == {job.id: (LAB.id, nodes)}
 
 
 @pytest.mark.parametrize(("extra", "field", "words"), [

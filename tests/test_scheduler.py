@@ -113,13 +113,11 @@ def test_cancel_running_job_becomes_stop_intent(store: Store) -> None:
     assert [i.kind for i in store.intents()] == [IntentKind.STOP]
 
 
-def test_admission_drop_and_static_policy(store: Store) -> None:
-    store.set_pools(POOLS[1:])  # 2 GPUs
-    fence = store.acquire_lease("t", ttl_s=30)
-    sched = Scheduler(store, SchedulerConfig(policy=Policy.STATIC, admission=Admission.DROP))
-    jobs = [store.submit(spec(f"j{i}"), team="t") for i in range(3)]
-    sched.run_round(fence)
-    states = [store.get_job(j.id).state for j in jobs]  # type: ignore[union-attr]
+def test_admission_drop_and_static_policy() -> None:
+    jobs = [builders.record(f"j{i}", spec(f"j{i}")) for i in range(3)]
+    got = builders.planned(jobs, POOLS[1:],  # 2 GPUs
+                           SchedulerConfig(policy=Policy.STATIC, admission=Admission.DROP))
+    states = [got.states.get(j.id) for j in jobs]
     assert states.count(JobState.LAUNCHING) == 2 and states.count(JobState.DROPPED) == 1
 
 
@@ -546,20 +544,17 @@ def test_on_demand_for_pace_takes_the_largest_size_an_on_demand_pool_holds(store
         assert store.get_job(filler).state is JobState.RUNNING  # type: ignore[union-attr]
 
 
-def test_a_spot_never_job_no_on_demand_pool_can_launch_says_so(store: Store) -> None:
+def test_a_spot_never_job_no_on_demand_pool_can_launch_says_so() -> None:
     """On-demand T4 comes only as 8-GPU instances; a spot: never job accepting 1-4 GPUs (which
     the spot pool could launch) would wait forever: it says why, once, or is dropped."""
     od8 = OD_T4.model_copy(update={"gpus_per_node": 8, "gpu_prices": {8: 0.9}})
-    store.set_pools([SPOT_T4, od8])
-    fence = store.acquire_lease("t", ttl_s=30)
-    job = store.submit(spec("never", gpus=(1, 4), spot="never"), team="t").id
-    Scheduler(store).run_round(fence)
-    got = store.get_job(job)
-    assert got is not None and got.state is JobState.QUEUED and got.reason == (
+    job = builders.record("never", spec("never", gpus=(1, 4), spot="never"))
+    got = builders.planned([job], [SPOT_T4, od8])
+    assert job.id not in got.states and got.reasons[job.id] == (
         "spot: never runs on on-demand only, and no on-demand T4 pool in its regions launches "
         "1-4 GPUs; allow spot, or widen gpus or regions")
-    Scheduler(store, SchedulerConfig(admission=Admission.DROP)).run_round(fence)
-    assert store.get_job(job).state is JobState.DROPPED  # type: ignore[union-attr]
+    dropped = builders.planned([job], [SPOT_T4, od8], SchedulerConfig(admission=Admission.DROP))
+    assert dropped.states[job.id] is JobState.DROPPED
 
 
 def test_two_jobs_behind_pace_share_the_on_demand_room(store: Store) -> None:
