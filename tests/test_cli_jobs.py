@@ -16,7 +16,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from broker.models import JobRecord, JobState
+from broker.models import JobState
 from broker.store import Plan, Store
 from policies.models import Accelerator, Market, Pool
 from tests.api_server import TOKENS, ApiServer, api_stack
@@ -220,16 +220,12 @@ def test_a_cpu_job_is_listed_and_shown_in_cpu_nodes(store: Store, env: dict[str,
     job = json.loads(out)
     record = store.get_job(job["id"])
     assert record is not None
-    store.apply(_assigned(record, gpus=2, pool="local:lab:on-demand:CPU"))
+    plan = Plan()
+    plan.change(record, gpus=2, pool="local:lab:on-demand:CPU")
+    store.apply(plan)
     code, out, _ = fleet(env, "jobs")
     assert code == 0 and "2 CPU" in out, out
     code, out, _ = fleet(env, "job", job["id"])
     assert code == 0, out
     assert "CPU nodes 2  cpus 2+" in out and "assigned 2 CPU nodes, pool local:lab" in out
     assert "GPUs" not in out and "batch" not in out
-
-
-def _assigned(job: JobRecord, **fields: object) -> Plan:
-    plan = Plan()
-    plan.change(job, **fields)
-    return plan

@@ -39,39 +39,35 @@ def test_a_cpu_job_takes_exactly_its_nodes_of_a_cpu_pool_and_a_gpu_job_a_gpu() -
 def test_a_gpu_job_waits_rather_than_run_on_cpu_nodes() -> None:
     gpu = record("gpu", builders.spec("gpu", gpus=(1, 4)))
     got = planned([gpu], [LAB])
-    launches, reasons = got.launches, got.reasons
-    assert launches == {}
-    assert reasons[gpu.id] == ("unschedulable: no pool offers T4 now; it waits until one does "
-                               "(or change its accelerators)")
+    assert got.launches == {}
+    assert got.reasons[gpu.id] == ("unschedulable: no pool offers T4 now; it waits until one does "
+                                   "(or change its accelerators)")
 
 
 def test_a_cpu_job_waits_rather_than_run_on_a_gpu() -> None:
     cpu = record("cpu", cpu_task(1))
     got = planned([cpu], [T4])
-    launches, reasons = got.launches, got.reasons
-    assert launches == {}
-    assert reasons[cpu.id] == ("unschedulable: a CPU job, and no CPU pool is offered now; it "
-                               f"waits until one is, or {CPU_POOL_FIX}")
+    assert got.launches == {}
+    assert got.reasons[cpu.id] == ("unschedulable: a CPU job, and no CPU pool is offered now; it "
+                                   f"waits until one is, or {CPU_POOL_FIX}")
 
 
 def test_a_cpu_job_too_big_or_too_large_per_node_waits_naming_why() -> None:
     four, big = record("four", cpu_task(4)), record("big", cpu_task(1, "{cpus: 8+}"))
     got = planned([four, big], [LAB, T4])
-    launches, reasons = got.launches, got.reasons
-    assert launches == {}
-    assert reasons[four.id] == ("unschedulable: needs 4 CPU nodes in one pool, and the largest "
-                                "CPU pool in its regions has 3 now; lower nodes, or it waits "
-                                "until a pool grows")
-    assert reasons[big.id] is not None and "asks cpus 8+ per node" in reasons[big.id]
-    assert "local:lab:on-demand:CPU (4 vCPUs, 16 GiB)" in reasons[big.id]
+    assert got.launches == {}
+    assert got.reasons[four.id] == ("unschedulable: needs 4 CPU nodes in one pool, and the largest "
+                                    "CPU pool in its regions has 3 now; lower nodes, or it waits "
+                                    "until a pool grows")
+    assert got.reasons[big.id] is not None and "asks cpus 8+ per node" in got.reasons[big.id]
+    assert "local:lab:on-demand:CPU (4 vCPUs, 16 GiB)" in got.reasons[big.id]
 
 
 def test_cpu_jobs_queue_for_the_nodes_in_use() -> None:
     first, second = record("first", cpu_task(2)), record("second", cpu_task(2))
     got = planned([first, second], [LAB])
-    launches, reasons = got.launches, got.reasons
-    assert launches == {first.id: (LAB.id, 2)}  # 1 node left: the second waits for 2
-    assert reasons[second.id] is not None and reasons[second.id].startswith("waiting")
+    assert got.launches == {first.id: (LAB.id, 2)}  # 1 node left: the second waits for 2
+    assert got.reasons[second.id] is not None and got.reasons[second.id].startswith("waiting")
 
 
 @pytest.mark.parametrize(("spec", "pools", "field", "words"), [

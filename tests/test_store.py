@@ -255,10 +255,8 @@ def test_a_record_reads_back_with_its_progress_over_its_doc() -> None:
     rec = JobRecord(id="a-1", spec=spec("a"), team="t", submitted_at=1.0, updated_at=1.0,
                     samples_done=5, reason="placed")
     got = _decode_job(_doc(rec), "running", "7", '"placed"', [
-                                                   "samples_done", "42", "m:T4/2/64", "12.5",
-                                                   "grad_noise_scale", "2.5", "resumable",
-                                                   "true", "resize_in_place", "false",
-                                                   "even_batch", "true", "exit:1:0:0", "0"])
+        "samples_done", "42", "m:T4/2/64", "12.5", "grad_noise_scale", "2.5", "resumable", "true",
+        "resize_in_place", "false", "even_batch", "true", "exit:1:0:0", "0"])
     assert got == rec.model_copy(update={
         "state": JobState.RUNNING, "version": 7, "samples_done": 42,
         "measured": {"T4/2/64": 12.5}, "grad_noise_scale": 2.5, "resumable": True,
