@@ -6,7 +6,8 @@ plain defaults.
 any other ``JobSpec`` field goes by name (``spot=SpotPolicy.NEVER``, ``deadline_s=600``). A test
 file whose jobs share other defaults binds them once with ``functools.partial``. ``record()`` is a
 queued job's record and ``planned()`` one round over records and pools, pure (no Redis): what
-planning decides is tested on it, and Redis-backed tests are kept for what needs the store.
+planning decides is tested on it (``Planned.jobs`` are the records as the round leaves them, the
+next round's input), and Redis-backed tests are kept for what needs the store.
 ``fleet()`` runs the CLI in this process.
 """
 
@@ -22,6 +23,7 @@ from broker.cli import app
 from broker.models import Intent, IntentKind, JobRecord, JobState
 from broker.scheduler import SchedulerConfig, plan_round
 from broker.store import Snapshot
+from policies.migration import Blocklist
 from policies.models import BatchRange, GpuRange, JobSpec, Pool
 
 NOW = 1_000_000.0  # the clock of a pure round
@@ -41,31 +43,47 @@ def spec(name: str = "train", *, run: str = "python train.py",
 
 
 def record(name: str, job_spec: JobSpec, **fields: Any) -> JobRecord:
-    """A queued job's record, submitted 10 s before ``NOW``; other fields go by name."""
-    return JobRecord(id=f"{name}-1", spec=job_spec, team="t", state=JobState.QUEUED,
-                     submitted_at=NOW - 10, **fields)
+    """A job's record, queued and submitted 10 s before ``NOW`` unless ``fields`` (any
+    ``JobRecord`` field, by name) say otherwise."""
+    return JobRecord(**{"id": f"{name}-1", "spec": job_spec, "team": "t",
+                        "state": JobState.QUEUED, "submitted_at": NOW - 10, **fields})
 
 
 @dataclass
 class Planned:
-    """What one round decided: launches (job: pool, GPUs or CPU nodes), the state each job
-    it moved goes to and the reason it writes on each job."""
+    """What one round decided, per job: its launch (pool, GPUs or CPU nodes), every intent it
+    adds, the state it moves the job to, the reason it writes, the events it records, and the
+    record as the round leaves it (every job's: the next round's input)."""
 
     launches: dict[str, tuple[str, int]]
+    intents: dict[str, list[Intent]]
     states: dict[str, JobState]
     reasons: dict[str, str | None]
+    events: dict[str, list[str]]
+    jobs: dict[str, JobRecord]
 
 
 def planned(jobs: list[JobRecord], pools: list[Pool], config: SchedulerConfig | None = None,
-            now: float = NOW) -> Planned:
-    """One round over ``jobs`` and ``pools`` (no intents pending), as the leader plans it."""
-    res = plan_round(Snapshot(jobs, pools, []), 1, config or SchedulerConfig(), now)
-    launches = {i.job_id: (i.pool or "", i.gpus) for i in
-                (Intent.model_validate_json(x["json"]) for x in res.plan.intents_add)
-                if i.kind is IntentKind.LAUNCH}
-    return Planned(launches, {s["job"]: JobState(s["state"]) for s in res.plan.sets
-                              if "state" in s},
-                   {s["job"]: json.loads(s["fields"]["reason"]) for s in res.plan.sets})
+            now: float = NOW, blocklist: Blocklist | None = None) -> Planned:
+    """One round over ``jobs`` and ``pools`` (no intents pending), as the leader plans it, with
+    the pools ``blocklist`` marks."""
+    plan = plan_round(Snapshot(jobs, pools, []), 1, config or SchedulerConfig(), now,
+                      blocklist=blocklist).plan
+    added = [Intent.model_validate_json(raw["json"]) for raw in plan.intents_add]
+    intents: dict[str, list[Intent]] = {}
+    for intent in added:
+        intents.setdefault(intent.job_id, []).append(intent)
+    events: dict[str, list[str]] = {}
+    for e in plan.events:
+        events.setdefault(e["job"], []).append(e["type"])
+    states = {s["job"]: JobState(s["state"]) for s in plan.sets if "state" in s}
+    after = {j.id: j.model_copy(update={**plan.updates[j.id], "version": j.version + 1,
+                                        "state": states.get(j.id, j.state)})
+             if j.id in plan.updates else j for j in jobs}
+    return Planned({i.job_id: (i.pool or "", i.gpus) for i in added
+                    if i.kind is IntentKind.LAUNCH}, intents, states,
+                   {s["job"]: json.loads(s["fields"]["reason"]) for s in plan.sets}, events,
+                   after)
 
 
 def fleet(env: dict[str, str], *args: str) -> tuple[int, str, str]:

@@ -1,6 +1,9 @@
-"""Scheduling rounds against a real redis-server: launches, shrink on arrival, stop on cancel,
-admission drop, and a stale fence refused; what placement is told about each job and pool; the
-deadline rule's market, spot: never jobs kept whole, and moves past the stickiness margin."""
+"""Scheduling rounds: launches, shrink on arrival, stop on cancel, admission drop; what
+placement is told about each job and pool; the deadline rule's market, spot: never jobs kept
+whole, moves past the stickiness margin, refusal marks and region filters. What planning decides
+is tested on the pure round (``builders.planned``); a real redis-server serves the tests of what
+needs the store (a stale fence refused, agents' measurements, resizes in place, several rounds
+carried out)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import math
 import time
 from dataclasses import asdict
 from functools import partial
+from typing import Any
 
 import pytest
 
@@ -52,6 +56,7 @@ from policies.throughput import batch_candidates
 from policies.trace_throughput import packed_placement
 from providers.measurements import load_application
 from tests import builders
+from tests.builders import NOW, planned, record
 
 # The jobs here take one to four GPUs and a global batch of 32-512 unless a test says otherwise.
 spec = partial(builders.spec, gpus=(1, 4), batch=(32, 512), samples=1_000)
@@ -114,8 +119,8 @@ def test_cancel_running_job_becomes_stop_intent(store: Store) -> None:
 
 
 def test_admission_drop_and_static_policy() -> None:
-    jobs = [builders.record(f"j{i}", spec(f"j{i}")) for i in range(3)]
-    got = builders.planned(jobs, POOLS[1:],  # 2 GPUs
+    jobs = [record(f"j{i}", spec(f"j{i}")) for i in range(3)]
+    got = planned(jobs, POOLS[1:],  # 2 GPUs
                            SchedulerConfig(policy=Policy.STATIC, admission=Admission.DROP))
     states = [got.states.get(j.id) for j in jobs]
     assert states.count(JobState.LAUNCHING) == 2 and states.count(JobState.DROPPED) == 1
@@ -263,83 +268,65 @@ EAST = Pool(cloud="aws", region="east", accelerator=Accelerator.T4, market=Marke
 WEST = EAST.model_copy(update={"cloud": "gcp", "region": "west", "price_per_gpu_hour": 0.201})
 
 
-def suspended_after_a_run(store: Store, job_spec: JobSpec, pool: Pool,
-                          checkpoint_bytes: int | None) -> str:
+def suspended_after_a_run(job_spec: JobSpec, pool: Pool,
+                          checkpoint_bytes: int | None) -> JobRecord:
     """A job that ran once in ``pool`` (its agent measured ``checkpoint_bytes``) and is
     suspended: the next round places it again."""
-    job = store.submit(job_spec.model_copy(update={"work_samples": 10**7}), team="t")
-    plan = Plan()
-    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=1, pool=pool.id)
-    store.apply(plan)
-    if checkpoint_bytes is not None:
-        store.record_heartbeat(job.id, 1, samples_done=1000, checkpoint_step=10,
-                               checkpoint_bytes=checkpoint_bytes)
-    plan = Plan()
-    plan.change(store.get_job(job.id), JobState.SUSPENDED)  # type: ignore[arg-type]
-    store.apply(plan)
-    return job.id
+    measured = {} if checkpoint_bytes is None else {
+        "samples_done": 1000, "checkpoint_step": 10, "checkpoint_bytes": checkpoint_bytes}
+    return record(job_spec.name, job_spec.model_copy(update={"work_samples": 10**7}),
+                  state=JobState.SUSPENDED, attempt=1, gpus=1, pool=pool.id, **measured)
 
 
-def test_a_measured_checkpoint_size_prices_the_move(store: Store) -> None:
+def test_a_measured_checkpoint_size_prices_the_move() -> None:
     """Three suspended jobs whose checkpoints live in gcp:west, with aws:east slightly cheaper
     and a fleet-wide estimate of 50 GB: the job whose agent measured 50 GB stays (4.50 USD of
     internet egress to leave), the one that measured 1 MB moves (the measurement beats the
     estimate), and the one without a measurement stays on the estimate."""
-    store.set_pools([EAST, WEST])
-    fence = store.acquire_lease("t", ttl_s=30)
-    ids = {name: suspended_after_a_run(store, spec(name, gpus=1), WEST, size) for name, size in
-           (("big", 50_000_000_000), ("small", 1_000_000), ("unmeasured", None))}
+    jobs = {name: suspended_after_a_run(spec(name, gpus=1), WEST, size) for name, size in
+            (("big", 50_000_000_000), ("small", 1_000_000), ("unmeasured", None))}
     config = SchedulerConfig(min_rescale_interval_s=0, checkpoint_gb=50)
-    big = store.get_job(ids["big"])
-    assert big is not None and big.checkpoint_bytes == 50_000_000_000
-    assert placement_request(big, Choice(1, 32, 1.0), [], Marks(), {},
+    assert placement_request(jobs["big"], Choice(1, 32, 1.0), [], Marks(), {},
                              config).checkpoint_gb == 50
-    Scheduler(store, config).run_round(fence)
-    where = {n: store.get_job(i).pool for n, i in ids.items()}  # type: ignore[union-attr]
+    got = planned(list(jobs.values()), [EAST, WEST], config)
+    where = {n: got.launches[j.id][0] for n, j in jobs.items()}
     assert where == {"big": WEST.id, "small": EAST.id, "unmeasured": WEST.id}
 
 
-def test_a_named_checkpoint_bucket_is_where_a_move_restores_from(store: Store) -> None:
+def test_a_named_checkpoint_bucket_is_where_a_move_restores_from() -> None:
     """The job last ran in aws:east, but its 50 GB checkpoint lives in a gcp:west bucket
     (``checkpoint.region``): placement prices the restore from gcp:west, so the job goes there
     over aws:east at a price 0.5 % lower (4.50 USD of internet egress to read it in aws)."""
-    store.set_pools([EAST, WEST])
-    fence = store.acquire_lease("t", ttl_s=30)
-    ids = {}
+    jobs = {}
     for name, bucket in (("bucket", "gcp:west"), ("local", None)):
         base = spec(name, gpus=1)
         ck = base.checkpoint.model_copy(update={"uri": "gs://ck/" + name, "region": bucket})
-        ids[name] = suspended_after_a_run(store, base.model_copy(update={"checkpoint": ck}),
-                                          EAST, 50_000_000_000)
-    job = store.get_job(ids["bucket"])
-    assert job is not None
-    req = placement_request(job, Choice(1, 32, 1.0), [], Marks(), {}, SchedulerConfig())
+        jobs[name] = suspended_after_a_run(base.model_copy(update={"checkpoint": ck}), EAST,
+                                           50_000_000_000)
+    req = placement_request(jobs["bucket"], Choice(1, 32, 1.0), [], Marks(), {},
+                            SchedulerConfig())
     assert (req.checkpoint_cloud, req.checkpoint_region, req.checkpoint_gb) == ("gcp", "west", 50)
-    Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
-    where = {n: store.get_job(i).pool for n, i in ids.items()}  # type: ignore[union-attr]
-    assert where == {"bucket": WEST.id, "local": EAST.id}
+    got = planned(list(jobs.values()), [EAST, WEST], SchedulerConfig(min_rescale_interval_s=0))
+    assert {n: got.launches[j.id][0] for n, j in jobs.items()} == {
+        "bucket": WEST.id, "local": EAST.id}
 
 
-def test_a_named_bucket_draws_a_new_job_to_its_region(store: Store) -> None:
+def test_a_named_bucket_draws_a_new_job_to_its_region() -> None:
     """Before its first run a job has nothing to restore, but it will write every checkpoint
     to its gcp:west bucket: with 50 GB checkpoints that keeps it out of aws:east, 0.5 % cheaper
     per GPU-hour. The same job without a named bucket goes to aws:east."""
-    store.set_pools([EAST, WEST])
-    fence = store.acquire_lease("t", ttl_s=30)
     config = SchedulerConfig(checkpoint_gb=50)
-    ids = {}
+    jobs = {}
     for name, bucket in (("bucket", "gcp:west"), ("local", None)):
         base = spec(name, gpus=1)
         ck = base.checkpoint.model_copy(update={"uri": "gs://ck/" + name, "region": bucket})
-        ids[name] = store.submit(base.model_copy(update={"checkpoint": ck}), team="t").id
-    job = store.get_job(ids["bucket"])
-    assert job is not None
-    req = placement_request(job, Choice(1, 32, 1.0), [], Marks(), {}, config)
+        jobs[name] = record(name, base.model_copy(update={"checkpoint": ck}))
+    req = placement_request(jobs["bucket"], Choice(1, 32, 1.0), [], Marks(), {}, config)
     assert (req.checkpoint_cloud, req.bucket_cloud, req.bucket_region, req.checkpoint_gb) == (
         None, "gcp", "west", 50)
-    Scheduler(store, config).run_round(fence)
-    where = {n: store.get_job(i).pool for n, i in ids.items()}  # type: ignore[union-attr]
-    assert where == {"bucket": WEST.id, "local": EAST.id}
+    got = planned(list(jobs.values()), [EAST, WEST], config)
+    assert {n: got.launches[j.id][0] for n, j in jobs.items()} == {
+        "bucket": WEST.id, "local": EAST.id}
 
 
 # ---- deadlines (policies.spot.choose_market), spot: never, stickiness in the live broker ------
@@ -351,149 +338,107 @@ OD_T4 = Pool(cloud="aws", region="west", accelerator=Accelerator.T4, market=Mark
              nodes=1, gpus_per_node=4, price_per_gpu_hour=0.9)
 
 
-def paced_job(store: Store, name: str, deadline_h: float | None, elapsed_h: float = 1.0,
-              done_h: float = 0.5, total_h: float = 2.0, running_in: Pool | None = None,
-              spot: str = "allowed", gpus: int = 1, batch: int = 32) -> str:
+def paced(name: str, deadline_h: float | None, elapsed_h: float = 1.0, done_h: float = 0.5,
+          total_h: float = 2.0, running_in: Pool | None = None, spot: str = "allowed",
+          gpus: int = 1, batch: int = 32) -> JobRecord:
     """A ``gpus``-GPU job (fixed ``batch``) its agent measured at 1000 samples/s a GPU:
     ``total_h`` hours of work at that size of which ``done_h`` are done, submitted ``elapsed_h``
-    ago; suspended after its first attempt, or running in ``running_in``. At batch 32 the model
-    has 3 GPUs about as fast as 4 (8 GPUs split the batch too finely); at 256 more is faster."""
-    deadline = None if deadline_h is None else deadline_h * HOUR
+    before ``NOW``; suspended after its first attempt, or running in ``running_in``. At batch
+    32 the model has 3 GPUs about as fast as 4 (8 GPUs split the batch too finely); at 256
+    more is faster."""
     rate = 1000.0 * gpus
-    job = store.submit(spec(name, gpus=(1, gpus), batch_mode="fixed", deadline_s=deadline,
-                            spot=spot).model_copy(
+    job_spec = spec(name, gpus=(1, gpus), batch_mode="fixed", spot=spot,
+                    deadline_s=None if deadline_h is None else deadline_h * HOUR).model_copy(
         update={"work_samples": int(total_h * HOUR * rate),
-                "batch_size": BatchRange(min=32, max=512, default=batch)}), team="t")
-    plan = Plan()
-    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=gpus, batch_size=batch,
-                pool=running_in and running_in.id, submitted_at=time.time() - elapsed_h * HOUR)
-    store.apply(plan)
-    store.record_heartbeat(job.id, 1, samples_done=int(done_h * HOUR * rate),
-                           samples_per_sec=rate, world_size=gpus, global_batch_size=batch)
-    plan = Plan()
-    if running_in is None:
-        plan.change(store.get_job(job.id), JobState.SUSPENDED, gpus=0)  # type: ignore[arg-type]
-    else:
-        plan.change(store.get_job(job.id), JobState.RUNNING, launched_at=0.0)  # type: ignore[arg-type]
-    store.apply(plan)
-    return job.id
+                "batch_size": BatchRange(min=32, max=512, default=batch)})
+    where: dict[str, Any] = {"state": JobState.SUSPENDED} if running_in is None else {
+        "state": JobState.RUNNING, "gpus": gpus, "pool": running_in.id, "launched_at": 0.0}
+    return record(name, job_spec, attempt=1, batch_size=batch,
+                  submitted_at=NOW - elapsed_h * HOUR, samples_done=int(done_h * HOUR * rate),
+                  samples_per_sec=rate, measured_gpus=gpus, measured_batch_size=batch, **where)
 
 
-def test_deadline_job_in_hours_of_work_at_the_measured_rate(store: Store) -> None:
-    job = store.get_job(paced_job(store, "d", deadline_h=2.55))
-    assert job is not None
-    view = deadline_job(job, Choice(1, 32, 1.0), {}, SchedulerConfig(), now=time.time())
+def test_deadline_job_in_hours_of_work_at_the_measured_rate() -> None:
+    job = paced("d", deadline_h=2.55)
+    view = deadline_job(job, Choice(1, 32, 1.0), {}, SchedulerConfig(), now=NOW)
     assert view.total_h == pytest.approx(2.0) and view.progress_h == pytest.approx(0.5)
-    assert view.elapsed_h == pytest.approx(1.0, abs=1e-3) and view.deadline_h == 2.55
+    assert view.elapsed_h == pytest.approx(1.0) and view.deadline_h == 2.55
     # a preemption costs the reaction (6 s), the restart (60 s) and a checkpoint interval (100 s)
     assert view.restart_h == pytest.approx(166 / HOUR)
-    assert view.behind_pace and view.slack_h == pytest.approx(0.05, abs=1e-3)
+    assert view.behind_pace and view.slack_h == pytest.approx(0.05)
     assert not view.must_not_preempt and view.current is None
     never = job.model_copy(update={"spec": job.spec.model_copy(update={"spot": SpotPolicy.NEVER})})
     assert deadline_job(never, Choice(1, 32, 1.0), {}, SchedulerConfig(), 0.0).must_not_preempt
 
 
-def test_a_tight_deadline_behind_pace_takes_on_demand_while_ample_slack_takes_spot(
-        store: Store) -> None:
+def test_a_tight_deadline_behind_pace_takes_on_demand_while_ample_slack_takes_spot() -> None:
     """Both pools have room. 1.5 h of work left, 1 h after submission: with the deadline at
     2.55 h its slack (3 min) is under two preemptions' cost (2 x 166 s), so it finishes on
     on-demand; with the deadline at 10 h it runs on the cheaper spot."""
-    store.set_pools([SPOT_T4, OD_T4])
-    fence = store.acquire_lease("t", ttl_s=30)
-    tight, ample = paced_job(store, "tight", 2.55), paced_job(store, "ample", 10.0)
-    Scheduler(store).run_round(fence)
-    got = {n: store.get_job(i) for n, i in (("tight", tight), ("ample", ample))}
-    assert all(j is not None and j.state is JobState.LAUNCHING for j in got.values())
-    assert got["tight"].pool == OD_T4.id  # type: ignore[union-attr]
-    assert got["ample"].pool == SPOT_T4.id  # type: ignore[union-attr]
+    tight, ample = paced("tight", 2.55), paced("ample", 10.0)
+    got = planned([tight, ample], [SPOT_T4, OD_T4])
+    assert got.states == {tight.id: JobState.LAUNCHING, ample.id: JobState.LAUNCHING}
+    assert (got.launches[tight.id][0], got.launches[ample.id][0]) == (OD_T4.id, SPOT_T4.id)
 
 
-def test_without_spot_room_a_job_behind_pace_takes_on_demand_and_one_ahead_waits(
-        store: Store) -> None:
+def test_without_spot_room_a_job_behind_pace_takes_on_demand_and_one_ahead_waits() -> None:
     """The spot pool is full; 4 on-demand GPUs are free. Behind its pace (0.5 h done of 2 h at
     1 h of a 3 h deadline) a job takes on-demand; ahead of its pace (10 h deadline) one waits
     for spot and holds no GPUs: its share goes to a job without a deadline, which takes the
     other 3 on-demand GPUs as before."""
-    store.set_pools([SPOT_T4, OD_T4])
-    fence = store.acquire_lease("t", ttl_s=30)
-    filler = store.submit(spec("filler"), team="t")
-    plan = Plan()
-    plan.change(filler, JobState.LAUNCHING, attempt=1, gpus=4, pool=SPOT_T4.id)
-    store.apply(plan)
-    behind, ahead = paced_job(store, "behind", 3.0), paced_job(store, "ahead", 10.0)
-    wide = store.submit(spec("wide", gpus=(1, 4)), team="t").id
-    sched = Scheduler(store)
-    sched.run_round(fence)
-    got = {n: store.get_job(i) for n, i in (("behind", behind), ("ahead", ahead),
-                                            ("wide", wide))}
-    assert got["behind"].pool == OD_T4.id  # type: ignore[union-attr]
-    assert (got["wide"].pool, got["wide"].gpus) == (OD_T4.id, 3)  # type: ignore[union-attr]
-    assert got["ahead"].state is JobState.SUSPENDED  # type: ignore[union-attr]
-    assert {i.job_id for i in store.intents()} == {behind, wide}  # no launch for "ahead"
-    assert got["ahead"].reason == WAIT_FOR_SPOT  # type: ignore[union-attr]
-    sched.run_round(fence)
-    assert store.get_job(ahead).version == got["ahead"].version  # type: ignore[union-attr]
+    behind, ahead = paced("behind", 3.0), paced("ahead", 10.0)
+    wide = record("wide", spec("wide", gpus=(1, 4)))
+    jobs = [fill(SPOT_T4), behind, ahead, wide]
+    got = planned(jobs, [SPOT_T4, OD_T4])
+    assert got.launches == {behind.id: (OD_T4.id, 1), wide.id: (OD_T4.id, 3)}
+    assert set(got.intents) == {behind.id, wide.id}  # no launch for "ahead"
+    assert ahead.id not in got.states and got.reasons[ahead.id] == WAIT_FOR_SPOT
+    again = planned(list(got.jobs.values()), [SPOT_T4, OD_T4])
+    assert ahead.id not in again.reasons  # said once
 
 
-def fill(store: Store, pool: Pool, gpus: int | None = None, running: bool = False) -> str:
+def fill(pool: Pool, gpus: int | None = None, running: bool = False) -> JobRecord:
     """A job holding ``gpus`` of ``pool``'s GPUs, all by default: launching there, or running
-    there since just now (so the allocator keeps its size: ``min_rescale_interval_s``)."""
+    there since ``NOW`` (so the allocator keeps its size: ``min_rescale_interval_s``)."""
     gpus = pool.capacity if gpus is None else gpus
-    job = store.submit(spec(f"fill-{pool.region}", gpus=(1, gpus), batch_mode="fixed"), team="t")
-    plan = Plan()
-    plan.change(job, JobState.LAUNCHING, attempt=1, gpus=gpus, batch_size=32, pool=pool.id)
-    store.apply(plan)
-    if running:
-        plan = Plan()
-        plan.change(store.get_job(job.id), JobState.RUNNING, launched_at=time.time())  # type: ignore[arg-type]
-        store.apply(plan)
-    return job.id
+    name = f"fill-{pool.region}"
+    return record(name, spec(name, gpus=(1, gpus), batch_mode="fixed"),
+                  state=JobState.RUNNING if running else JobState.LAUNCHING, attempt=1,
+                  gpus=gpus, batch_size=32, pool=pool.id, launched_at=NOW if running else None)
 
 
 def test_without_on_demand_room_a_deadline_job_takes_spot_and_a_spot_never_one_says_it_waits(
-        store: Store) -> None:
+        ) -> None:
     """The on-demand pool is full, spot has room. A job the deadline rule sends to on-demand
     (3 min of slack) runs on spot rather than not at all; one running on spot past the safety
     net keeps its spot pool instead of being suspended; a spot: never job waits and says why,
     once."""
-    store.set_pools([SPOT_T4, OD_T4])
-    fence = store.acquire_lease("t", ttl_s=30)
-    fill(store, OD_T4)
-    tight = paced_job(store, "tight", 2.55)
-    running = paced_job(store, "running", 2.54, running_in=SPOT_T4)
-    never = paced_job(store, "never", 10.0, spot="never")
-    sched = Scheduler(store)
-    sched.run_round(fence)
-    got = {n: store.get_job(i) for n, i in (("tight", tight), ("running", running),
-                                            ("never", never))}
-    assert (got["tight"].state, got["tight"].pool) == (  # type: ignore[union-attr]
-        JobState.LAUNCHING, SPOT_T4.id)
-    assert (got["running"].state, got["running"].pool) == (  # type: ignore[union-attr]
-        JobState.RUNNING, SPOT_T4.id)
-    assert not [i for i in store.intents() if i.job_id in (running, never)]
-    assert got["never"].state is JobState.SUSPENDED  # type: ignore[union-attr]
-    assert got["never"].reason == WAIT_FOR_ON_DEMAND  # type: ignore[union-attr]
-    sched.run_round(fence)
-    assert store.get_job(never).version == got["never"].version  # type: ignore[union-attr]
+    tight = paced("tight", 2.55)
+    running = paced("running", 2.54, running_in=SPOT_T4)
+    never = paced("never", 10.0, spot="never")
+    got = planned([fill(OD_T4), tight, running, never], [SPOT_T4, OD_T4])
+    assert (got.states[tight.id], got.launches[tight.id][0]) == (JobState.LAUNCHING, SPOT_T4.id)
+    assert running.id not in got.states and got.jobs[running.id].pool == SPOT_T4.id
+    assert running.id not in got.intents and never.id not in got.intents
+    assert never.id not in got.states and got.reasons[never.id] == WAIT_FOR_ON_DEMAND
+    again = planned(list(got.jobs.values()), [SPOT_T4, OD_T4])
+    assert never.id not in again.reasons  # said once
 
 
-def test_the_deadline_view_is_at_the_requested_size_whatever_the_allocation(
-        store: Store) -> None:
+def test_the_deadline_view_is_at_the_requested_size_whatever_the_allocation() -> None:
     """A 4-GPU job (4000 samples/s measured): 2 h of work at 4 GPUs, 0.5 h done, 1 h into a
     2.75 h deadline. At 4 GPUs it has 15 min of slack (spot); counted at 1 GPU (a small
     allocation, about 3000 samples/s by the calibrated model) the deadline would look lost
     (on-demand). Its requested size is 4, bounded by the largest pool it may use: 2 when only
     a 2-GPU pool is left to it."""
-    job = store.get_job(paced_job(store, "d", deadline_h=2.75, gpus=4))
-    assert job is not None
+    job = paced("d", deadline_h=2.75, gpus=4)
     opts = job_choices(job, Policy.ELASTIC, 8)
     assert [c.gpus for c in opts] == [1, 2, 3, 4]
     requested = requested_choice(job, opts, [SPOT_T4, OD_T4], Marks())
     assert requested is not None and requested.gpus == 4
-    now = time.time()
-    at = {g: deadline_job(job, next(c for c in opts if c.gpus == g), {}, SchedulerConfig(), now)
+    at = {g: deadline_job(job, next(c for c in opts if c.gpus == g), {}, SchedulerConfig(), NOW)
           for g in (1, 4)}
-    assert at[4].slack_h == pytest.approx(0.25, abs=1e-3) and at[1].slack_h < 0
+    assert at[4].slack_h == pytest.approx(0.25) and at[1].slack_h < 0
     assert Paced.of(requested, at[4]).market is Market.SPOT
     assert Paced.of(opts[0], at[1]).market is Market.ON_DEMAND  # what the old view did
     two = OD_T4.model_copy(update={"gpus_per_node": 2})
@@ -503,176 +448,129 @@ def test_the_deadline_view_is_at_the_requested_size_whatever_the_allocation(
     assert requested_choice(never, opts, [SPOT_T4, two], Marks()).gpus == 2  # type: ignore[union-attr]
 
 
-def test_on_demand_after_a_spot_miss_runs_at_the_requested_size(store: Store) -> None:
+def test_on_demand_after_a_spot_miss_runs_at_the_requested_size() -> None:
     """Spot is full; 4 on-demand GPUs, a 4-GPU deadline job behind its pace and a job without a
     deadline that would share them. The deadline job falls back to on-demand at its requested
     4 GPUs (the size its pace is judged at), not at the 2 a shared allocation leaves it."""
-    store.set_pools([SPOT_T4, OD_T4])
-    fence = store.acquire_lease("t", ttl_s=30)
-    fill(store, SPOT_T4)
-    behind = paced_job(store, "behind", 3.0, gpus=4, batch=256)
-    wide = store.submit(spec("wide", gpus=(1, 4)), team="t").id
-    Scheduler(store).run_round(fence)
-    got = store.get_job(behind)
-    assert got is not None and (got.pool, got.gpus) == (OD_T4.id, 4)
-    assert store.get_job(wide).state is JobState.QUEUED  # type: ignore[union-attr]
+    behind = paced("behind", 3.0, gpus=4, batch=256)
+    wide = record("wide", spec("wide", gpus=(1, 4)))
+    got = planned([fill(SPOT_T4), behind, wide], [SPOT_T4, OD_T4])
+    assert got.launches == {behind.id: (OD_T4.id, 4)} and wide.id not in got.states
 
 
-def test_on_demand_for_pace_takes_the_largest_size_an_on_demand_pool_holds(store: Store) -> None:
+def test_on_demand_for_pace_takes_the_largest_size_an_on_demand_pool_holds() -> None:
     """An 8-GPU spot pool (a job just started there holds it) and a 4-GPU on-demand pool (free);
     a job accepting 1-8 GPUs,
     behind its pace, judged at 8 (the spot pool's size). Sent to spot first (3 h deadline) or to
     on-demand first (2.55 h: at the net), it runs on on-demand at 4, the most an on-demand pool
     holds, instead of idling at 8."""
     spot8 = SPOT_T4.model_copy(update={"gpus_per_node": 8})
+    filler = fill(spot8, running=True)
     for deadline_h, first in ((3.0, Market.SPOT), (2.55, Market.ON_DEMAND)):
-        store.r.flushdb()
-        store.set_pools([spot8, OD_T4])
-        fence = store.acquire_lease("t", ttl_s=30)
-        filler = fill(store, spot8, running=True)
-        job = paced_job(store, f"behind-{first.value}", deadline_h, gpus=8, batch=256)
-        record = store.get_job(job)
-        requested = requested_choice(record, job_choices(record, Policy.ELASTIC, 12),  # type: ignore[arg-type]
-                                     [spot8, OD_T4], Marks())
+        job = paced(f"behind-{first.value}", deadline_h, gpus=8, batch=256)
+        requested = requested_choice(job, job_choices(job, Policy.ELASTIC, 12), [spot8, OD_T4],
+                                     Marks())
         assert requested is not None and requested.gpus == 8
-        view = deadline_job(record, requested, {}, SchedulerConfig(), time.time())  # type: ignore[arg-type]
+        view = deadline_job(job, requested, {}, SchedulerConfig(), NOW)
         assert view.behind_pace and Paced.of(requested, view).market is first
-        Scheduler(store).run_round(fence)
-        got = store.get_job(job)
-        assert got is not None and (got.state, got.pool, got.gpus) == (
-            JobState.LAUNCHING, OD_T4.id, 4), first
-        assert store.get_job(filler).state is JobState.RUNNING  # type: ignore[union-attr]
+        got = planned([filler, job], [spot8, OD_T4])
+        assert (got.states[job.id], got.launches[job.id]) == (
+            JobState.LAUNCHING, (OD_T4.id, 4)), first
+        assert filler.id not in got.states and filler.id not in got.intents
 
 
-def test_a_spot_never_job_no_on_demand_pool_can_launch_says_so() -> None:
-    """On-demand T4 comes only as 8-GPU instances; a spot: never job accepting 1-4 GPUs (which
-    the spot pool could launch) would wait forever: it says why, once, or is dropped."""
-    od8 = OD_T4.model_copy(update={"gpus_per_node": 8, "gpu_prices": {8: 0.9}})
-    job = builders.record("never", spec("never", gpus=(1, 4), spot="never"))
-    got = builders.planned([job], [SPOT_T4, od8])
-    assert job.id not in got.states and got.reasons[job.id] == (
-        "spot: never runs on on-demand only, and no on-demand T4 pool in its regions launches "
-        "1-4 GPUs; allow spot, or widen gpus or regions")
-    dropped = builders.planned([job], [SPOT_T4, od8], SchedulerConfig(admission=Admission.DROP))
-    assert dropped.states[job.id] is JobState.DROPPED
-
-
-def test_two_jobs_behind_pace_share_the_on_demand_room(store: Store) -> None:
+def test_two_jobs_behind_pace_share_the_on_demand_room() -> None:
     """Spot (4 GPUs) is full; 6 of 8 on-demand GPUs are free; two 4-GPU jobs behind their pace.
     Both cannot run at their pace size: one runs at 4, the other at 2 below its pace, rather
     than idling beside free GPUs."""
     od8 = OD_T4.model_copy(update={"gpus_per_node": 8})
-    store.set_pools([SPOT_T4, od8])
-    fence = store.acquire_lease("t", ttl_s=30)
-    fill(store, SPOT_T4, running=True)
-    fill(store, od8, gpus=2)
-    jobs = [paced_job(store, f"behind-{i}", 3.0, gpus=4, batch=256) for i in range(2)]
-    Scheduler(store).run_round(fence)
-    got = sorted((j.pool or "", j.gpus) for j in map(store.get_job, jobs) if j)
-    assert got == [(od8.id, 2), (od8.id, 4)]
+    jobs = [paced(f"behind-{i}", 3.0, gpus=4, batch=256) for i in range(2)]
+    got = planned([fill(SPOT_T4, running=True), fill(od8, gpus=2), *jobs], [SPOT_T4, od8])
+    assert sorted(got.launches.get(j.id, ("", 0)) for j in jobs) == [(od8.id, 2), (od8.id, 4)]
 
 
-def test_a_spot_never_deadline_job_takes_the_on_demand_room_there_is(store: Store) -> None:
+def test_a_spot_never_deadline_job_takes_the_on_demand_room_there_is() -> None:
     """A 4-GPU spot: never job with a deadline; another job holds 2 of the 4 on-demand GPUs. It
     runs on the 2 free ones now instead of waiting for all 4."""
-    store.set_pools([SPOT_T4, OD_T4])
-    fence = store.acquire_lease("t", ttl_s=30)
-    fill(store, OD_T4, gpus=2)
-    never = paced_job(store, "never", 10.0, spot="never", gpus=4, batch=256)
-    Scheduler(store).run_round(fence)
-    got = store.get_job(never)
-    assert got is not None and (got.state, got.pool, got.gpus) == (
-        JobState.LAUNCHING, OD_T4.id, 2)
+    never = paced("never", 10.0, spot="never", gpus=4, batch=256)
+    got = planned([fill(OD_T4, gpus=2), never], [SPOT_T4, OD_T4])
+    assert (got.states[never.id], got.launches[never.id]) == (JobState.LAUNCHING, (OD_T4.id, 2))
 
 
-def test_a_deadline_job_with_no_on_demand_room_gives_its_share_back(store: Store) -> None:
+def test_a_deadline_job_with_no_on_demand_room_gives_its_share_back() -> None:
     """On-demand is full, 4 spot GPUs are free. A spot: never deadline job finds no on-demand
     room and waits (and says so); the GPUs the allocator had counted for it go to a job without
     a deadline this round, which takes all 4."""
-    store.set_pools([SPOT_T4, OD_T4])
-    fence = store.acquire_lease("t", ttl_s=30)
-    fill(store, OD_T4)
-    never = paced_job(store, "never", 10.0, spot="never", gpus=4, batch=256)
-    wide = store.submit(spec("wide", gpus=(1, 4)), team="t").id
-    Scheduler(store).run_round(fence)
-    got = {n: store.get_job(i) for n, i in (("never", never), ("wide", wide))}
-    assert (got["wide"].pool, got["wide"].gpus) == (SPOT_T4.id, 4)  # type: ignore[union-attr]
-    assert got["never"].state is JobState.SUSPENDED  # type: ignore[union-attr]
-    assert got["never"].reason == WAIT_FOR_ON_DEMAND  # type: ignore[union-attr]
+    never = paced("never", 10.0, spot="never", gpus=4, batch=256)
+    wide = record("wide", spec("wide", gpus=(1, 4)))
+    got = planned([fill(OD_T4), never, wide], [SPOT_T4, OD_T4])
+    assert got.launches == {wide.id: (SPOT_T4.id, 4)}
+    assert never.id not in got.states and got.reasons[never.id] == WAIT_FOR_ON_DEMAND
 
 
-def test_a_running_job_s_requested_size_counts_its_own_refused_pool(store: Store) -> None:
+def test_a_running_job_s_requested_size_counts_its_own_refused_pool() -> None:
     """The cloud refused a launch in an 8-GPU spot pool where an 8-GPU deadline job runs: the
     job may stay there (a refusal mark keeps only new launches out), so its requested size is
     still 8; a job not running there is judged at the 4 the on-demand pool holds."""
     spot8 = SPOT_T4.model_copy(update={"gpus_per_node": 8})
     refused = Marks(refused={spot8.id: "capacity"})
-    running = store.get_job(paced_job(store, "running", 3.0, gpus=8, running_in=spot8))
-    queued = store.get_job(paced_job(store, "queued", 3.0, gpus=8))
     got = {job.spec.name: requested_choice(job, job_choices(job, Policy.ELASTIC, 12),
                                            [spot8, OD_T4], refused)
-           for job in (running, queued) if job is not None}
+           for job in (paced("running", 3.0, gpus=8, running_in=spot8),
+                       paced("queued", 3.0, gpus=8))}
     assert {k: c.gpus for k, c in got.items() if c is not None} == {"running": 8, "queued": 4}
 
 
-def test_a_spot_job_that_holds_its_pace_is_not_shrunk_for_a_newcomer(store: Store) -> None:
+def test_a_spot_job_that_holds_its_pace_is_not_shrunk_for_a_newcomer() -> None:
     """A 2-GPU deadline job runs on spot with 5 min of slack: above the safety net (166 s),
     under the return margin (392 s), so it holds its pace (``policies.spot.holds_pace``): a
     high-priority newcomer does not shrink it, as it shrinks the same job with ample slack."""
+    newcomer = record("newcomer", spec("newcomer", gpus=(1, 4), priority=100))
     for deadline_h, kept in ((2.5 + 300 / HOUR, True), (10.0, False)):
-        store.r.flushdb()
-        store.set_pools([SPOT_T4])
-        fence = store.acquire_lease("t", ttl_s=30)
-        job = paced_job(store, f"d-{int(kept)}", deadline_h, running_in=SPOT_T4, gpus=2)
-        view = deadline_job(store.get_job(job), Choice(2, 32, 1.0), {SPOT_T4.id: SPOT_T4},  # type: ignore[arg-type]
-                            SchedulerConfig(), time.time())
+        job = paced(f"d-{int(kept)}", deadline_h, running_in=SPOT_T4, gpus=2)
+        view = deadline_job(job, Choice(2, 32, 1.0), {SPOT_T4.id: SPOT_T4}, SchedulerConfig(),
+                            NOW)
         assert holds_pace(view) is kept and choose_market(view, True) is Market.SPOT
-        store.submit(spec("newcomer", gpus=(1, 4), priority=100), team="t")
-        Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
+        got = planned([job, newcomer], [SPOT_T4], SchedulerConfig(min_rescale_interval_s=0))
         # shrunk by a restart (an intent) or in place on its node (its size)
-        shrunk = [i for i in store.intents() if i.job_id == job] or \
-            store.get_job(job).gpus < 2  # type: ignore[union-attr]
+        shrunk = job.id in got.intents or got.jobs[job.id].gpus < 2
         assert (not shrunk) is kept
 
 
-def test_a_spot_never_job_is_not_shrunk_or_suspended_to_make_room(store: Store) -> None:
+def test_a_spot_never_job_is_not_shrunk_or_suspended_to_make_room() -> None:
     """Two GPUs, a running 2-GPU job and a high-priority newcomer: an ordinary job is resized
     or suspended for it; one that must not be preempted (spot: never) keeps both GPUs and the
     newcomer waits."""
-    sched = Scheduler(store, SchedulerConfig(min_rescale_interval_s=0))
+    config = SchedulerConfig(min_rescale_interval_s=0)
     for policy, kept in (("allowed", False), ("never", True)):
-        store.r.flushdb()
-        fence = store.acquire_lease("t", ttl_s=30)
-        store.set_pools([POOLS[1]])
-        a = store.submit(spec(f"a-{policy}", gpus=(1, 2), spot=policy), team="t")
-        sched.run_round(fence)
-        run_all(store, fence)
-        b = store.submit(spec(f"b-{policy}", gpus=(1, 2), priority=50), team="t")
-        sched.run_round(fence)
-        kinds = [i.kind for i in store.intents() if i.job_id == a.id]
+        a = record(f"a-{policy}", spec(f"a-{policy}", gpus=(1, 2), spot=policy))
+        launched = planned([a], [POOLS[1]], config).jobs[a.id]
+        running = launched.model_copy(update={"state": JobState.RUNNING, "launched_at": NOW})
+        assert running.gpus == 2
+        b = record(f"b-{policy}", spec(f"b-{policy}", gpus=(1, 2), priority=50))
+        got = planned([running, b], [POOLS[1]], config)
+        kinds = [i.kind for i in got.intents.get(a.id, [])]
         assert (kinds == []) is kept, (policy, kinds)
         if kept:
-            assert store.get_job(a.id).gpus == 2  # type: ignore[union-attr]
-            assert store.get_job(b.id).state is JobState.QUEUED  # type: ignore[union-attr]
+            assert got.jobs[a.id].gpus == 2 and b.id not in got.states
         else:
             assert kinds in ([IntentKind.RESIZE], [IntentKind.SUSPEND])
 
 
-def test_a_running_job_moves_when_its_pool_became_much_dearer(store: Store) -> None:
+def test_a_running_job_moves_when_its_pool_became_much_dearer() -> None:
     """A 1-GPU job with 10 h of work left runs in west. At $0.21 against $0.20 in east it stays
     (a $0.10 saving is under the $1 margin); when west goes to $0.90 it migrates to east ($7
     saved, restart counted)."""
     east = SPOT_T4
     west = SPOT_T4.model_copy(update={"region": "west", "price_per_gpu_hour": 0.21})
-    store.set_pools([east, west])
-    fence = store.acquire_lease("t", ttl_s=30)
-    paced_job(store, "mover", None, done_h=0.0, total_h=10.0, running_in=west)
-    sched = Scheduler(store, SchedulerConfig(min_rescale_interval_s=0))
-    assert sched.run_round(fence).plan.empty()  # a small saving: it stays
-    store.set_pools([east, west.model_copy(update={"price_per_gpu_hour": 0.9})])
-    res = sched.run_round(fence)
-    (intent,) = store.intents()
-    assert res.suspends == 1 and intent.kind is IntentKind.MIGRATE and intent.pool == east.id
+    mover = paced("mover", None, done_h=0.0, total_h=10.0, running_in=west)
+    config = SchedulerConfig(min_rescale_interval_s=0)
+    stays = planned([mover], [east, west], config)
+    assert stays.jobs[mover.id] is mover and not stays.intents  # a small saving: it stays
+    got = planned([mover], [east, west.model_copy(update={"price_per_gpu_hour": 0.9})], config)
+    (intent,) = got.intents[mover.id]
+    assert got.states[mover.id] is JobState.SUSPENDING
+    assert (intent.kind, intent.pool) == (IntentKind.MIGRATE, east.id)
 
 
 # ---- refusal marks (the actuator's, on CapacityError/QuotaError) in every placement path -----
@@ -681,70 +579,52 @@ V100_OD = Pool(cloud="aws", region="us-east-1", accelerator=Accelerator.V100,
                market=Market.ON_DEMAND, nodes=1, gpus_per_node=8, price_per_gpu_hour=3.0)
 
 
-def refuse(store: Store, pool: Pool, why: str, at: float) -> None:
-    blocklist, read = store.blocklist()
-    plan = Plan()
-    plan.set_blocklist(mark_refused(blocklist, pool.id, at, why), read=read)
-    store.apply(plan)
+def refused(pool: Pool, why: str, at: float = NOW) -> Blocklist:
+    """A blocklist in which the cloud refused a launch in ``pool`` at ``at`` for want of
+    ``why``."""
+    return mark_refused(Blocklist(), pool.id, at, why)
 
 
-def test_a_refused_pool_takes_no_launch_at_any_size_and_the_job_says_until_when(
-        store: Store) -> None:
+def test_a_refused_pool_takes_no_launch_at_any_size_and_the_job_says_until_when() -> None:
     """A 4-GPU V100 job (1-4 accepted): its on-demand pool refused a launch (capacity) a minute
     ago; the other pool has room for 2. It takes 2 there (a fallback size), not 4 in the refused
     pool; once the other pool is full it is not launched at all and says which pool refused and
     when it retries (the mark's expiry, 10 minutes after the refusal)."""
     west = V100_OD.model_copy(update={"region": "us-west-2", "nodes": 1, "gpus_per_node": 2})
-    store.set_pools([V100_OD, west])
-    fence = store.acquire_lease("t", ttl_s=30)
-    at = time.time() - 60
-    refuse(store, V100_OD, "capacity", at)
+    pools, marks = [V100_OD, west], refused(V100_OD, "capacity", NOW - 60)
     v100 = {"accelerators": [Accelerator.V100]}
-    first = store.submit(spec("first").model_copy(update=v100), team="t")
-    sched = Scheduler(store)
-    sched.run_round(fence)
-    got = store.get_job(first.id)
-    assert got is not None and (got.pool, got.gpus) == (west.id, 2)
-    second = store.submit(spec("second").model_copy(update=v100), team="t")
-    sched.run_round(fence)
-    waiting = store.get_job(second.id)
-    assert waiting is not None and waiting.state is JobState.QUEUED
-    until = time.strftime("%H:%M:%S", time.gmtime(at + 600))
-    assert waiting.reason == (f"pool aws:us-east-1:on-demand:V100 refused the launch (capacity); "
-                              f"retrying after {until} UTC")
-    assert sched.run_round(fence).plan.empty()  # said once
+    first = record("first", spec("first").model_copy(update=v100))
+    got = planned([first], pools, blocklist=marks)
+    assert got.launches == {first.id: (west.id, 2)}
+    second = record("second", spec("second").model_copy(update=v100))
+    got = planned([got.jobs[first.id], second], pools, blocklist=marks)
+    assert second.id not in got.states and not got.intents
+    until = time.strftime("%H:%M:%S", time.gmtime(NOW - 60 + 600))
+    assert got.reasons[second.id] == (f"pool aws:us-east-1:on-demand:V100 refused the launch "
+                                      f"(capacity); retrying after {until} UTC")
+    again = planned(list(got.jobs.values()), pools, blocklist=marks)
+    assert not again.reasons and not again.intents  # said once
 
 
-def test_a_deadline_job_behind_pace_does_not_retry_on_demand_in_a_refused_pool(
-        store: Store) -> None:
+def test_a_deadline_job_behind_pace_does_not_retry_on_demand_in_a_refused_pool() -> None:
     """Spot is full, so a job behind its pace falls back to on-demand; the only on-demand pool
     refused a launch (quota): it is not launched there, and says so."""
-    store.set_pools([SPOT_T4, OD_T4])
-    fence = store.acquire_lease("t", ttl_s=30)
-    fill(store, SPOT_T4)
-    refuse(store, OD_T4, "quota", time.time())
-    behind = paced_job(store, "behind", 3.0)
-    Scheduler(store).run_round(fence)
-    got = store.get_job(behind)
-    assert got is not None and got.state is JobState.SUSPENDED and not store.intents()
-    assert got.reason.startswith(f"pool {OD_T4.id} refused the launch (quota); retrying after ")
+    behind = paced("behind", 3.0)
+    got = planned([fill(SPOT_T4), behind], [SPOT_T4, OD_T4], blocklist=refused(OD_T4, "quota"))
+    assert behind.id not in got.states and not got.intents
+    assert got.reasons[behind.id].startswith(  # type: ignore[union-attr]
+        f"pool {OD_T4.id} refused the launch (quota); retrying after ")
 
 
-def test_under_admission_drop_a_job_held_back_by_a_refusal_is_dropped_without_a_note(
-        store: Store) -> None:
+def test_under_admission_drop_a_job_held_back_by_a_refusal_is_dropped_without_a_note() -> None:
     """Admission drop; the only V100 pool refused a launch: the new job is dropped, in one
     change, with no 'waiting' note (a stale reason) recorded before the drop."""
-    store.set_pools([V100_OD])
-    fence = store.acquire_lease("t", ttl_s=30)
-    refuse(store, V100_OD, "capacity", time.time())
-    job = store.submit(spec("late").model_copy(update={"accelerators": [Accelerator.V100]}),
-                       team="t")
-    res = Scheduler(store, SchedulerConfig(admission=Admission.DROP)).run_round(fence)
-    got = store.get_job(job.id)
-    assert got is not None and got.state is JobState.DROPPED
-    assert got.reason == "admission control: no room when it arrived"
-    assert "waiting" not in [e.type for e in store.events(job_id=job.id)]
-    assert res.changed == [job.id]
+    job = record("late", spec("late").model_copy(update={"accelerators": [Accelerator.V100]}))
+    got = planned([job], [V100_OD], SchedulerConfig(admission=Admission.DROP),
+                  blocklist=refused(V100_OD, "capacity"))
+    assert got.states == {job.id: JobState.DROPPED}
+    assert got.reasons == {job.id: "admission control: no room when it arrived"}
+    assert got.events == {job.id: ["dropped"]}
 
 
 def test_refusal_marks_cover_both_markets_and_lapse() -> None:
@@ -761,35 +641,26 @@ def test_refusal_marks_cover_both_markets_and_lapse() -> None:
 # ---- region filters that leave a job no pool --------------------------------------------------
 
 
-def test_regions_that_exclude_every_pool_are_named_on_the_job_once(store: Store) -> None:
+def test_regions_that_exclude_every_pool_are_named_on_the_job_once() -> None:
     """T4 is offered in aws:east and aws:west; a job allowed only gcp:* says so (its lists and
     where T4 is), once, and holds no GPUs; under admission drop it is dropped with that reason.
     A job that accepts V100 or T4 and denies the only V100 region runs on T4."""
-    v100 = V100_OD.model_copy(update={"region": "east"})
-    store.set_pools([SPOT_T4, OD_T4, v100])
-    fence = store.acquire_lease("t", ttl_s=30)
-    lost = store.submit(spec("lost", regions={"allow": ["gcp:*"], "deny": ["aws:west"]}),
-                        team="t")
-    either = store.submit(spec("either", accelerators=[Accelerator.V100, Accelerator.T4],
-                               regions={"deny": ["aws:east"]}), team="t")
-    sched = Scheduler(store)
-    sched.run_round(fence)
-    got = store.get_job(lost.id)
-    assert got is not None and got.state is JobState.QUEUED
-    assert got.reason == ("regions allow ['gcp:*'] deny ['aws:west'] leave no T4 pool; T4 is "
-                          "offered in aws:east, aws:west: widen regions.allow or narrow "
-                          "regions.deny")
-    assert [e.type for e in store.events(job_id=lost.id)].count("no-region") == 1
-    ran = store.get_job(either.id)
-    assert ran is not None and ran.pool == OD_T4.id  # T4 in aws:west, not V100 in aws:east
-    sched.run_round(fence)
-    assert store.get_job(lost.id).version == got.version  # type: ignore[union-attr]
-    drop = Scheduler(store, SchedulerConfig(admission=Admission.DROP))
-    again = store.submit(spec("again", regions={"allow": ["gcp:*"]}), team="t")
-    drop.run_round(fence)
-    dropped = store.get_job(again.id)
-    assert dropped is not None and dropped.state is JobState.DROPPED
-    assert dropped.reason is not None and dropped.reason.startswith("regions allow ['gcp:*']")
+    pools = [SPOT_T4, OD_T4, V100_OD.model_copy(update={"region": "east"})]
+    lost = record("lost", spec("lost", regions={"allow": ["gcp:*"], "deny": ["aws:west"]}))
+    either = record("either", spec("either", accelerators=[Accelerator.V100, Accelerator.T4],
+                                   regions={"deny": ["aws:east"]}))
+    got = planned([lost, either], pools)
+    assert lost.id not in got.states
+    assert got.reasons[lost.id] == ("regions allow ['gcp:*'] deny ['aws:west'] leave no T4 "
+                                    "pool; T4 is offered in aws:east, aws:west: widen "
+                                    "regions.allow or narrow regions.deny")
+    assert got.events[lost.id] == ["no-region"]
+    assert got.launches[either.id][0] == OD_T4.id  # T4 in aws:west, not V100 in aws:east
+    assert lost.id not in planned(list(got.jobs.values()), pools).reasons  # said once
+    again = record("again", spec("again", regions={"allow": ["gcp:*"]}))
+    dropped = planned([again], pools, SchedulerConfig(admission=Admission.DROP))
+    assert dropped.states[again.id] is JobState.DROPPED
+    assert dropped.reasons[again.id].startswith("regions allow ['gcp:*']")  # type: ignore[union-attr]
 
 
 # ---- a measured model's work epoch by epoch, and the on-demand room held for a recovery -----
@@ -850,7 +721,7 @@ def test_work_hours_add_up_a_measured_models_epochs() -> None:
         (plain.spec.work_samples / rate / HOUR, 0.0))
 
 
-def test_a_young_job_whose_epochs_meet_its_deadline_runs_on_spot(store: Store) -> None:
+def test_a_young_job_whose_epochs_meet_its_deadline_runs_on_spot() -> None:
     """cifar10 at 4 GPUs with a deadline twice its hours epoch by epoch: it runs on spot.
     Counted at its first epoch's rate, its work would overrun the deadline (and did send it
     to on-demand)."""
@@ -860,12 +731,9 @@ def test_a_young_job_whose_epochs_meet_its_deadline_runs_on_spot(store: Store) -
     total, _ = work_hours(probe, choice, config)
     first_rate = samples_per_sec(probe, 4, choice.batch_size)
     assert probe.spec.work_samples / first_rate / HOUR > 2 * total  # the old view: past due
-    store.set_pools([SPOT_V100, OD_V100])
-    fence = store.acquire_lease("t", ttl_s=30)
-    job = store.submit(cifar10("young", 4, deadline_s=2 * total * HOUR), team="t")
-    Scheduler(store, config).run_round(fence)
-    got = store.get_job(job.id)
-    assert got is not None and got.state is JobState.LAUNCHING and got.pool == SPOT_V100.id
+    job = record("young", cifar10("young", 4, deadline_s=2 * total * HOUR))
+    got = planned([job], [SPOT_V100, OD_V100], config)
+    assert (got.states[job.id], got.launches[job.id][0]) == (JobState.LAUNCHING, SPOT_V100.id)
 
 
 def test_on_demand_room_is_held_for_one_recovery_at_a_time() -> None:
