@@ -479,6 +479,19 @@ def test_on_demand_for_pace_takes_the_largest_size_an_on_demand_pool_holds() -> 
         assert filler.id not in got.states and filler.id not in got.intents
 
 
+def test_a_spot_never_job_no_on_demand_pool_can_launch_says_so() -> None:
+    """On-demand T4 comes only as 8-GPU instances; a spot: never job accepting 1-4 GPUs (which
+    the spot pool could launch) would wait forever: it says why, once, or is dropped."""
+    od8 = OD_T4.model_copy(update={"gpus_per_node": 8, "gpu_prices": {8: 0.9}})
+    job = record("never", spec("never", gpus=(1, 4), spot="never"))
+    got = planned([job], [SPOT_T4, od8])
+    assert job.id not in got.states and got.reasons[job.id] == (
+        "spot: never runs on on-demand only, and no on-demand T4 pool in its regions launches "
+        "1-4 GPUs; allow spot, or widen gpus or regions")
+    dropped = planned([job], [SPOT_T4, od8], SchedulerConfig(admission=Admission.DROP))
+    assert dropped.states[job.id] is JobState.DROPPED
+
+
 def test_two_jobs_behind_pace_share_the_on_demand_room() -> None:
     """Spot (4 GPUs) is full; 6 of 8 on-demand GPUs are free; two 4-GPU jobs behind their pace.
     Both cannot run at their pace size: one runs at 4, the other at 2 below its pace, rather
