@@ -51,16 +51,21 @@ def record(name: str, job_spec: JobSpec, **fields: Any) -> JobRecord:
 
 @dataclass
 class Planned:
-    """What one round decided, per job: its launch (pool, GPUs or CPU nodes), every intent it
-    adds, the state it moves the job to, the reason it writes, the events it records, and the
-    record as the round leaves it (every job's: the next round's input)."""
+    """What one round decided, per job: every intent it adds, the state it moves the job to,
+    the reason it writes, the events it records, and the record as the round leaves it (every
+    job's: the next round's input)."""
 
-    launches: dict[str, tuple[str, int]]
     intents: dict[str, list[Intent]]
     states: dict[str, JobState]
     reasons: dict[str, str | None]
     events: dict[str, list[str]]
     jobs: dict[str, JobRecord]
+
+    @property
+    def launches(self) -> dict[str, tuple[str, int]]:
+        """Each launched job's pool and GPUs (CPU nodes in a CPU pool)."""
+        return {i.job_id: (i.pool or "", i.gpus) for added in self.intents.values()
+                for i in added if i.kind is IntentKind.LAUNCH}
 
 
 def planned(jobs: list[JobRecord], pools: list[Pool], config: SchedulerConfig | None = None,
@@ -69,9 +74,9 @@ def planned(jobs: list[JobRecord], pools: list[Pool], config: SchedulerConfig | 
     the pools ``blocklist`` marks."""
     plan = plan_round(Snapshot(jobs, pools, []), 1, config or SchedulerConfig(), now,
                       blocklist=blocklist).plan
-    added = [Intent.model_validate_json(raw["json"]) for raw in plan.intents_add]
     intents: dict[str, list[Intent]] = {}
-    for intent in added:
+    for raw in plan.intents_add:
+        intent = Intent.model_validate_json(raw["json"])
         intents.setdefault(intent.job_id, []).append(intent)
     events: dict[str, list[str]] = {}
     for e in plan.events:
@@ -80,8 +85,7 @@ def planned(jobs: list[JobRecord], pools: list[Pool], config: SchedulerConfig | 
     after = {j.id: j.model_copy(update={**plan.updates[j.id], "version": j.version + 1,
                                         "state": states.get(j.id, j.state)})
              if j.id in plan.updates else j for j in jobs}
-    return Planned({i.job_id: (i.pool or "", i.gpus) for i in added
-                    if i.kind is IntentKind.LAUNCH}, intents, states,
+    return Planned(intents, states,
                    {s["job"]: json.loads(s["fields"]["reason"]) for s in plan.sets}, events,
                    after)
 

@@ -55,8 +55,8 @@ def claims() -> list[str]:
         f"{median('scheduler', 'first round: total'):,.0f} ms for a broker that just started, "
         f"{median('scheduler', 'next round of the same broker: total'):,.0f} ms for its next round",
         f"(median {median('scheduler', 'next round of the same broker: total'):,.0f} ms, slowest "
-        f"of 3 {result('scheduler')['numbers']['next round of the same broker: total']['max']:,.0f}"
-        " ms)",
+        "of 3: "
+        f"{result('scheduler')['numbers']['next round of the same broker: total']['max']:,.0f} ms)",
         f"{median('resize', 'lost training, grow 1->2 in place'):.2f} s of training lost against "
         f"{median('resize', 'lost training, grow 1->2 checkpoint'):.1f} s",
         f"{median('overhead', ws1 + ' (block pairs)'):+.1f}% "

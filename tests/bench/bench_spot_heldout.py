@@ -23,7 +23,7 @@ Nothing here is tuned: the policy and its defaults are the live round's as they 
 setting changes between the sides. One checkpoint interval, 100 s (the job spec's default;
 ``bench_spot`` also runs 600 s on the tuning clusters). Every (cluster, workload, variant) is one
 simulation, in parallel processes: 290 in all, about 50 CPU-minutes (``cpu_s`` in the JSON; about
-25 minutes on two idle cores).
+25 minutes on two cores).
 
 Prints, per cluster, the table of ``bench_spot`` over its workloads (cost summed, JCT the mean of
 the per-workload means), the saving the cheapest spot price allows there at most, and a verdict
