@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from broker.protocol import Env
 from policies.models import Accelerator, Market
 from providers.base import CapacityError, LaunchRequest, NodeState
 from providers.local.provider import LocalFleet, LocalProvider
@@ -49,6 +50,27 @@ def test_launch_is_idempotent_and_exit_code_is_recorded(tmp_path: Path) -> None:
     assert len((tmp_path / "launches.log").read_text().splitlines()) == 1
     fresh.forget(node.node_id)
     assert fresh.nodes() == []
+
+
+def test_the_attempt_token_reaches_the_command_on_a_pipe_and_never_in_a_file(
+        tmp_path: Path) -> None:
+    """Another job on the machine, scanning the state dir while this node starts, finds nothing:
+    the token goes from the provider to the supervisor's stdin, then on a pipe to the command."""
+    token = "f0" * 32
+    check = ('[ -z "${FLEET_AGENT_TOKEN:-}" ] || exit 4; '
+             '[ "$(cat /proc/self/fd/$FLEET_AGENT_TOKEN_FD)" = "$WANT" ] || exit 5; exit 0')
+    request = req("j-1:1:1", check).model_copy(
+        update={"env": {Env.AGENT_TOKEN: token, "WANT": token}})
+    p = LocalProvider(FLEET, tmp_path)
+
+    def files_holding_it() -> list[Path]:
+        return [f for f in tmp_path.rglob("*") if f.is_file() and token in f.read_text()]
+
+    (node,) = p.launch(request)
+    assert files_holding_it() == []  # at once: no file for a fast scanner to read first
+    wait_state(p, node.node_id, NodeState.TERMINATED)
+    assert {n.node_id: n for n in p.nodes()}[node.node_id].exit_code == 0
+    assert files_holding_it() == []
 
 
 def test_a_lost_node_takes_its_workers_in_their_own_sessions_along(tmp_path: Path) -> None:

@@ -1,15 +1,15 @@
 """Supervisor of one local "node": runs the job's command in the node's process group and
 records its exit status in the node directory, so a restarted broker still learns how it ended.
 
-Usage: ``python -m providers.local.node NODE_DIR WORKDIR [--user NAME] [--token FILE_VAR FD_VAR]
--- CMD ARGS...`` (started by ``LocalProvider``; the command runs in WORKDIR). With ``--user`` the
+Usage: ``python -m providers.local.node NODE_DIR WORKDIR [--user NAME] [--token FD_VAR] --
+CMD ARGS...`` (started by ``LocalProvider``; the command runs in WORKDIR). With ``--user`` the
 command runs as that user, with its own group and no other; the supervisor keeps the broker's
 user, to write the node's log and exit record where the job cannot. With ``--token`` the agent's
-token file (named by the variable FILE_VAR, 0600 in the node directory) is read and deleted here
-and handed to the command on an inherited pipe whose number is in FD_VAR: a job of another user
-could not open the file, and a pipe leaves nothing to read back. The variable names come as
-arguments (``broker.protocol`` holds them) so that this supervisor imports the standard library
-only and starts fast.
+token, which the provider writes to this supervisor's stdin, is handed to the command on an
+inherited pipe whose number is in the variable FD_VAR: no job can read a pipe another process
+holds, and it leaves nothing to read back. The variable's name comes as an argument
+(``broker.protocol`` holds it) so that this supervisor imports the standard library only and
+starts fast.
 """
 
 from __future__ import annotations
@@ -30,16 +30,9 @@ def _noop(signum: int, frame: object) -> None:
     A handler (not SIG_IGN) so the child does not inherit an ignored SIGTERM."""
 
 
-def _token_pipe(env: dict[str, str], file_var: str, fd_var: str) -> int | None:
-    """Move the token from its file into a pipe; the read end's number, or None."""
-    path = env.pop(file_var, None)
-    if not path:
-        return None
-    try:
-        token = Path(path).read_bytes()
-    except OSError:
-        return None  # the agent says reports will be refused
-    Path(path).unlink(missing_ok=True)
+def _token_pipe(env: dict[str, str], fd_var: str) -> int:
+    """Move the token from stdin (read to EOF) into a pipe for the command; its read end."""
+    token = sys.stdin.buffer.read()
     read, write = os.pipe()
     os.write(write, token)  # 64 bytes: far below a pipe's buffer
     os.close(write)
@@ -52,12 +45,12 @@ def main(argv: list[str]) -> int:
     cmd = argv[argv.index("--") + 1:]
     opts = argv[2:argv.index("--")]
     user = opts[opts.index("--user") + 1] if "--user" in opts else None
-    names = opts[opts.index("--token") + 1:opts.index("--token") + 3] if "--token" in opts else None
+    fd_var = opts[opts.index("--token") + 1] if "--token" in opts else None
     os.umask(0o077)  # the node's log, and the job's files (checkpoints): owner only
     signal.signal(signal.SIGTERM, _noop)
     signal.signal(signal.SIGINT, _noop)
     env = dict(os.environ)
-    token_fd = _token_pipe(env, *names) if names else None
+    token_fd = _token_pipe(env, fd_var) if fd_var else None
     as_user: dict[str, Any] = {}
     if user is not None:
         pw = pwd.getpwnam(user)

@@ -146,7 +146,6 @@ PASS_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGU
 PASS_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_")
 # Never passed, even when a fleet file's pass_env names them.
 BROKER_SECRETS = BrokerEnv.SECRETS
-TOKEN_FILE = "agent-token"  # in the node's directory, 0600, until the agent reads it
 
 
 def job_environment(broker_env: dict[str, str], extra: tuple[str, ...] = ()) -> dict[str, str]:
@@ -426,8 +425,8 @@ class LocalProvider(Provider):
             return [self._node(d) for d in dirs if d.exists()]
         env = {**job_environment(dict(os.environ), tuple(self.fleet.pass_env)),
                **request.env, Env.WORKDIR: str(self.workdir)}
-        # The attempt token goes to the agent in a file it reads and deletes before any of the
-        # job's code runs, never in an environment (a job could read /proc/PID/environ).
+        # The attempt token goes to each node's supervisor on its stdin, never in an environment
+        # (a job could read /proc/PID/environ) nor in a file (another job could read it first).
         token = env.pop(Env.AGENT_TOKEN, None)
         # Jobs run from the work dir with this interpreter's tools first on PATH, so `python
         # examples/x.py` finds the same packages as the broker.
@@ -443,15 +442,13 @@ class LocalProvider(Provider):
             node_dir.mkdir(exist_ok=True)
             # the node's home for its files (broker.runtime.files): ~ and relative mount paths
             node_env = {**env, Env.NODE_RANK: str(rank), Env.FILES_ROOT: str(node_dir.resolve())}
-            if token:
-                node_env[Env.AGENT_TOKEN_FILE] = str((node_dir / TOKEN_FILE).resolve())
-                write_private(node_dir / TOKEN_FILE, token)
-            self._start(node_dir, request, region, rank, node_env)
+            self._start(node_dir, request, region, rank, node_env, token)
         return [self._node(d) for d in dirs]
 
     def _start(self, node_dir: Path, request: LaunchRequest, region: LocalRegion, rank: int,
-               env: dict[str, str]) -> None:
-        """One node: its metadata, then its supervisor process in a session of its own."""
+               env: dict[str, str], token: str | None) -> None:
+        """One node: its metadata, then its supervisor process in a session of its own, which
+        reads the attempt ``token`` (if any) from its stdin."""
         meta = {"job_id": request.job_id, "key": request.idempotency_key,
                 "region": region.region, "market": region.market.value,
                 "accelerator": region.kind.value, "gpus": request.gpus_per_node,
@@ -460,11 +457,18 @@ class LocalProvider(Provider):
         proc = subprocess.Popen(
             [sys.executable, "-m", "providers.local.node", str(node_dir), str(self.workdir),
              *(["--user", self.job_user.name] if self.job_user else []),
-             "--token", Env.AGENT_TOKEN_FILE, Env.AGENT_TOKEN_FD, "--", *request.command],
-            env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+             *(["--token", Env.AGENT_TOKEN_FD] if token else []), "--", *request.command],
+            env=env, start_new_session=True,
+            stdin=subprocess.PIPE if token else subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             cwd=str(Path(__file__).resolve().parent.parent),
         )
+        if token and proc.stdin is not None:
+            # 64 bytes, far below a pipe's buffer; the supervisor reads to EOF, which a broker
+            # that dies here also gives it (an empty token: the agent says reports are refused)
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(token.encode())
+            proc.stdin.close()
         self._children[node_dir.name] = proc
         st = _proc_start(proc.pid)
         (node_dir / "pid.json").write_text(json.dumps({"pid": proc.pid,

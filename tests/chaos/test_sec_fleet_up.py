@@ -1,9 +1,10 @@
 """Issue 13, items 2, 7 and 10a, as a user runs it: a real ``fleet up`` whose own environment holds
 tokens and a cloud secret runs a job that looks for them (its environment, its agent's
-``/proc/PID/environ`` and command line, the supervisor's, the token file) and finds none, while
-its agent's reports are accepted; ``kill -9`` of ``fleet up`` leaves no redis-server behind and a
-second ``fleet up`` on the same state dir runs exactly one, with the running job intact; after
-the run every file in the state dir (Redis AOF, tokens, logs, checkpoints) is 0600 in 0700."""
+``/proc/PID/environ`` and command line, the supervisor's, any token file in the state dir) and
+finds none, while its agent's reports are accepted; ``kill -9`` of ``fleet up`` leaves no
+redis-server behind and a second ``fleet up`` on the same state dir runs exactly one, with the
+running job intact; after the run every file in the state dir (Redis AOF, tokens, logs,
+checkpoints) is 0600 in 0700."""
 
 from __future__ import annotations
 
