@@ -31,16 +31,16 @@ regions:
   - {cloud: gcp, region: west, market: spot, price_per_gpu_hour: 0.4, gpus: 2}
   - {cloud: azure, region: south, market: on-demand, price_per_gpu_hour: 1.0, gpus: 2}
 """
-# A job that proves it never runs twice at once (mkdir is atomic: a second concurrent copy
-# fails and leaves a mark) and logs every launch key it was started with, once its stop trap
-# is set (a stop that came before would leave the lock behind).
+# A job that proves it never runs twice at once: it holds a kernel lock on a file while it runs
+# (a second concurrent copy fails to take it and leaves a mark). The kernel drops the lock with
+# the job's shell (its sleeps do not hold it), so a stop at any moment, even before the trap is
+# set, leaves none behind. It logs every launch key it was started with once its stop trap is set.
 JOB = """
-mkdir "$MARKS/$FLEET_JOB_ID.lock" 2>/dev/null ||
-  { echo "$FLEET_JOB_ID" >> "$MARKS/overlap"; exit 99; }
-trap 'rmdir "$MARKS/$FLEET_JOB_ID.lock"; exit 75' TERM
+exec 9>"$MARKS/$FLEET_JOB_ID.lock"
+flock -n 9 || { echo "$FLEET_JOB_ID" >> "$MARKS/overlap"; exit 99; }
+trap 'exit 75' TERM
 echo "$FLEET_LAUNCH_KEY" >> "$MARKS/keys"
-i=0; while [ $i -lt 8 ]; do sleep 0.1; i=$((i+1)); done
-rmdir "$MARKS/$FLEET_JOB_ID.lock"
+i=0; while [ $i -lt 8 ]; do sleep 0.1 9>&-; i=$((i+1)); done
 """
 
 
@@ -108,9 +108,9 @@ def all_terminal(store: Store) -> bool:
 def check_invariants(store: Store, ids: list[str], marks: Path, state: Path) -> None:
     jobs = {j.id: j for j in store.list_jobs()}
     assert set(jobs) == set(ids), "a job was lost"
+    assert not (marks / "overlap").exists(), "a job ran twice at once"
     assert {j.state for j in jobs.values()} == {JobState.COMPLETED}, \
         {j.id: (j.state, j.reason) for j in jobs.values() if j.state is not JobState.COMPLETED}
-    assert not (marks / "overlap").exists(), "a job ran twice at once"
     keys = (marks / "keys").read_text().split()
     assert not [k for k, c in Counter(keys).items() if c > 1], "an intent launched twice"
     spawned = [line.split()[0] for line in (state / "provider" / "launches.log").read_text()
