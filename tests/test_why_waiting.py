@@ -11,10 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from typer.testing import CliRunner
 
 from broker.api import build_app
-from broker.cli import app
 from broker.models import JobState
 from broker.scheduler import Scheduler, SchedulerConfig
 from broker.store import Store
@@ -46,11 +44,8 @@ def server(store: Store) -> Iterator[ApiServer]:
 
 
 def fleet(srv: ApiServer, *args: str) -> tuple[int, str, str]:
-    env = {"FLEET_URL": srv.url, "FLEET_TOKEN": TOKENS["ml"], "FLEET_CONFIG": "/nonexistent"}
-    result = CliRunner().invoke(app, list(args), env=env)
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
+    return builders.fleet({"FLEET_URL": srv.url, "FLEET_TOKEN": TOKENS["ml"],
+                           "FLEET_CONFIG": "/nonexistent"}, *args)
 
 
 def test_every_waiting_job_carries_a_reason_the_api_and_cli_show(
@@ -229,33 +224,32 @@ def test_the_preview_keeps_a_fixed_node_count_off_the_pools_split() -> None:
     assert (row["nodes"], row["gpus_per_node"], row["fits_now"]) == (2, 2, True)
 
 
-def test_the_round_names_the_real_cause_where_submission_could_not_know(
-        store: Store) -> None:
+def test_the_round_names_the_real_cause_where_submission_could_not_know() -> None:
     """Where the fleet file leaves a job possible (it declares on-demand capacity a cloud does
     not list now; a cloud's instance sizes come from its listing), the round marks it
     unschedulable with the cause and the fix, once, instead of blaming its regions."""
-    fence = store.acquire_lease("t", ttl_s=30)
     sizes = EAST.model_copy(update={"gpu_prices": {1: 0.2, 4: 0.2}})
-    store.set_pools([sizes])
-    never = store.submit(spec("never", gpus=(1, 1), spot="never"), team="ml")
-    store.submit(spec("three", gpus=(3, 3), nodes=1), team="ml")
-    store.submit(spec("eight", gpus=(8, 8), nodes=1), team="ml")
-    Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
-    got = {j.name: j for j in store.list_jobs()}
-    assert all(j.state is JobState.QUEUED for j in got.values())
-    assert got["never"].reason == f"unschedulable: {SPOT_NEVER}"
-    assert got["three"].reason == ("unschedulable: needs 3 GPUs on each node; T4 nodes in its "
-                                   "regions come with 1, 4: ask one of those per node")
-    assert got["eight"].reason == (
-        "unschedulable: needs 8 GPUs on one node; the largest T4 node in its regions has 4: "
-        "ask num_nodes (nodes): 2 of T4:4, or fewer GPUs")
-    assert [e.type for e in store.events(job_id=never.id)].count("unschedulable") == 1
+    jobs = [builders.record("never", spec("never", gpus=(1, 1), spot="never")),
+            builders.record("three", spec("three", gpus=(3, 3), nodes=1)),
+            builders.record("eight", spec("eight", gpus=(8, 8), nodes=1))]
+    config = SchedulerConfig(min_rescale_interval_s=0)
+    first = builders.planned(jobs, [sizes], config)
+    assert first.intents == {} and first.states == {}
+    assert first.reasons == {
+        "never-1": f"unschedulable: {SPOT_NEVER}",
+        "three-1": "unschedulable: needs 3 GPUs on each node; T4 nodes in its regions come with "
+                   "1, 4: ask one of those per node",
+        "eight-1": "unschedulable: needs 8 GPUs on one node; the largest T4 node in its regions "
+                   "has 4: ask num_nodes (nodes): 2 of T4:4, or fewer GPUs"}
+    assert first.events["never-1"].count("unschedulable") == 1
+    again = builders.planned(list(first.jobs.values()), [sizes], config)
+    assert "unschedulable" not in again.events.get("never-1", [])  # said once
 
 
 NO_DOCKER = "install Docker on the local fleet's machine, or run on a cloud pool"
 
 
-def test_a_container_job_waits_off_pools_that_cannot_run_containers(store: Store) -> None:
+def test_a_container_job_waits_off_pools_that_cannot_run_containers() -> None:
     """A job with a container image never lands where its nodes have no usable Docker (it
     would run on the host without the image's software): the round marks it with the fix, and
     the submission check and the preview, sharing ``Needs``, say the same."""
@@ -272,14 +266,11 @@ def test_a_container_job_waits_off_pools_that_cannot_run_containers(store: Store
     assert [p.field for p in refused] == ["resources.image_id"] and NO_DOCKER in \
         refused[0].message
     assert placement_preview(job, [local], {}) == []
-    fence = store.acquire_lease("t", ttl_s=30)
-    store.set_pools([local])
-    boxed = store.submit(job, team="ml")
-    Scheduler(store, SchedulerConfig(min_rescale_interval_s=0)).run_round(fence)
-    got = store.get_job(boxed.id)
-    assert got is not None and got.state is JobState.QUEUED and got.reason is not None
-    assert got.reason.startswith("unschedulable: runs in a container image") and \
-        NO_DOCKER in got.reason
+    got = builders.planned([builders.record("boxed", job)], [local],
+                           SchedulerConfig(min_rescale_interval_s=0))
+    assert got.intents == {} and got.states == {}
+    reason = got.reasons["boxed-1"] or ""
+    assert reason.startswith("unschedulable: runs in a container image") and NO_DOCKER in reason
 
 
 def test_the_local_provider_tells_whether_its_machine_runs_containers(
