@@ -18,6 +18,15 @@ from __future__ import annotations
 import torch
 
 
+def squared_norm(x: torch.Tensor) -> torch.Tensor:
+    """``|x|^2`` as one dot product: no squared copy of the gradient is allocated, which at a
+    step's scale costs more than the sum itself (half-precision gradients sum in float32)."""
+    flat = x.detach().reshape(-1)
+    if flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.float()
+    return torch.dot(flat, flat)
+
+
 class NoiseScale:
     """Exponential averages of ``|G|^2`` and ``tr(S)``, kept as tensors on the gradients' device
     so that a step never waits for the device; :attr:`value` reads them (one sync)."""
@@ -42,8 +51,10 @@ class NoiseScale:
     def update_pair(self, previous: torch.Tensor, current: torch.Tensor, n: int) -> None:
         """One step of a single-replica job: ``previous`` and ``current``, the flattened mean
         gradients of two consecutive steps of ``n`` samples each."""
-        local_sq = (previous.pow(2).sum() + current.pow(2).sum()) / 2
-        self.update(local_sq, n, ((previous + current) / 2).pow(2).sum(), 2 * n)
+        pp, cc = squared_norm(previous), squared_norm(current)
+        pc = torch.dot(previous.reshape(-1).to(pp.dtype), current.reshape(-1).to(pp.dtype))
+        # |(p + c) / 2|^2 expanded, so the mean of the two is never built
+        self.update((pp + cc) / 2, n, (pp + cc + 2 * pc) / 4, 2 * n)
 
     @property
     def value(self) -> float | None:

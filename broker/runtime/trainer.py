@@ -52,7 +52,7 @@ from broker.runtime.assignment import BATCH_MODES, Assignment
 from broker.runtime.checkpoint import Checkpointer
 from broker.runtime.checkpoint_stores import open_store
 from broker.runtime.data import MicroBatch, step_plan
-from broker.runtime.noise import NoiseScale
+from broker.runtime.noise import NoiseScale, squared_norm
 from broker.runtime.scaling import lr_factor
 
 log = logging.getLogger("fleet")
@@ -379,7 +379,7 @@ class Trainer:
         return fut.then(reduced)
 
     def _add_sq(self, k: int, grads: torch.Tensor) -> None:
-        x = grads.detach().pow(2).sum()
+        x = squared_norm(grads)
         self._sq[k] = x if self._sq[k] is None else self._sq[k] + x
 
     def _measure_noise(self) -> None:

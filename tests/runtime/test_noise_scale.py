@@ -10,7 +10,7 @@ import torch
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
-from broker.runtime.noise import NoiseScale
+from broker.runtime.noise import NoiseScale, squared_norm
 from tests.runtime.jobs import agent_command, job_env, run_job
 
 
@@ -48,6 +48,15 @@ def test_consecutive_steps_of_one_replica_converge_to_the_true_noise_scale() -> 
         a, b = true + torch.randn(2, d, generator=gen) * math.sqrt(trace / d / batch)
         noise.update_pair(a, b, batch)
     assert noise.value is not None and abs(noise.value / trace - 1) < 0.15
+
+
+def test_the_squared_norm_matches_the_sum_of_squares_in_every_precision() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 10_000, generator=g)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        got = squared_norm(x.to(dtype))
+        assert got.dtype in (torch.float32, torch.float64)
+        assert math.isclose(float(got), float(x.to(dtype).double().pow(2).sum()), rel_tol=1e-4)
 
 
 def test_a_two_rank_job_reports_its_noise_scale_and_accelerator(
