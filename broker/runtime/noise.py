@@ -18,12 +18,16 @@ from __future__ import annotations
 import torch
 
 
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as one vector, half precision upcast to float32 for the sums."""
+    flat = x.detach().reshape(-1)
+    return flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+
+
 def squared_norm(x: torch.Tensor) -> torch.Tensor:
     """``|x|^2`` as one dot product: no squared copy of the gradient is allocated, which at a
-    step's scale costs more than the sum itself (half-precision gradients sum in float32)."""
-    flat = x.detach().reshape(-1)
-    if flat.dtype not in (torch.float32, torch.float64):
-        flat = flat.float()
+    step's scale costs more than the sum itself."""
+    flat = _flat(x)
     return torch.dot(flat, flat)
 
 
@@ -52,7 +56,7 @@ class NoiseScale:
         """One step of a single-replica job: ``previous`` and ``current``, the flattened mean
         gradients of two consecutive steps of ``n`` samples each."""
         pp, cc = squared_norm(previous), squared_norm(current)
-        pc = torch.dot(previous.reshape(-1).to(pp.dtype), current.reshape(-1).to(pp.dtype))
+        pc = torch.dot(_flat(previous), _flat(current))
         # |(p + c) / 2|^2 expanded, so the mean of the two is never built
         self.update((pp + cc) / 2, n, (pp + cc + 2 * pc) / 4, 2 * n)
 

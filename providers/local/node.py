@@ -4,10 +4,10 @@ records its exit status in the node directory, so a restarted broker still learn
 Usage: ``python -m providers.local.node NODE_DIR WORKDIR [--user NAME] [--token FD_VAR] --
 CMD ARGS...`` (started by ``LocalProvider``; the command runs in WORKDIR). With ``--user`` the
 command runs as that user, with its own group and no other; the supervisor keeps the broker's
-user, to write the node's log and exit record where the job cannot. With ``--token`` the agent's
-token, which the provider writes to this supervisor's stdin, is handed to the command on an
-inherited pipe whose number is in the variable FD_VAR: no job can read a pipe another process
-holds, and it leaves nothing to read back. The variable's name comes as an argument
+user, to write the node's log and exit record where the job cannot. With ``--token`` this
+supervisor's stdin, a pipe the provider writes the agent's token to, is handed to the command as
+an inherited descriptor whose number is in the variable FD_VAR: no job can read a pipe another
+process holds, and it leaves nothing to read back. The variable's name comes as an argument
 (``broker.protocol`` holds it) so that this supervisor imports the standard library only and
 starts fast.
 """
@@ -31,13 +31,11 @@ def _noop(signum: int, frame: object) -> None:
 
 
 def _token_pipe(env: dict[str, str], fd_var: str) -> int:
-    """Move the token from stdin (read to EOF) into a pipe for the command; its read end."""
-    token = sys.stdin.buffer.read()
-    read, write = os.pipe()
-    os.write(write, token)  # 64 bytes: far below a pipe's buffer
-    os.close(write)
-    env[fd_var] = str(read)
-    return read
+    """The provider's pipe (this supervisor's stdin) handed on to the command: a copy of its read
+    end, whose number goes in ``fd_var``; the command's own stdin stays empty."""
+    fd = os.dup(0)
+    env[fd_var] = str(fd)
+    return fd
 
 
 def main(argv: list[str]) -> int:

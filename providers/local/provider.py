@@ -464,8 +464,8 @@ class LocalProvider(Provider):
             cwd=str(Path(__file__).resolve().parent.parent),
         )
         if token and proc.stdin is not None:
-            # 64 bytes, far below a pipe's buffer; the supervisor reads to EOF, which a broker
-            # that dies here also gives it (an empty token: the agent says reports are refused)
+            # 64 bytes, far below a pipe's buffer; the agent reads to EOF, which a broker that
+            # dies here also gives it (an empty token: the agent says reports are refused)
             with contextlib.suppress(BrokenPipeError):
                 proc.stdin.write(token.encode())
             proc.stdin.close()
