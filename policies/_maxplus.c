@@ -3,7 +3,9 @@
  *
  * rows is a (jobs + 1) x width float64 table whose row 0 is filled; row r becomes the best value
  * of jobs 1..r with at most k GPUs. The same IEEE additions and comparisons as the numpy path, so
- * both produce bit-identical tables. The table is filled without the GIL.
+ * both produce bit-identical tables. The table is filled without the GIL. Where only the optimum
+ * is wanted (`best`), two rows take turns instead of the table: at thousands of jobs the table
+ * is tens of megabytes, and obtaining that memory costs more than filling it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -20,12 +22,14 @@
 #endif
 
 KERNEL_CLONES
+/* rolling: rows holds two rows, row r at (r & 1); else the whole table, row r at r. */
 static void fill_rows(double *rows, Py_ssize_t width, Py_ssize_t jobs, const int64_t *offsets,
-                      const int64_t *gpus, const double *values, const uint8_t *required) {
+                      const int64_t *gpus, const double *values, const uint8_t *required,
+                      int rolling) {
     Py_ssize_t reach = 0;
     for (Py_ssize_t r = 1; r <= jobs; r++) {
-        const double *restrict prev = rows + (r - 1) * width;
-        double *restrict cur = rows + r * width;
+        const double *restrict prev = rows + (rolling ? (r - 1) & 1 : r - 1) * width;
+        double *restrict cur = rows + (rolling ? r & 1 : r) * width;
         int64_t first = offsets[r - 1], last = offsets[r];
         /* capped before adding: a huge GPU count cannot overflow reach */
         reach = gpus[last - 1] >= width - 1 - reach ? width - 1 : reach + gpus[last - 1];
@@ -121,7 +125,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
              count(&v[1]) == jobs + 1 && count(&v[3]) == n && frontier_ok(v[1].buf, jobs, v[2].buf, n);
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        fill_rows(v[0].buf, width, jobs, v[1].buf, v[2].buf, v[3].buf, v[4].buf);
+        fill_rows(v[0].buf, width, jobs, v[1].buf, v[2].buf, v[3].buf, v[4].buf, 0);
         Py_END_ALLOW_THREADS
     }
     release_buffers(v, 5);
@@ -130,6 +134,39 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* The last row's value at width - 1 GPUs (the optimum), from a forward pass over two rows. */
+static PyObject *best(PyObject *self, PyObject *args) {
+    PyObject *objs[4];
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, "nOOOO", &width, &objs[0], &objs[1], &objs[2], &objs[3]))
+        return NULL;
+    static const Spec specs[] = {{"offsets", 'q', 0}, {"gpus", 'q', 0}, {"values", 'd', 0},
+                                 {"required", 'B', 0}};
+    Py_buffer v[4];
+    if (get_buffers("best", objs, specs, v, 4) < 0) return NULL;
+    Py_ssize_t jobs = count(&v[3]), n = count(&v[1]);
+    int ok = width > 0 && width < PY_SSIZE_T_MAX / 2 / (Py_ssize_t)sizeof(double) &&
+             count(&v[0]) == jobs + 1 && count(&v[2]) == n &&
+             frontier_ok(v[0].buf, jobs, v[1].buf, n);
+    double *rows = ok ? PyMem_RawMalloc(2 * width * sizeof(double)) : NULL;
+    double out = 0.0;
+    if (rows != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = 0; k < width; k++) rows[k] = 0.0;
+        fill_rows(rows, width, jobs, v[0].buf, v[1].buf, v[2].buf, v[3].buf, 1);
+        out = rows[(jobs & 1) * width + width - 1];
+        Py_END_ALLOW_THREADS
+        PyMem_RawFree(rows);
+    }
+    release_buffers(v, 4);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "best: buffer sizes do not match jobs and width");
+        return NULL;
+    }
+    if (rows == NULL) return PyErr_NoMemory();
+    return PyFloat_FromDouble(out);
 }
 
 /* Walk the filled table back from `start` GPUs; picks[r] = flat index of job r's choice or -1.
@@ -403,6 +440,7 @@ static PyObject *fold(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"forward", forward, METH_VARARGS, "Fill rows 1..jobs of the max-plus table in place."},
+    {"best", best, METH_VARARGS, "The optimum of the max-plus programme, without its table."},
     {"backtrack", backtrack, METH_VARARGS, "Recover each job's choice from a filled table."},
     {"fold", fold, METH_VARARGS, "Each job's undominated choices as flat arrays."},
     {NULL, NULL, 0, NULL},

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies.elastic_dp import JobChoices, allocate
+from policies.elastic_dp import JobChoices, best_value
 from policies.models import Accelerator
 from policies.trace_throughput import Placement, packed_placement
 
@@ -153,5 +153,5 @@ def _dp_value(cands: Mapping[str, Mapping[Accelerator, JobChoices]],
     for acc, cap in capacity.items():
         members = [cands[j][acc] for j, a in types.items() if a is acc]
         if members:
-            total += sum(c.value for c in allocate(members, cap).values() if c is not None)
+            total += best_value(members, cap)
     return total

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate
+from policies.elastic_dp import Choice, InfeasibleAllocation, JobChoices, allocate, best_value
 from policies.elastic_milp import allocate_milp
 
 
@@ -172,6 +172,32 @@ def test_compiled_kernel_and_numpy_path_choose_identically(monkeypatch) -> None:
             assert allocate(jobs, capacity) == want
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_optimum_alone_is_the_allocations_sum_bit_for_bit(monkeypatch, compiled) -> None:
+    """``best_value`` (two rows instead of the table) adds the same numbers in the same order
+    as summing ``allocate``'s answer, on concave and general instances, and refuses alike."""
+    from policies import elastic_dp
+
+    if not compiled:
+        monkeypatch.setattr(elastic_dp, "_maxplus", None)
+    elif elastic_dp._maxplus is None:
+        pytest.skip("the C kernel is not built in this checkout")
+    rng = random.Random(5)
+    infeasible = 0
+    for i in range(120):
+        jobs = random_instance(rng, rng.randint(0, 40), 0, concave=i % 3 == 0)
+        capacity = rng.randint(0, 120)
+        try:
+            want = total(allocate(jobs, capacity))
+        except InfeasibleAllocation:
+            infeasible += 1
+            with pytest.raises(InfeasibleAllocation):
+                best_value(jobs, capacity)
+            continue
+        assert best_value(jobs, capacity) == want
+    assert 0 < infeasible < 120
+
+
 def test_compiled_and_numpy_fold_agree_on_ties_and_odd_inputs(monkeypatch) -> None:
     """Equal values, equal batches, duplicates, numpy scalars and tuples of choices: the C fold
     and the Python fold keep the same frontier, so both paths pick the same objects."""
@@ -237,7 +263,7 @@ def test_compiled_fold_refuses_buffers_of_the_wrong_length_or_type(bad: object) 
     assert (big == -7.0).all()
 
 
-def test_compiled_forward_and_backtrack_refuse_offsets_outside_the_choices() -> None:
+def test_compiled_kernels_refuse_offsets_outside_the_choices() -> None:
     from policies import elastic_dp
 
     if elastic_dp._maxplus is None:
@@ -252,6 +278,8 @@ def test_compiled_forward_and_backtrack_refuse_offsets_outside_the_choices() -> 
                                       np.empty(1, np.int64))
     with pytest.raises(ValueError, match="forward: "):  # a float table where int64 is expected
         elastic_dp._maxplus.forward(rows, 5, offsets.astype(float), gpus, values, req)
+    with pytest.raises(ValueError, match="best: "):
+        elastic_dp._maxplus.best(5, offsets, gpus, values, req)
 
 
 def test_compiled_and_numpy_paths_agree_on_counts_beyond_int64(monkeypatch) -> None:
