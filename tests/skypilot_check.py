@@ -2,6 +2,9 @@
 
 ``parse``: reads a JSON list of tasks on stdin and prints what ``sky.Task.from_yaml_config``
 (SkyPilot's schema check, then its resource validation) made of each, or its error.
+``refuses``: for each task, why SkyPilot refuses it, or null: its parse error, else a bucket
+of its ``file_mounts`` whose name the S3, GCS and Azure stores all refuse (``sky launch``
+checks the name when it creates the bucket, after the parse).
 ``sdk``: drives ``providers.skypilot.SkySdk`` against the real ``sky`` module with only the calls
 that reach SkyPilot's API server replaced; each replacement first binds its arguments to the
 real function's signature, so a call our adapter makes that SkyPilot does not accept fails.
@@ -36,6 +39,25 @@ def parsed(config: dict) -> dict:
         "labels": res.labels, "envs": task.envs, "run": task.run, "setup": task.setup,
         "secrets": sorted(task.secrets),
     }
+
+
+def refusal(config: dict) -> str | None:
+    from sky.data import storage
+
+    try:
+        task = sky.Task.from_yaml_config(config)
+    except Exception as exc:  # the error text is what the test inspects
+        return f"{type(exc).__name__}: {exc}"
+    for path, mount in task.storage_mounts.items():
+        said = []
+        for store in (storage.S3Store, storage.GcsStore, storage.AzureBlobStore):
+            try:
+                store.validate_name(mount.name)
+            except Exception as exc:
+                said.append(f"{type(exc).__name__}: {exc}")
+        if len(said) == 3:
+            return f"{path}: {said[0]}"
+    return None
 
 
 def server_call(name: str, calls: list, result: Any) -> Any:
@@ -110,5 +132,6 @@ if __name__ == "__main__":
     tasks = json.load(sys.stdin)
     mode = sys.argv[1]
     out = [parsed(t) for t in tasks] if mode == "parse" else \
+        [refusal(t) for t in tasks] if mode == "refuses" else \
         sdk(tasks[0]) if mode == "sdk" else server(tasks[0])
     print(json.dumps(out))

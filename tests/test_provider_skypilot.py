@@ -3,8 +3,6 @@ its own venv, ``.venv/skypilot``); launch/status/down at the adapter boundary.""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +30,7 @@ from providers.skypilot import (
     task_yaml,
     validate_task,
 )
-from tests.redis_server import free_port
+from tests.skypilot_venv import in_skypilot
 
 OFFERS = {c: load_offers([c], root=Path("/nonexistent")) for c in ("aws", "gcp", "azure")}
 AGENT = "fleetbroker==0.1.0"
@@ -234,26 +232,6 @@ def test_missing_skypilot_is_a_clear_not_configured(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "sky", None)  # import sky -> ImportError
     with pytest.raises(NotConfiguredError, match="pip install 'skypilot"):
         SkySdk()
-
-
-SKY_PYTHON = Path(sys.prefix) / "skypilot" / "bin" / "python"  # made by `make setup`
-
-
-def in_skypilot(mode: str, tasks: list[dict[str, Any]], home: Path) -> Any:
-    """Run ``tests/skypilot_check.py MODE`` in SkyPilot's venv, offline (HOME in a temp dir:
-    SkyPilot writes ``~/.sky``; an API server it starts listens on a free loopback port)."""
-    assert SKY_PYTHON.exists(), f"{SKY_PYTHON} is missing: run `make setup`"
-    port = str(free_port())
-    out = subprocess.run(
-        [str(SKY_PYTHON), str(Path(__file__).with_name("skypilot_check.py")), mode],
-        input=json.dumps(tasks), capture_output=True, text=True, timeout=240,
-        env={"PATH": os.environ["PATH"], "HOME": str(home),
-             "PYTHONPATH": str(Path(__file__).parents[1]),
-             "SKYPILOT_API_SERVER_LOCAL_PORT": port,
-             "SKYPILOT_API_SERVER_ENDPOINT": f"http://127.0.0.1:{port}"},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.splitlines()[-1])  # SkyPilot may print lines of its own
 
 
 def test_the_adapter_against_a_real_skypilot_api_server(tmp_path: Path) -> None:
