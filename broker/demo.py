@@ -219,7 +219,8 @@ def run_demo(config: DemoConfig, console: Console | None = None,
             title = "done"
             if live is not None:
                 live.update(render(store, title, events))
-                console.print()
+        if config.live:  # after the live view's last frame, which ends without a new line
+            console.print()
         if on_done is not None:
             on_done(store)
         return summarize(store, started, phases, made_room)
