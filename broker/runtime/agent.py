@@ -781,7 +781,7 @@ class Agent:
 
         return Retrying(
             stop=stop_after_delay(self.config.report_timeout),
-            wait=wait_exponential_jitter(initial=FINAL_REPORT_FIRST_WAIT_S,
+            wait=wait_exponential_jitter(multiplier=FINAL_REPORT_FIRST_WAIT_S,
                                          max=self.config.report_max_wait),
             retry=retry_if_result(lambda reply: reply is None),
             before_sleep=waiting,
