@@ -1153,6 +1153,7 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
     if nodes is not None and not 1 <= nodes <= 512:
         p.add("num_nodes", nodes, "must lie in [1, 512]")
         nodes = None
+    nodes = nodes or 1  # a bad count is reported; sized as one node, no other field is blamed
 
     resources = doc.get("resources") or {}
     alternatives: list[Mapping[str, Any]] = [{}]
@@ -1212,22 +1213,21 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
         out.update(_sky_cpu_only(p, alternatives))
     if accelerators:
         out["accelerators"] = accelerators
-    if nodes is not None:
-        per_node = counts or [1]
-        if len(set(per_node)) > 1:
-            warnings.append(f"resources: alternatives ask for {sorted(set(per_node))} GPUs per "
-                            "node; the job accepts any count in that range")
-        lo, hi = min(per_node) * nodes, max(per_node) * nodes
-        if hi > 4096:
-            p.add("resources.accelerators", hi, "asks for more than 4096 GPUs in total; "
-                  "lower the count or num_nodes")
-        else:
-            out["gpus"] = {"min": lo, "max": hi}
-            out["nodes"] = nodes
-            out["run_per_node"] = True
-            # SkyPilot knows no batch sizes: a fixed-size job, one unit of batch per GPU.
-            out["batch_size"] = {"min": lo, "max": hi, "default": lo}
-            out["batch_mode"] = "fixed"
+    per_node = counts or [1]
+    if len(set(per_node)) > 1:
+        warnings.append(f"resources: alternatives ask for {sorted(set(per_node))} GPUs per "
+                        "node; the job accepts any count in that range")
+    lo, hi = min(per_node) * nodes, max(per_node) * nodes
+    if hi > 4096:
+        p.add("resources.accelerators", hi, "asks for more than 4096 GPUs in total; "
+              "lower the count or num_nodes")
+    else:
+        out["gpus"] = {"min": lo, "max": hi}
+        out["nodes"] = nodes
+        out["run_per_node"] = True
+        # SkyPilot knows no batch sizes: a fixed-size job, one unit of batch per GPU.
+        out["batch_size"] = {"min": lo, "max": hi, "default": lo}
+        out["batch_mode"] = "fixed"
     if len(per_alt) > 1 and len(allow) > 1:
         warnings.append("resources: alternatives are combined (any listed accelerator in any "
                         "listed region); their pairings are not kept")

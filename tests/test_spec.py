@@ -322,6 +322,14 @@ def test_skypilot_unsupported_keys_are_errors(text: str, field: str, fix: str) -
     assert any(p.startswith(field) and fix in p for p in found), found
 
 
+@pytest.mark.parametrize("count", ["two", 0, 1000])
+def test_a_bad_num_nodes_is_the_one_problem_named(count: object) -> None:
+    """A task whose only fault is its node count hears of that alone, not of a batch size
+    (which SkyPilot tasks never give) left unset by the count it could not read."""
+    found = problems(f"run: x\nresources: {{accelerators: T4}}\nnum_nodes: {count}")
+    assert len(found) == 1 and found[0].startswith("num_nodes"), found
+
+
 def test_zone_widens_to_region_with_warning() -> None:
     parsed = parse_spec_text("run: x\nresources: {infra: aws/us-east-1/us-east-1a, "
                              "accelerators: T4}")
