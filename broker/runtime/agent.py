@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -926,9 +927,10 @@ class Agent:
         signal.signal(signal.SIGINT, lambda s, _: self.request_stop(signal.Signals(s).name))
         signal.signal(signal.SIGUSR1, lambda *_: self.signal_workers(signal.SIGUSR1))
         master = "from the broker's rendezvous" if c.rendezvous else join_host_port(*self.master)
+        command = shlex.join(self.command).replace("\n", "\\n")  # one line, quoted as it runs
         log(
             f"job {c.job_id} attempt {c.attempt}: node {c.node_rank}/{c.nnodes}, "
-            f"{c.nproc} workers, master {master}: {' '.join(self.command)}"
+            f"{c.nproc} workers, master {master}: {command}"
         )
         watchers = []
         checks = pollers(*c.notice_urls)
