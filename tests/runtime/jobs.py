@@ -105,6 +105,56 @@ def max_abs_diff(a: Path, b: Path) -> float:
     return max((sa[k] - sb[k]).abs().max().item() for k in sa)
 
 
+def framework_job(script: Path, flags: list[str], batch: int) -> Callable[..., Run]:
+    """``agent(tmp, nproc, *args, stop_at_step=None)``: ``script`` with ``flags`` and ``args``
+    under the agent on ``nproc`` ranks at global batch ``batch``, checkpointing to ``tmp/ckpt``
+    every 2 steps (stopped by SIGTERM once past ``stop_at_step``)."""
+
+    def agent(tmp: Path, nproc: int, *extra: str, stop_at_step: int | None = None) -> Run:
+        env = job_env(tmp, nproc=nproc, checkpoint_uri=tmp / "ckpt", global_batch_size=batch,
+                      checkpoint_every_steps=2)
+        return run_job(agent_command(*flags, *extra, script=script), env, tmp,
+                       stop_at_step=stop_at_step, timeout=180)
+
+    return agent
+
+
+def final_state(agent: Callable[..., Run], tmp: Path) -> Path:
+    """The state dict an uninterrupted run on 2 ranks ends with."""
+    run = agent(tmp, 2, "--save-final", str(tmp / "final.pt"))
+    assert run.code == 0, run.output
+    return tmp / "final.pt"
+
+
+def check_resumed_at_another_size(agent: Callable[..., Run], reference: Path, tmp_path: Path,
+                                  before: int, after: int, steps: int, batch: int) -> None:
+    """A framework's job under ``agent(tmp, nproc, *args, stop_at_step=)`` stopped at step 3
+    on ``before`` ranks resumes on ``after`` from its latest checkpoint (periodic ones written
+    on the way), ends where the uninterrupted run's ``reference`` state ends, and its last
+    progress report says so."""
+    first = agent(tmp_path, before, stop_at_step=3)
+    assert first.code == 75, first.output
+    manifests = [
+        json.loads(p.read_text()) for p in (tmp_path / "ckpt").glob("step-*/MANIFEST.json")
+    ]
+    saved = max(manifests, key=lambda m: m["step"])
+    assert 3 <= saved["step"] < steps and saved["world_size"] == before, saved
+    assert any(m["step"] % 2 == 0 and m["step"] < saved["step"] for m in manifests)  # periodic
+    assert saved["global_batch_size"] == batch, saved
+
+    second = agent(tmp_path, after, "--save-final", str(tmp_path / "final.pt"))
+    assert second.code == 0, second.output
+    assert f"resumed from step {saved['step']} (written by {before} ranks)" in second.output
+    diff = max_abs_diff(reference, tmp_path / "final.pt")
+    assert diff <= 1e-5, diff
+    report = progress(tmp_path)
+    assert report["finished"] and report["step"] == steps and report["world_size"] == after
+    assert report["samples_done"] == steps * batch and report["samples_per_sec"] > 0
+    assert report["checkpoint_step"] == steps
+    # what the agent reports from it: a resize restarts the workers, the batch splits evenly
+    assert report["resize_generation"] is None and report["even_batch"] is True
+
+
 @contextmanager
 def broker_asking(action: str, at_step: int | None,
                   **extra: object) -> Iterator[tuple[str, list[dict]]]:

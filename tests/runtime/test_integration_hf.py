@@ -4,99 +4,50 @@ size, ends where the uninterrupted run ends (gloo on CPU, real processes)."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import TrainerCallback
 
 from broker.protocol import Env
 from broker.runtime.assignment import AssignmentError
 from broker.runtime.integrations import hf
-from tests.runtime.jobs import ROOT, job_env, progress, run_job
+from tests.runtime.jobs import (
+    ROOT,
+    Run,
+    check_resumed_at_another_size,
+    final_state,
+    framework_job,
+    load_module,
+    progress,
+)
 
 HF = ROOT / "examples" / "train_hf.py"
 STEPS, BATCH = 16, 16
 # --batch-size is a per-device cap: 16 samples a step are 2 x 4 per rank on 2 ranks, 4 x 4 on 1
 FLAGS = f"--steps {STEPS} --batch-size 4 --grad-accum 2 --layers 1 --width 32 --samples 96".split()
+_agent = framework_job(HF, FLAGS, BATCH)
 
 
-def agent(tmp: Path, nproc: int, *extra: str, stop_at_step: int | None = None):
-    command = [
-        sys.executable,
-        "-m",
-        "broker.runtime.agent",
-        "--",
-        sys.executable,
-        str(HF),
-        *FLAGS,
-        "--output-dir",
-        str(tmp / "out"),
-        *extra,
-    ]
-    env = job_env(
-        tmp,
-        nproc=nproc,
-        checkpoint_uri=tmp / "ckpt",
-        global_batch_size=BATCH,
-        checkpoint_every_steps=2,
-    )
-    return run_job(command, env, tmp, stop_at_step=stop_at_step, timeout=180)
-
-
-def max_abs_diff(a: Path, b: Path) -> float:
-    sa, sb = torch.load(a), torch.load(b)
-    assert sa.keys() == sb.keys()
-    return max((sa[k] - sb[k]).abs().max().item() for k in sa)
+def agent(tmp: Path, nproc: int, *extra: str, stop_at_step: int | None = None) -> Run:
+    return _agent(tmp, nproc, "--output-dir", str(tmp / "out"), *extra,
+                  stop_at_step=stop_at_step)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("reference")
-    run = agent(tmp, 2, "--save-final", str(tmp / "final.pt"))
-    assert run.code == 0, run.output
-    return tmp / "final.pt"
+    return final_state(agent, tmp_path_factory.mktemp("reference"))
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
 def test_a_stopped_trainer_resumes_at_another_size_exactly(
     reference: Path, tmp_path: Path, before: int, after: int
 ) -> None:
-    first = agent(tmp_path, before, stop_at_step=3)
-    assert first.code == 75, first.output
-    manifests = [
-        json.loads(p.read_text()) for p in (tmp_path / "ckpt").glob("step-*/MANIFEST.json")
-    ]
-    saved = max(manifests, key=lambda m: m["step"])
-    assert 3 <= saved["step"] < STEPS and saved["world_size"] == before, saved
-    assert any(m["step"] % 2 == 0 and m["step"] < saved["step"] for m in manifests)  # periodic
-    assert saved["global_batch_size"] == BATCH, saved
-
-    second = agent(tmp_path, after, "--save-final", str(tmp_path / "final.pt"))
-    assert second.code == 0, second.output
-    assert f"resumed from step {saved['step']} (written by {before} ranks)" in second.output
-    diff = max_abs_diff(reference, tmp_path / "final.pt")
-    assert diff <= 1e-5, diff
-    report = progress(tmp_path)
-    assert report["finished"] and report["step"] == STEPS and report["world_size"] == after
-    assert report["samples_done"] == STEPS * BATCH and report["samples_per_sec"] > 0
-    assert report["checkpoint_step"] == STEPS
-    # what the agent reports from it: a resize restarts the workers, the batch splits evenly
-    assert report["resize_generation"] is None and report["even_batch"] is True
+    check_resumed_at_another_size(agent, reference, tmp_path, before, after, STEPS, BATCH)
 
 
 # ---- in one process: the arguments the integration rewrites, and what it leaves alone --------
-def example():
-    spec = importlib.util.spec_from_file_location("train_hf", HF)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
 @pytest.fixture
 def patched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """``transformers.trainer`` with the integration installed, undone afterwards; one process."""
@@ -113,7 +64,7 @@ def patched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 def tiny_trainer(module, tmp: Path, trainer_cls=None, **args):
-    ex = example()
+    ex = load_module(HF)
     config = ex.GPT2Config(
         vocab_size=64,
         n_positions=16,
