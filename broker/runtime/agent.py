@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay
-from tenacity.wait import wait_exponential_jitter
+from tenacity.wait import wait_exponential, wait_random
 
 from broker.protocol import (
     CHECKPOINT_EXIT,
@@ -780,10 +780,13 @@ class Agent:
             wait = state.next_action.sleep if state.next_action else 0.0
             log(f"the broker did not take {what}; trying again in {wait:.1f} s")
 
+        # up to a second of jitter, within the most wait (every tenacity release has these)
+        jitter = min(1.0, self.config.report_max_wait / 2)
         return Retrying(
             stop=stop_after_delay(self.config.report_timeout),
-            wait=wait_exponential_jitter(multiplier=FINAL_REPORT_FIRST_WAIT_S,
-                                         max=self.config.report_max_wait),
+            wait=wait_exponential(multiplier=FINAL_REPORT_FIRST_WAIT_S,
+                                  max=self.config.report_max_wait - jitter)
+            + wait_random(0, jitter),
             retry=retry_if_result(lambda reply: reply is None),
             before_sleep=waiting,
             retry_error_callback=lambda _: None)
@@ -927,7 +930,8 @@ class Agent:
         signal.signal(signal.SIGINT, lambda s, _: self.request_stop(signal.Signals(s).name))
         signal.signal(signal.SIGUSR1, lambda *_: self.signal_workers(signal.SIGUSR1))
         master = "from the broker's rendezvous" if c.rendezvous else join_host_port(*self.master)
-        command = shlex.join(self.command).replace("\n", "\\n")  # one line, quoted as it runs
+        # one line: shlex-quoted arguments, a new line inside one written as \n
+        command = shlex.join(self.command).replace("\n", "\\n")
         log(
             f"job {c.job_id} attempt {c.attempt}: node {c.node_rank}/{c.nnodes}, "
             f"{c.nproc} workers, master {master}: {command}"
