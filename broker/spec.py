@@ -1153,7 +1153,8 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
     if nodes is not None and not 1 <= nodes <= 512:
         p.add("num_nodes", nodes, "must lie in [1, 512]")
         nodes = None
-    nodes = nodes or 1  # a bad count is reported; sized as one node, no other field is blamed
+    if nodes is None:  # reported; sized as one node, so no other field is blamed
+        nodes = 1
 
     resources = doc.get("resources") or {}
     alternatives: list[Mapping[str, Any]] = [{}]
@@ -1218,16 +1219,16 @@ def _parse_skypilot(doc: Mapping[str, Any], launch: LaunchEnv, *,
         warnings.append(f"resources: alternatives ask for {sorted(set(per_node))} GPUs per "
                         "node; the job accepts any count in that range")
     lo, hi = min(per_node) * nodes, max(per_node) * nodes
-    if hi > 4096:
+    if hi > 4096:  # reported; the rest sized within the limit, so no other field is blamed
         p.add("resources.accelerators", hi, "asks for more than 4096 GPUs in total; "
               "lower the count or num_nodes")
-    else:
-        out["gpus"] = {"min": lo, "max": hi}
-        out["nodes"] = nodes
-        out["run_per_node"] = True
-        # SkyPilot knows no batch sizes: a fixed-size job, one unit of batch per GPU.
-        out["batch_size"] = {"min": lo, "max": hi, "default": lo}
-        out["batch_mode"] = "fixed"
+        lo, hi = min(lo, 4096), 4096
+    out["gpus"] = {"min": lo, "max": hi}
+    out["nodes"] = nodes
+    out["run_per_node"] = True
+    # SkyPilot knows no batch sizes: a fixed-size job, one unit of batch per GPU.
+    out["batch_size"] = {"min": lo, "max": hi, "default": lo}
+    out["batch_mode"] = "fixed"
     if len(per_alt) > 1 and len(allow) > 1:
         warnings.append("resources: alternatives are combined (any listed accelerator in any "
                         "listed region); their pairings are not kept")

@@ -322,12 +322,16 @@ def test_skypilot_unsupported_keys_are_errors(text: str, field: str, fix: str) -
     assert any(p.startswith(field) and fix in p for p in found), found
 
 
-@pytest.mark.parametrize("count", ["two", 0, 1000])
-def test_a_bad_num_nodes_is_the_one_problem_named(count: object) -> None:
-    """A task whose only fault is its node count hears of that alone, not of a batch size
-    (which SkyPilot tasks never give) left unset by the count it could not read."""
-    found = problems(f"run: x\nresources: {{accelerators: T4}}\nnum_nodes: {count}")
-    assert len(found) == 1 and found[0].startswith("num_nodes"), found
+@pytest.mark.parametrize(("gpus", "count", "field"), [
+    ("T4", "two", "num_nodes"), ("T4", 0, "num_nodes"), ("T4", 1000, "num_nodes"),
+    ("'A100:16'", 512, "resources.accelerators"),  # 8,192 GPUs in all
+])
+def test_a_bad_node_count_is_the_one_problem_named(gpus: str, count: object,
+                                                   field: str) -> None:
+    """A task whose only fault is its size hears of that alone, not of a batch size (which
+    SkyPilot tasks never give) left unset by the size it could not take."""
+    found = problems(f"run: x\nresources: {{accelerators: {gpus}}}\nnum_nodes: {count}")
+    assert len(found) == 1 and found[0].startswith(field), found
 
 
 def test_zone_widens_to_region_with_warning() -> None:
