@@ -11,7 +11,8 @@ GPUs, and adds one job as a max-plus convolution of ``best`` with the job's few 
 C loop (``policies/_maxplus.c``), or numpy over the whole GPU axis where it is not compiled.
 Only the rows of ``best`` are kept; the winning choice of each job is recovered afterwards by
 re-evaluating the same floating-point sums, so the backward pass costs O(jobs x choices).
-Time O(jobs x choices x capacity), memory O(jobs x capacity) float64.
+Time O(jobs x choices x capacity), memory O(jobs x capacity) float64; ``best_value``, the
+optimum alone, needs two rows, O(capacity), where the kernel is compiled.
 
 Where every job's choices are all GPU counts 1..m with non-increasing marginal value (concave
 speed-up curves), the greedy rule "hand out GPUs in order of marginal value" is optimal;
@@ -94,9 +95,9 @@ def allocate(jobs: Sequence[JobChoices], capacity: int) -> dict[str, Choice | No
     """
     f, active = _prepare(jobs, capacity)
     result: dict[str, Choice | None] = {job.job_id: None for job in jobs}
-    if not active.size or capacity == 0:
+    if not active.size:
         return result
-    if f.concave[active].all() and not f.required[active].any():
+    if _greedy_is_exact(f, active):
         picks = _greedy(f, capacity)
     else:
         picks = _dynamic_programme(f, active, capacity)
@@ -107,14 +108,14 @@ def allocate(jobs: Sequence[JobChoices], capacity: int) -> dict[str, Choice | No
 
 def best_value(jobs: Sequence[JobChoices], capacity: int) -> float:
     """The summed value of :func:`allocate`'s answer, bit for bit, without recovering it: the
-    programme keeps two rows instead of its whole table. Raises as :func:`allocate` does."""
+    compiled programme keeps two rows instead of its whole table (the numpy fallback fills
+    the table). Raises as :func:`allocate` does."""
     f, active = _prepare(jobs, capacity)
-    if not active.size or capacity == 0:
+    if not active.size:
         return 0.0
-    if f.concave[active].all() and not f.required[active].any():
+    if _greedy_is_exact(f, active):
         return sum((float(f.values[p]) for _, p in _greedy(f, capacity)), 0.0)
-    offsets = np.append(f.offsets[active], f.offsets[-1])
-    required = f.required[active]
+    offsets, required = _rows(f, active)
     if _maxplus is not None:
         return _maxplus.best(capacity + 1, offsets, f.gpus, f.values,
                              required.astype(np.uint8).tobytes())
@@ -124,8 +125,9 @@ def best_value(jobs: Sequence[JobChoices], capacity: int) -> float:
 
 
 def _prepare(jobs: Sequence[JobChoices], capacity: int) -> tuple[_Frontiers, np.ndarray]:
-    """The validated, folded problem and the rows of the jobs with a choice that fits; raises
-    :class:`InfeasibleAllocation` where the required jobs cannot all fit."""
+    """The validated, folded problem and the rows of the jobs with a choice that fits (none
+    at capacity 0); raises :class:`InfeasibleAllocation` where the required jobs cannot all
+    fit."""
     _validate(jobs, capacity)
     f = _fold(jobs, capacity)
     placeable = np.diff(f.offsets) > 0
@@ -135,6 +137,17 @@ def _prepare(jobs: Sequence[JobChoices], capacity: int) -> tuple[_Frontiers, np.
         required = unplaceable or [job.job_id for job in jobs if job.required]
         raise InfeasibleAllocation(required, capacity, max(needed, capacity + 1))
     return f, np.flatnonzero(placeable)
+
+
+def _greedy_is_exact(f: _Frontiers, active: np.ndarray) -> bool:
+    """Concave curves from one GPU and no job that must run: the greedy rule is optimal."""
+    return bool(f.concave[active].all() and not f.required[active].any())
+
+
+def _rows(f: _Frontiers, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The programme's rows: where each active job's frontier starts, then where the last
+    ends (inactive jobs own no entries), and which of them must run."""
+    return np.append(f.offsets[active], f.offsets[-1]), f.required[active]
 
 
 def _validate(jobs: Sequence[JobChoices], capacity: int) -> None:
@@ -245,8 +258,7 @@ def _greedy(f: _Frontiers, capacity: int) -> list[tuple[int, int]]:
 
 def _dynamic_programme(f: _Frontiers, active: np.ndarray, capacity: int) -> list[tuple[int, int]]:
     """Max-plus programme over the active jobs' frontiers; (job, flat index) of the picks."""
-    offsets = np.append(f.offsets[active], f.offsets[-1])
-    required = f.required[active]
+    offsets, required = _rows(f, active)
     rows = np.empty((len(active) + 1, capacity + 1))
     rows[0] = 0.0
     if _maxplus is None:
