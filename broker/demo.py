@@ -219,7 +219,7 @@ def run_demo(config: DemoConfig, console: Console | None = None,
             title = "done"
             if live is not None:
                 live.update(render(store, title, events))
-        if config.live:  # after the live view's last frame, which ends without a new line
+        if config.live and not console.is_terminal:  # its last frame ends a line only there
             console.print()
         if on_done is not None:
             on_done(store)

@@ -42,6 +42,7 @@ def parsed(config: dict) -> dict:
 
 
 def refusal(config: dict) -> str | None:
+    """Why SkyPilot refuses the task, or None (see ``refuses`` above)."""
     from sky.data import storage
 
     try:
@@ -49,6 +50,8 @@ def refusal(config: dict) -> str | None:
     except Exception as exc:  # the error text is what the test inspects
         return f"{type(exc).__name__}: {exc}"
     for path, mount in task.storage_mounts.items():
+        if mount.name is None:  # a bucket source names its bucket: nothing to create
+            continue
         said = []
         for store in (storage.S3Store, storage.GcsStore, storage.AzureBlobStore):
             try:
