@@ -381,6 +381,16 @@ def test_a_tight_deadline_behind_pace_takes_on_demand_while_ample_slack_takes_sp
     assert (got.launches[tight.id][0], got.launches[ample.id][0]) == (OD_T4.id, SPOT_T4.id)
 
 
+def test_a_lost_deadline_buys_no_on_demand() -> None:
+    """Both pools have room. With 1.5 h of work left 1 h after submission, a deadline at
+    2.55 h can still be met (3 min of slack) and takes on-demand; one at 2.4 h cannot be, even
+    on on-demand (no larger size runs faster), so the job runs as one without a deadline, on
+    the cheaper spot, leaving the on-demand room to jobs whose deadlines it can save."""
+    tight, lost = paced("tight", 2.55), paced("lost", 2.4)
+    got = planned([tight, lost], [SPOT_T4, OD_T4])
+    assert (got.launches[tight.id][0], got.launches[lost.id][0]) == (OD_T4.id, SPOT_T4.id)
+
+
 def test_without_spot_room_a_job_behind_pace_takes_on_demand_and_one_ahead_waits() -> None:
     """The spot pool is full; 4 on-demand GPUs are free. Behind its pace (0.5 h done of 2 h at
     1 h of a 3 h deadline) a job takes on-demand; ahead of its pace (10 h deadline) one waits

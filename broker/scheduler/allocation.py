@@ -92,7 +92,10 @@ def allocate_and_place(res: RoundResult, jobs: list[JobRecord],
     back: the others are allocated and placed again without them, and those sent to on-demand
     on a second try that found no room there are allocated on on-demand (:func:`paced_choices`).
     A deadline job is judged at its requested size (:func:`requested_choice`), its safety net
-    against the on-demand room held for its recovery (:func:`with_recovery`)."""
+    against the on-demand room held for its recovery (:func:`with_recovery`). One whose
+    deadline is lost (no recovery, and the work left at its requested size ends past it) is
+    placed as a job without one: on-demand bought for it saves no deadline and takes the room
+    the jobs that can still meet theirs may need."""
     room = {p.id: p.capacity - used.get(p.id, 0) for p in pools}
     spare = spare_on_demand(jobs, pools, used)
     paced = {}
@@ -100,6 +103,8 @@ def allocate_and_place(res: RoundResult, jobs: list[JobRecord],
         if (c := requested_choice(job, choices[job.id], pools, marks)) is not None:
             view = with_recovery(job, deadline_job(job, c, pools_by_id, config, now, accel),
                                  choices[job.id], pools, spare, marks, config, accel)
+            if view.recovery_slack_h < 0:
+                continue
             paced[job.id] = Paced.of(c, view, on_demand_choices(
                 job, choices[job.id], c, pools, marks, room, config, view, accel))
     waiting: set[str] = set()
