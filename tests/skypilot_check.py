@@ -52,13 +52,14 @@ def refusal(config: dict) -> str | None:
     for path, mount in task.storage_mounts.items():
         if mount.name is None:  # a bucket source names its bucket: nothing to create
             continue
+        stores = (storage.S3Store, storage.GcsStore, storage.AzureBlobStore)
         said = []
-        for store in (storage.S3Store, storage.GcsStore, storage.AzureBlobStore):
+        for store in stores:
             try:
                 store.validate_name(mount.name)
             except Exception as exc:
                 said.append(f"{type(exc).__name__}: {exc}")
-        if len(said) == 3:
+        if len(said) == len(stores):
             return f"{path}: {said[0]}"
     return None
 

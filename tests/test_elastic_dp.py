@@ -174,7 +174,7 @@ def test_compiled_kernel_and_numpy_path_choose_identically(monkeypatch) -> None:
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_the_optimum_alone_is_the_allocations_sum_bit_for_bit(monkeypatch, compiled) -> None:
-    """``best_value`` (two rows instead of the table) adds the same numbers in the same order
+    """``best_value`` (the optimum, no choice recovered) adds the same numbers in the same order
     as summing ``allocate``'s answer, on concave and general instances, and refuses alike."""
     from policies import elastic_dp
 

@@ -22,9 +22,11 @@ from tests.skypilot_venv import in_skypilot
 
 CORPUS = Path(__file__).parent / "data" / "skypilot_tasks"
 SERVICE = "08-llama3-serve.yaml"  # a SkyServe service, not a job: outside the 13
-# What each task needs at launch, as its README tells a SkyPilot user: `--secret HF_TOKEN`.
+# What each task needs at launch, as its README tells a SkyPilot user: `--secret HF_TOKEN`,
+# read from the caller's environment (SECRETS).
 LAUNCH = {"05-axolotl-spot.yaml": ["--secret", "HF_TOKEN", "--env", "BUCKET=axolotl-out"],
           "06-llama31-lora.yaml": ["--secret", "HF_TOKEN"]}
+SECRETS = {"HF_TOKEN": "hf_not_a_real_token"}
 
 
 def _bucket(path: str, name: str, mode: str = "MOUNT") -> dict[str, Any]:
@@ -86,7 +88,7 @@ def _dryrun(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.chdir(CORPUS)  # relative paths are read where `fleet launch` runs
     # no broker answers on a free port: the dry run still translates (the preview is skipped)
     env = {"FLEET_URL": f"http://127.0.0.1:{free_port()}", "FLEET_TOKEN": "x",
-           "HF_TOKEN": "hf_not_a_real_token"}
+           **SECRETS}
     return CliRunner().invoke(app, ["launch", "--dryrun", name, "--json", *LAUNCH.get(name, [])],
                               env=env)
 
@@ -141,7 +143,7 @@ def _as_launched(name: str) -> dict[str, Any]:
     args = LAUNCH.get(name, [])
     for flag, value in zip(args[::2], args[1::2], strict=True):
         key, _, given = value.partition("=")
-        config["envs"][key] = given if flag == "--env" else "hf_not_a_real_token"
+        config["envs"][key] = given if flag == "--env" else SECRETS[key]
     return config
 
 
